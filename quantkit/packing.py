@@ -1,0 +1,182 @@
+"""The quantization math and the bit layout, once, in pure torch.
+
+Everything that turns weights into codes or codes back into weights calls this module: the RTN
+and AWQ quantizers (AWQ's search uses `fake_quantize_int4`), the checkpoint writer and loader,
+and every kernel's pure-torch reference. The Triton unpack must agree with `unpack_int4`
+bit-exactly (tested).
+
+INT4, compressed-tensors `pack-quantized` layout, for a Linear weight W [N = out, K = in] with
+groups of G input channels (G = K for per-channel):
+
+- scale s [N, K/G] (model dtype); zero point zp [N, K/G], integers in [-8, 7] (asymmetric only).
+- codes q = clamp(round(W / s + zp), -8, 7); symmetric schemes use zp = 0 and codes in [-7, 7]
+  (s = absmax / 7, so the largest weight of a group is exact).
+- dequantize: W ~= (q - zp) * s.
+- `weight_packed` int32 [N, ceil(K/8)]: the nibble q + 8 of element j of a row sits in word
+  j // 8 at bits 4 * (j % 8), lowest nibble first; a word is the uint32 bit pattern stored as
+  int32, so it can be negative.
+- `weight_zero_point` int32 [ceil(N/8), K/G]: nibble zp + 8, packed along dim 0: row 8i + k of
+  group g sits in word [i, g] at bits 4k.
+
+FP8 (compressed-tensors `float-quantized`): W [N, K] as float8_e4m3fn with a per-output-channel
+scale s [N, 1] = row absmax / 448 (448 is E4M3's largest finite value); W ~= w8 * s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT4_MIN = -8
+INT4_MAX = 7
+FP8_MAX = 448.0
+# Smallest scale we allow: a group of zeros would otherwise divide by zero.
+_EPS = 1e-10
+
+
+def _grouped(w: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N, K] -> [N, K/G, G] (G = K when group_size is -1)."""
+    n, k = w.shape
+    g = k if group_size == -1 else group_size
+    if k % g:
+        raise ValueError(f"group_size {g} does not divide in_features {k}")
+    return w.reshape(n, k // g, g)
+
+
+def int4_qparams(
+    w: torch.Tensor,
+    *,
+    group_size: int,
+    symmetric: bool,
+    clip_ratio: float | torch.Tensor = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Scale [N, K/G] (fp32) and zero point [N, K/G] (int32, or None if symmetric) for W [N, K].
+
+    `clip_ratio` (scalar or [N, K/G]) shrinks each group's range before the scale is chosen;
+    AWQ's clipping search tries ratios below 1 to trade outlier error for resolution.
+    """
+    wg = _grouped(w.float(), group_size)
+    ratio = torch.as_tensor(clip_ratio, dtype=torch.float32, device=w.device)
+    if symmetric:
+        absmax = wg.abs().amax(dim=-1) * ratio
+        return (absmax / INT4_MAX).clamp(min=_EPS), None
+    # The range always contains 0 so that zp lands in [-8, 7] and zeros stay exact.
+    wmax = wg.amax(dim=-1).clamp(min=0) * ratio
+    wmin = wg.amin(dim=-1).clamp(max=0) * ratio
+    scale = ((wmax - wmin) / (INT4_MAX - INT4_MIN)).clamp(min=_EPS)
+    zero = (torch.round(-wmin / scale) + INT4_MIN).clamp(INT4_MIN, INT4_MAX).to(torch.int32)
+    return scale, zero
+
+
+def int4_quantize(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, *, group_size: int
+) -> torch.Tensor:
+    """Codes int8 [N, K] in [-8, 7]: clamp(round(W / s + zp), -8, 7)."""
+    wg = _grouped(w.float(), group_size)
+    x = wg / scale.float().unsqueeze(-1)
+    if zero is not None:
+        x = x + zero.float().unsqueeze(-1)
+    q = torch.round(x).clamp(INT4_MIN, INT4_MAX)
+    return q.reshape(w.shape).to(torch.int8)
+
+
+def int4_dequantize(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    *,
+    group_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """W [N, K] = (q - zp) * s, computed in fp32 and returned in `dtype`."""
+    qg = _grouped(codes.float(), group_size)
+    if zero is not None:
+        qg = qg - zero.float().unsqueeze(-1)
+    w = qg * scale.float().unsqueeze(-1)
+    return w.reshape(codes.shape).to(dtype)
+
+
+def fake_quantize_int4(
+    w: torch.Tensor,
+    *,
+    group_size: int,
+    symmetric: bool,
+    clip_ratio: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """Quantize then dequantize, in w's dtype: what the model will compute with after packing."""
+    scale, zero = int4_qparams(w, group_size=group_size, symmetric=symmetric, clip_ratio=clip_ratio)
+    codes = int4_quantize(w, scale, zero, group_size=group_size)
+    return int4_dequantize(codes, scale, zero, group_size=group_size, dtype=w.dtype)
+
+
+def _to_int32_bits(words: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2^32) -> int32 with the same bit pattern."""
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] in [-8, 7] -> int32 [N, ceil(K/8)], lowest nibble first."""
+    if codes.dim() != 2:
+        raise ValueError(f"expected 2-D codes [N, K], got shape {tuple(codes.shape)}")
+    n, k = codes.shape
+    nib = (codes.to(torch.int64) - INT4_MIN) & 0xF
+    pad = (-k) % 8
+    if pad:
+        nib = torch.nn.functional.pad(nib, (0, pad))
+    nib = nib.reshape(n, -1, 8)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
+    return _to_int32_bits((nib << shifts).sum(dim=-1))
+
+
+def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """int32 [N, ceil(K/8)] -> int8 codes [N, K] in [-8, 7] (inverse of `pack_int4`)."""
+    n, words = packed.shape
+    if words != (k + 7) // 8:
+        raise ValueError(f"expected {(k + 7) // 8} packed words per row for K={k}, got {words}")
+    bits = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device)
+    nib = (bits.unsqueeze(-1) >> shifts) & 0xF
+    return (nib.reshape(n, -1)[:, :k] + INT4_MIN).to(torch.int8)
+
+
+def pack_zero_points(zero: torch.Tensor) -> torch.Tensor:
+    """int zero points [N, G] in [-8, 7] -> int32 [ceil(N/8), G], packed along dim 0."""
+    n, g = zero.shape
+    nib = (zero.to(torch.int64) - INT4_MIN) & 0xF
+    pad = (-n) % 8
+    if pad:
+        nib = torch.nn.functional.pad(nib, (0, 0, 0, pad))
+    nib = nib.reshape(-1, 8, g)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=zero.device).view(1, 8, 1)
+    return _to_int32_bits((nib << shifts).sum(dim=1))
+
+
+def unpack_zero_points(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """int32 [ceil(N/8), G] -> int32 zero points [N, G] (inverse of `pack_zero_points`)."""
+    rows, g = packed.shape
+    if rows != (n + 7) // 8:
+        raise ValueError(f"expected {(n + 7) // 8} packed zero-point rows for N={n}, got {rows}")
+    bits = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=packed.device).view(1, 8, 1)
+    nib = (bits.unsqueeze(1) >> shifts) & 0xF
+    return (nib.reshape(-1, g)[:n] + INT4_MIN).to(torch.int32)
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] -> (float8_e4m3fn [N, K], fp32 scale [N, 1] = row absmax / 448)."""
+    scale = (w.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_EPS)
+    w8 = (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return w8, scale
+
+
+def dequantize_fp8(
+    w8: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """W [N, K] = w8 * s, in `dtype`."""
+    return (w8.float() * scale.float()).to(dtype)
+
+
+def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token activation quantization for W8A8: x [..., K] -> (fp8, fp32 scale [..., 1])."""
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_EPS)
+    x8 = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return x8, scale
