@@ -50,3 +50,7 @@ class MissingExtraError(QuantkitError, ImportError):
         super().__init__(
             f"{module} is not installed; install it with: pip install 'quantkit[{extra}]'"
         )
+
+
+class HardwareError(QuantkitError, ValueError):
+    """An unknown GPU name or a device quantkit has no figures for."""

@@ -176,7 +176,7 @@ def dequantize_fp8(
 
 
 def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token activation quantization for W8A8: x [..., K] -> (fp8, fp32 scale [..., 1])."""
+    """Dynamic per-token quantization for W8A8: x [..., K] -> (fp8, fp32 scale [..., 1])."""
     scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_EPS)
     x8 = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return x8, scale

@@ -1,0 +1,224 @@
+"""`quantkit quantize MODEL`: quantize, measure perplexity before/after, write the checkpoint."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+from tqdm.auto import tqdm
+
+from quantkit.awq import AwqConfig, LayerReport
+from quantkit.calibration import calibration_samples, heldout_tokens, read_calib_file, wiki_split
+from quantkit.checkpoint import save_checkpoint
+from quantkit.errors import CheckpointError, SchemeError
+from quantkit.evals.perplexity import perplexity
+from quantkit.model import CausalLM, build_model
+from quantkit.quantize import QuantizeOutcome, quantize_model
+from quantkit.scheme import QuantScheme
+from quantkit.sources import resolve_model
+from quantkit.tokenizer import load_tokenizer
+
+
+def _group_size(value: str) -> int | str:
+    if value == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise SchemeError(
+            f"--group-size: expected auto, 32, 64, 128 or -1, got {value!r}"
+        ) from None
+
+
+@click.command("quantize")
+@click.argument("model")
+@click.option("--bits", type=int, default=4, show_default=True, help="4 = INT4 (AWQ/RTN).")
+@click.option("--method", type=click.Choice(["awq", "rtn"]), default="awq", show_default=True)
+@click.option("--group-size", default="auto", show_default=True, help="auto|32|64|128|-1")
+@click.option("--symmetric", is_flag=True, help="INT4 without zero points.")
+@click.option("--calib", type=click.Path(path_type=Path), help=".txt or .jsonl ('text').")
+@click.option("--calib-samples", type=int, default=128, show_default=True)
+@click.option("--calib-seq-len", type=int, default=512, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Calibration draw.")
+@click.option(
+    "--search-tokens",
+    type=int,
+    default=4096,
+    show_default=True,
+    help="Tokens the AWQ scale search scores per layer.",
+)
+@click.option(
+    "--eval-tokens",
+    type=int,
+    default=8192,
+    show_default=True,
+    help="Held-out tokens for perplexity before/after (0 skips it).",
+)
+@click.option("-o", "--output", type=click.Path(path_type=Path), help="Checkpoint directory.")
+@click.option("--force", is_flag=True, help="Replace an existing output directory.")
+def quantize_cmd(
+    model: str,
+    bits: int,
+    method: str,
+    group_size: str,
+    symmetric: bool,
+    calib: Path | None,
+    calib_samples: int,
+    calib_seq_len: int,
+    seed: int,
+    search_tokens: int,
+    eval_tokens: int,
+    output: Path | None,
+    force: bool,
+) -> None:
+    """Quantize MODEL (a local HF directory, a .gguf file, or smollm2-135m) to a
+    compressed-tensors checkpoint."""
+    started = time.perf_counter()
+    scheme = QuantScheme(method, bits, _group_size(group_size), symmetric)  # type: ignore[arg-type]
+    if calib_samples < 1 or calib_seq_len < 16:
+        raise SchemeError(
+            f"--calib-samples >= 1 and --calib-seq-len >= 16 expected, got {calib_samples} "
+            f"and {calib_seq_len}"
+        )
+    out = output or Path("out") / f"{Path(model).name.removesuffix('.gguf')}-{method}-int4"
+    # Fail before hours of work, not after.
+    if out.exists() and not force:
+        raise CheckpointError(f"output directory {out} exists; pass --force to replace it")
+    if calib is not None:
+        texts, calib_name = read_calib_file(calib), str(calib)
+    else:
+        texts, calib_name = None, "wikipedia (bundled articles, calibration split)"
+    model_dir = resolve_model(model)
+    tokenizer = load_tokenizer(model_dir)
+    held = heldout_tokens(tokenizer, max_tokens=eval_tokens) if eval_tokens > 0 else None
+    ppl: dict[str, Any] = {}
+
+    bar: tqdm | None = None
+
+    def on_loaded(dense: CausalLM) -> None:
+        nonlocal bar
+        if held is not None:
+            click.echo(f"perplexity of the reference model on {held.numel()} held-out tokens ...")
+            ppl["reference"] = perplexity(dense, held, window=512, progress=True).ppl
+        if scheme.method == "awq":
+            bar = tqdm(desc="AWQ", unit="layer", total=dense.config.num_layers)
+
+    def samples() -> torch.Tensor:
+        docs = texts if texts is not None else wiki_split().calibration
+        return calibration_samples(
+            docs, tokenizer, n_samples=calib_samples, seq_len=calib_seq_len, seed=seed
+        )
+
+    def on_layer(report: LayerReport) -> None:
+        assert bar is not None
+        bar.update(1)
+        bar.set_postfix_str(f"layer {report.index}: MSE vs RTN -{report.loss_reduction:.0%}")
+
+    outcome = quantize_model(
+        model_dir,
+        scheme=scheme,
+        samples=samples,
+        awq=AwqConfig(search_tokens=search_tokens, seed=seed),
+        on_layer=on_layer,
+        on_loaded=on_loaded,
+    )
+    if bar is not None:
+        bar.close()
+    t0 = time.perf_counter()
+    if held is not None:
+        quantized = build_model(outcome.config, outcome.dense_state())
+        ppl["quantized"] = perplexity(quantized, held, window=512, progress=True).ppl
+        ppl["tokens"] = held.numel()
+        ppl["window"] = 512
+        del quantized
+    outcome.timings["eval_s"] = time.perf_counter() - t0
+    report = _report(
+        outcome,
+        model=model,
+        calib_name=calib_name,
+        calib_samples=calib_samples,
+        calib_seq_len=calib_seq_len,
+        seed=seed,
+        ppl=ppl,
+    )
+    t0 = time.perf_counter()
+    save_checkpoint(
+        out,
+        source_dir=model_dir,
+        config=outcome.config,
+        tensors=outcome.tensors,
+        scheme=outcome.scheme,
+        quantized_modules=outcome.quantized_modules,
+        report=report,
+        force=force,
+    )
+    outcome.timings["write_s"] = time.perf_counter() - t0
+    outcome.timings["total_s"] = time.perf_counter() - started
+    _summary(outcome, report, out=out, group_size=group_size)
+
+
+def _report(outcome: QuantizeOutcome, **info: Any) -> dict[str, Any]:
+    reductions = [r.loss_reduction for r in outcome.layer_reports]
+    calibration = None
+    if outcome.scheme.method == "awq":
+        calibration = {
+            "source": info["calib_name"],
+            "samples": info["calib_samples"],
+            "seq_len": info["calib_seq_len"],
+            "seed": info["seed"],
+        }
+    return {
+        "model": info["model"],
+        "scheme": outcome.scheme.describe(),
+        "calibration": calibration,
+        "timings_s": {k: round(v, 2) for k, v in outcome.timings.items()},
+        "bytes_before": outcome.bytes_before,
+        "bytes_after": outcome.bytes_after,
+        "awq_layer_mse_reduction": [round(r, 4) for r in reductions],
+        "perplexity": info["ppl"] or None,
+        "peak_rss_mb": round(_peak_rss_mb(), 1),
+    }
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def _summary(
+    outcome: QuantizeOutcome, report: dict[str, Any], *, out: Path, group_size: str
+) -> None:
+    t = outcome.timings
+    scheme = outcome.scheme
+    picked = f" (group size auto -> {scheme.group_size})" if group_size == "auto" else ""
+    click.echo("")
+    click.echo(f"quantized    {report['model']} -> {out}")
+    click.echo(f"scheme       {scheme.describe()}{picked}")
+    if report["calibration"]:
+        c = report["calibration"]
+        click.echo(
+            f"calibration  {c['source']}: {c['samples']} x {c['seq_len']} tokens, seed {c['seed']}"
+        )
+    phases = "  ".join(f"{k.removesuffix('_s')} {v:.1f}s" for k, v in t.items())
+    click.echo(f"time         {phases}")
+    before, after = outcome.bytes_before, outcome.bytes_after
+    ratio = before / after
+    click.echo(f"size         {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB ({ratio:.2f}x smaller)")
+    red = report["awq_layer_mse_reduction"]
+    if red:
+        click.echo(
+            f"AWQ          layer-output MSE vs RTN: median -{statistics.median(red):.0%} "
+            f"(range -{min(red):.0%} .. -{max(red):.0%}) over {len(red)} layers"
+        )
+    ppl = report["perplexity"]
+    if ppl:
+        change = ppl["quantized"] / ppl["reference"] - 1
+        click.echo(
+            f"perplexity   {ppl['reference']:.3f} -> {ppl['quantized']:.3f} ({change:+.1%}) "
+            f"on {ppl['tokens']} held-out tokens, window {ppl['window']}"
+        )
+    click.echo(f"peak RSS     {report['peak_rss_mb']:.0f} MB")

@@ -1,0 +1,577 @@
+"""Checkpoint I/O in the compressed-tensors format, so vLLM, SGLang and transformers can serve it.
+
+A checkpoint is an ordinary Hugging Face model directory: `config.json` with a
+`quantization_config`, `*.safetensors` (sharded with `model.safetensors.index.json` when large),
+the source's tokenizer files and `generation_config.json`, and `quantkit.json` (format version,
+the scheme, the quantized modules and the quantizer's report). The tensor layout per quantized
+Linear is documented once, in `quantkit.packing`:
+
+- INT4 (`pack-quantized`): `weight_packed` int32 [N, ceil(K/8)], `weight_scale` [N, K/G] in the
+  model dtype, `weight_zero_point` int32 [ceil(N/8), K/G] (asymmetric only), `weight_shape` [2].
+- FP8 (`float-quantized`): `weight` float8_e4m3fn [N, K], `weight_scale` [N, 1].
+
+Facts checked against compressed-tensors 0.20.1: its `PackedQuantizationCompressor` writes
+`weight_shape = torch.tensor(weight.shape)` (int64) and unpacks the zero point with
+`packed_dim=0`; `QuantizationArgs` writes `group_size: null` for the channel strategy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantkit.errors import CheckpointError, SchemeError
+from quantkit.fused_kernels.w4a16_reference import dequantize_packed_int4
+from quantkit.packing import dequantize_fp8
+
+# The per-module tensor contract lives beside QuantLinear (which holds those tensors); it is
+# re-exported here because writing a checkpoint starts from it.
+from quantkit.quant_linear import check_module_tensors, fp8_tensors, int4_tensors
+from quantkit.scheme import INT_GROUP_SIZES, QuantScheme
+
+__all__ = [
+    "LoadedCheckpoint",
+    "check_module_tensors",
+    "check_output_dir",
+    "dequantize_checkpoint_tensors",
+    "fp8_tensors",
+    "int4_tensors",
+    "load_checkpoint",
+    "save_checkpoint",
+    "scheme_from_quantization_config",
+    "scheme_to_quantization_config",
+]
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+METADATA_NAME = "quantkit.json"
+# Everything a tokenizer or a chat template may need, plus the sampling defaults. Copied as they
+# are when present in the source; none of them is required (logits need no tokenizer).
+COPIED_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+# Suffixes that only a quantized module carries; a prefix holding any of them is quantized.
+_QUANT_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape")
+
+
+# --------------------------------------------------------------------------- config
+
+FORMAT_VERSION = 1
+INT_FORMAT = "pack-quantized"
+FLOAT_FORMAT = "float-quantized"
+# compressed-tensors' own inference names FP8 without activation quantization naive-quantized;
+# the tensors are identical (same compressor class), so a checkpoint saying so reads the same.
+_FLOAT_FORMATS = (FLOAT_FORMAT, "naive-quantized")
+# W8A8: the activation scale is computed per token at run time, so nothing is stored for it.
+DYNAMIC_TOKEN_ACTIVATIONS: dict[str, Any] = {
+    "num_bits": 8,
+    "type": "float",
+    "strategy": "token",
+    "group_size": None,
+    "symmetric": True,
+    "dynamic": True,
+}
+
+
+def scheme_to_quantization_config(scheme: QuantScheme) -> dict[str, Any]:
+    """The `quantization_config` of config.json for `scheme` (compressed-tensors' schema).
+
+    quantkit's method (awq / rtn) has no place in it; `quantkit.json` keeps it.
+    """
+    if not scheme.is_resolved:
+        raise SchemeError("group_size is still 'auto'; call resolve() with the model first")
+    if scheme.is_int:
+        fmt = INT_FORMAT
+        per_channel = scheme.group_size == -1
+        weights = {
+            "num_bits": 4,
+            "type": "int",
+            "strategy": "channel" if per_channel else "group",
+            # compressed-tensors writes null, not -1, for the channel strategy.
+            "group_size": None if per_channel else scheme.group_size,
+            "symmetric": scheme.symmetric,
+            "dynamic": False,
+        }
+        acts = None
+    else:
+        fmt = FLOAT_FORMAT
+        weights = {
+            "num_bits": 8,
+            "type": "float",
+            "strategy": "channel",
+            "group_size": None,
+            "symmetric": True,
+            "dynamic": False,
+        }
+        acts = dict(DYNAMIC_TOKEN_ACTIVATIONS) if scheme.activations == "dynamic" else None
+    group = {
+        "targets": ["Linear"],
+        "format": fmt,
+        "weights": weights,
+        "input_activations": acts,
+        "output_activations": None,
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        # Required: without it loaders treat the weights as not yet compressed (NaN or failure).
+        "quantization_status": "compressed",
+        # Required whenever lm_head is stored dense ("Linear" would otherwise target it).
+        "ignore": ["lm_head"],
+        "config_groups": {"group_0": group},
+        "kv_cache_scheme": None,
+    }
+
+
+def scheme_from_quantization_config(
+    cfg: Mapping[str, Any], *, method: str | None = None
+) -> QuantScheme:
+    """The QuantScheme a `quantization_config` describes; anything quantkit cannot run is a
+    CheckpointError naming the field. `method` comes from quantkit.json when there is one
+    (default: rtn for int weights, fp8 for float weights)."""
+    _expect(cfg, "quant_method", ("compressed-tensors",))
+    _expect(cfg, "quantization_status", ("compressed",))
+    # A quantized KV cache stores k_scale/v_scale tensors quantkit neither checks nor uses.
+    _expect(cfg, "kv_cache_scheme", (None,))
+    groups = cfg.get("config_groups")
+    if not isinstance(groups, Mapping) or len(groups) != 1:
+        count = len(groups) if isinstance(groups, Mapping) else groups
+        raise CheckpointError(
+            f"quantization_config.config_groups: expected exactly one group, got {count!r}"
+        )
+    ((gname, group),) = groups.items()
+    where = f"config_groups.{gname}"
+    targets = group.get("targets")
+    if not isinstance(targets, list) or "Linear" not in targets:
+        raise CheckpointError(
+            f"quantization_config.{where}.targets: expected a list with 'Linear', got {targets!r}"
+        )
+    fmt = group.get("format") or cfg.get("format")
+    if cfg.get("format") is not None and fmt != cfg.get("format"):
+        raise CheckpointError(
+            f"quantization_config.{where}.format: expected the top-level format "
+            f"{cfg.get('format')!r}, got {fmt!r}"
+        )
+    w = group.get("weights")
+    if not isinstance(w, Mapping):
+        raise CheckpointError(f"quantization_config.{where}.weights: expected a dict, got {w!r}")
+    acts = group.get("input_activations")
+    if group.get("output_activations") is not None:
+        raise CheckpointError(
+            f"quantization_config.{where}.output_activations: expected null, "
+            f"got {group['output_activations']!r}"
+        )
+    wtype = w.get("type")
+    _expect(w, "dynamic", (False,), where=f"{where}.weights")
+    if wtype == "int":
+        return _int_scheme(w, fmt=fmt, acts=acts, method=method or "rtn", where=where)
+    if wtype == "float":
+        return _float_scheme(w, fmt=fmt, acts=acts, method=method or "fp8", where=where)
+    raise CheckpointError(
+        f"quantization_config.{where}.weights.type: expected 'int' or 'float', got {wtype!r}"
+    )
+
+
+def _int_scheme(
+    w: Mapping[str, Any], *, fmt: Any, acts: Any, method: str, where: str
+) -> QuantScheme:
+    if fmt != INT_FORMAT:
+        raise CheckpointError(
+            f"quantization_config.{where}.format: expected {INT_FORMAT!r} for int weights, "
+            f"got {fmt!r}"
+        )
+    _expect(w, "num_bits", (4,), where=f"{where}.weights")
+    _expect(w, "symmetric", (True, False), where=f"{where}.weights")
+    strategy = _expect(w, "strategy", ("group", "channel"), where=f"{where}.weights")
+    size = w.get("group_size")
+    if strategy == "channel":
+        _expect(w, "group_size", (None, -1), where=f"{where}.weights")
+        group_size = -1
+    else:
+        _expect(
+            w, "group_size", tuple(g for g in INT_GROUP_SIZES if g > 0), where=f"{where}.weights"
+        )
+        group_size = int(size)
+    if acts is not None:
+        raise CheckpointError(
+            f"quantization_config.{where}.input_activations: expected null for int4 weights "
+            f"(W4A16), got {acts!r}"
+        )
+    if method not in ("awq", "rtn"):
+        raise CheckpointError(
+            f"quantkit.json scheme.method: expected awq or rtn for int4, got {method!r}"
+        )
+    return QuantScheme(method=method, bits=4, group_size=group_size, symmetric=bool(w["symmetric"]))
+
+
+def _float_scheme(
+    w: Mapping[str, Any], *, fmt: Any, acts: Any, method: str, where: str
+) -> QuantScheme:
+    if fmt not in _FLOAT_FORMATS:
+        raise CheckpointError(
+            f"quantization_config.{where}.format: expected {FLOAT_FORMAT!r} for float weights, "
+            f"got {fmt!r}"
+        )
+    _expect(w, "num_bits", (8,), where=f"{where}.weights")
+    _expect(w, "strategy", ("channel",), where=f"{where}.weights")
+    _expect(w, "symmetric", (True,), where=f"{where}.weights")
+    if acts is None:
+        activations = "none"
+    else:
+        if not isinstance(acts, Mapping):
+            raise CheckpointError(
+                f"quantization_config.{where}.input_activations: expected null or a dict, "
+                f"got {acts!r}"
+            )
+        for key, want in DYNAMIC_TOKEN_ACTIVATIONS.items():
+            if key != "group_size":
+                _expect(acts, key, (want,), where=f"{where}.input_activations")
+        activations = "dynamic"
+    if method != "fp8":
+        raise CheckpointError(
+            f"quantkit.json scheme.method: expected fp8 for float weights, got {method!r}"
+        )
+    return QuantScheme(method="fp8", bits=8, group_size=-1, activations=activations)
+
+
+def _expect(cfg: Mapping[str, Any], key: str, allowed: tuple[Any, ...], *, where: str = "") -> Any:
+    """cfg[key], which must be one of `allowed` (compared with its type: True is not 1)."""
+    value = cfg.get(key)
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        field = f"quantization_config.{where + '.' if where else ''}{key}"
+        wanted = " or ".join(repr(a) for a in allowed)
+        raise CheckpointError(f"{field}: expected {wanted}, got {value!r}")
+    return value
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save_checkpoint(
+    out: Path,
+    *,
+    source_dir: Path,
+    config: dict[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    scheme: QuantScheme,
+    quantized_modules: list[str],
+    report: dict[str, Any],
+    force: bool = False,
+    max_shard_bytes: int = 2**30,
+) -> Path:
+    """Write a compressed-tensors checkpoint to `out` atomically and return `out`.
+
+    `tensors` is the complete state dict under HF names: dense tensors as they are and, for each
+    module in `quantized_modules`, the tensors of `int4_tensors` / `fp8_tensors` under
+    "<module>.<local name>". Everything is written into a temporary directory beside `out` and
+    renamed into place at the end, so an error or Ctrl-C never leaves a half checkpoint at `out`.
+    """
+    out, source_dir = Path(out), Path(source_dir)
+    check_output_dir(out, force=force, source_dir=source_dir)
+    if max_shard_bytes <= 0:
+        raise CheckpointError(f"max_shard_bytes: expected a positive size, got {max_shard_bytes}")
+    _check_state_dict(tensors, scheme=scheme, quantized_modules=quantized_modules)
+    full_config = dict(config)
+    full_config["quantization_config"] = scheme_to_quantization_config(scheme)
+    metadata = {
+        "format_version": FORMAT_VERSION,
+        "scheme": asdict(scheme),
+        "quantized_modules": list(quantized_modules),
+        "report": report,
+    }
+    try:
+        config_text = json.dumps(full_config, indent=2, sort_keys=True) + "\n"
+        metadata_text = json.dumps(metadata, indent=2) + "\n"
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"config and report: expected JSON-serializable values: {e}") from e
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        _write_tensors(tmp, tensors, max_shard_bytes=max_shard_bytes)
+        for name in COPIED_FILES:
+            if (source_dir / name).is_file():
+                shutil.copy2(source_dir / name, tmp / name)
+        (tmp / METADATA_NAME).write_text(metadata_text)
+        # config.json last: a directory with a config.json looks like a model to every tool.
+        (tmp / "config.json").write_text(config_text)
+        _replace_dir(tmp, out)
+    except BaseException:
+        # BaseException on purpose: KeyboardInterrupt must clean up too, then propagate.
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def check_output_dir(out: Path, *, force: bool, source_dir: Path | None = None) -> None:
+    """Fail early if `out` cannot be written. save_checkpoint checks it before writing anything;
+    callers that quantize first should call it before quantizing, so minutes of work are not
+    lost to a name clash."""
+    out = Path(out)
+    if out.exists() and not force:
+        raise CheckpointError(f"output directory {out} exists; pass --force to replace it")
+    if source_dir is not None and out.exists() and out.resolve() == Path(source_dir).resolve():
+        raise CheckpointError(f"output directory {out} is the source directory; pick another")
+
+
+def _check_state_dict(
+    tensors: Mapping[str, torch.Tensor], *, scheme: QuantScheme, quantized_modules: list[str]
+) -> None:
+    """Validate the state dict before anything is written: the loader would reject it later."""
+    found = _quantized_prefixes(tensors)
+    wanted = set(quantized_modules)
+    if not wanted:
+        raise CheckpointError("quantized_modules: expected at least one module, got none")
+    heads = sorted(m for m in wanted if m.rsplit(".", 1)[-1] == "lm_head")
+    if heads:
+        # config.json's `ignore: [lm_head]` tells every loader lm_head is dense.
+        raise CheckpointError(f"quantized_modules: expected lm_head to stay dense, got {heads[0]}")
+    extra = sorted(found - wanted)
+    if extra:
+        raise CheckpointError(
+            f"tensors: {extra[0]} holds quantized tensors but is not in quantized_modules"
+        )
+    for prefix in quantized_modules:
+        check_module_tensors(_module_view(tensors, prefix), scheme=scheme, prefix=prefix)
+
+
+def _write_tensors(
+    directory: Path, tensors: Mapping[str, torch.Tensor], *, max_shard_bytes: int
+) -> None:
+    """safetensors shards of at most `max_shard_bytes` (a bigger single tensor gets its own)."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    total = 0
+    seen: set[int] = set()
+    for name, t in tensors.items():
+        t = t.detach().to("cpu").contiguous()
+        # safetensors refuses tensors that share memory (tied weights, views); copy those.
+        if t.data_ptr() in seen:
+            t = t.clone()
+        seen.add(t.data_ptr())
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+        total += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(directory / SINGLE_NAME), metadata={"format": "pt"})
+        return
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Rename `new` to `out`; an existing `out` is moved aside first and deleted only after."""
+    if not out.exists():
+        os.replace(new, out)
+        return
+    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    os.replace(out, old)
+    try:
+        os.replace(new, out)
+    except BaseException:
+        os.replace(old, out)  # put the previous checkpoint back untouched
+        raise
+    if old.is_dir():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
+
+
+# --------------------------------------------------------------------------- load
+
+
+@dataclass
+class LoadedCheckpoint:
+    """A checkpoint read back and validated. `scheme` is None for a dense HF directory."""
+
+    path: Path
+    config: dict[str, Any]
+    scheme: QuantScheme | None
+    tensors: dict[str, torch.Tensor]
+    quantized_modules: list[str]
+    report: dict[str, Any] | None
+
+    def module_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """One module's tensors under their local names, ready for `QuantLinear.from_tensors`."""
+        return _module_view(self.tensors, prefix)
+
+
+def load_checkpoint(path: Path) -> LoadedCheckpoint:
+    """Read and validate a checkpoint (or a dense HF directory) on CPU."""
+    path = Path(path)
+    config = _read_json(
+        path / "config.json", missing=f"not a checkpoint: {path} has no config.json"
+    )
+    metadata = None
+    if (path / METADATA_NAME).is_file():
+        metadata = _read_json(path / METADATA_NAME, missing="")
+        version = metadata.get("format_version")
+        if version != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{path / METADATA_NAME}: expected format_version {FORMAT_VERSION}, got {version!r}"
+            )
+    tensors = _read_tensors(path)
+    qcfg = config.get("quantization_config")
+    if qcfg is None:
+        return LoadedCheckpoint(path, config, None, tensors, [], _report(metadata))
+    method = None if metadata is None else metadata.get("scheme", {}).get("method")
+    scheme = scheme_from_quantization_config(qcfg, method=method)
+    if metadata is not None and asdict(scheme) != metadata.get("scheme"):
+        # config.json is what other engines read, so it wins; a disagreement means hand edits.
+        raise CheckpointError(
+            f"{path / METADATA_NAME}: expected scheme {asdict(scheme)} (from config.json), "
+            f"got {metadata.get('scheme')!r}"
+        )
+    found = _quantized_prefixes(tensors)
+    listed = [] if metadata is None else list(metadata.get("quantized_modules", []))
+    for prefix in listed:
+        if prefix not in found:
+            name = f"{prefix}.weight_packed" if scheme.is_int else f"{prefix}.weight"
+            raise CheckpointError(
+                f"missing tensor {name}: {METADATA_NAME} lists {prefix} as quantized"
+            )
+    if not found:
+        raise CheckpointError(
+            f"{path}: quantization_config says {scheme.describe()} but no tensor is quantized"
+        )
+    modules = sorted(found, key=_natural_key)
+    for prefix in modules:
+        check_module_tensors(_module_view(tensors, prefix), scheme=scheme, prefix=prefix)
+    return LoadedCheckpoint(path, config, scheme, tensors, modules, _report(metadata))
+
+
+def _report(metadata: dict[str, Any] | None) -> dict[str, Any] | None:
+    return None if metadata is None else metadata.get("report")
+
+
+def _read_json(file: Path, *, missing: str) -> dict[str, Any]:
+    if not file.is_file():
+        raise CheckpointError(missing or f"missing file {file}")
+    try:
+        data = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: expected valid JSON, got a parse error: {e}") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the directory, through the index when there is one."""
+    from safetensors.torch import load_file
+
+    index = path / INDEX_NAME
+    if index.is_file():
+        weight_map = _read_json(index, missing="").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: expected a non-empty weight_map, got {weight_map!r}")
+        files = sorted(set(weight_map.values()))
+    else:
+        files = [p.name for p in sorted(path.glob("*.safetensors"))]
+        if not files:
+            raise CheckpointError(f"not a checkpoint: {path} has no *.safetensors file")
+    tensors: dict[str, torch.Tensor] = {}
+    for fname in files:
+        if not (path / fname).is_file():
+            raise CheckpointError(f"missing shard {path / fname} (listed in {INDEX_NAME})")
+        tensors.update(load_file(str(path / fname), device="cpu"))
+    if index.is_file():
+        missing = sorted(set(weight_map) - set(tensors))
+        if missing:
+            raise CheckpointError(
+                f"missing tensor {missing[0]}: {INDEX_NAME} maps it to "
+                f"{weight_map[missing[0]]}, which does not hold it"
+            )
+    return tensors
+
+
+def _quantized_prefixes(tensors: Mapping[str, torch.Tensor]) -> set[str]:
+    """Modules carrying any INT4 tensor or an fp8 `weight`."""
+    found = set()
+    for name, t in tensors.items():
+        for suffix in _QUANT_SUFFIXES:
+            if name.endswith(suffix):
+                found.add(name[: -len(suffix)])
+        if name.endswith(".weight") and t.dtype == torch.float8_e4m3fn:
+            found.add(name[: -len(".weight")])
+    return found
+
+
+def _module_view(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The tensors of one module under their local names ("weight_packed", ...)."""
+    start = prefix + "."
+    return {
+        name[len(start) :]: t
+        for name, t in tensors.items()
+        if name.startswith(start) and "." not in name[len(start) :]
+    }
+
+
+def _natural_key(name: str) -> list[Any]:
+    """layers.2 before layers.10."""
+    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
+
+
+# --------------------------------------------------------------------------- dequantize
+
+
+def dequantize_checkpoint_tensors(
+    loaded: LoadedCheckpoint, *, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """A dense HF state dict: every quantized module's tensors replaced by its dequantized
+    `weight` (in `dtype`, default the scale's dtype). The oracle for reference comparisons."""
+    dense = dict(loaded.tensors)
+    if loaded.scheme is None:
+        return dense
+    scheme = loaded.scheme
+    for prefix in loaded.quantized_modules:
+        local = {k: dense.pop(f"{prefix}.{k}") for k in _module_view(loaded.tensors, prefix)}
+        scale = local["weight_scale"]
+        out_dtype = dtype or scale.dtype
+        if scheme.is_int:
+            n, k = (int(v) for v in local["weight_shape"].tolist())
+            group = k if scheme.group_size == -1 else int(scheme.group_size)
+            w = dequantize_packed_int4(
+                local["weight_packed"],
+                scale,
+                local.get("weight_zero_point"),
+                in_features=k,
+                group_size=group,
+                dtype=out_dtype,
+            )
+        else:
+            w = dequantize_fp8(local["weight"], scale, dtype=out_dtype)
+        dense[f"{prefix}.weight"] = w
+        if "bias" in local:
+            dense[f"{prefix}.bias"] = local["bias"]
+    return dense

@@ -1,0 +1,51 @@
+"""Load anything quantkit can run: a quantized checkpoint, a dense HF directory, a .gguf file
+or the embedded default, as a `CausalLM` with its tokenizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantkit.checkpoint import load_checkpoint
+from quantkit.model import CausalLM, build_model
+from quantkit.quant_linear import QuantLinear
+from quantkit.scheme import QuantScheme
+from quantkit.sources import resolve_model
+from quantkit.tokenizer import load_tokenizer
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    tokenizer: Any
+    config: dict[str, Any]
+    scheme: QuantScheme | None  # None: dense
+    path: Path
+    report: dict[str, Any] | None = None
+
+
+def load_model(
+    spec: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    tokenizer: bool = True,
+) -> LoadedModel:
+    """A ready-to-run model. Quantized Linears become `QuantLinear` (their tensors stay
+    compressed); everything else is cast to `dtype` (fp32 by default: this CPU has no bf16
+    instructions, so bf16 matmuls are several times slower than fp32 here)."""
+    path = resolve_model(spec)
+    loaded = load_checkpoint(path)
+    modules: dict[str, torch.nn.Module] = {}
+    if loaded.scheme is not None:
+        for name in loaded.quantized_modules:
+            local = loaded.module_tensors(name)
+            bias = local.pop("bias", None)
+            modules[name] = QuantLinear.from_tensors(local, scheme=loaded.scheme, bias=bias)
+    model = build_model(loaded.config, loaded.tensors, dtype=dtype, modules=modules)
+    model = model.to(device)
+    tok = load_tokenizer(path) if tokenizer else None
+    return LoadedModel(model, tok, loaded.config, loaded.scheme, path, loaded.report)

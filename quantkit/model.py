@@ -1,0 +1,332 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) built from config.json.
+
+Module names follow Hugging Face's (`model.layers.3.self_attn.q_proj`, ...) so a checkpoint's
+state dict loads without renaming and AWQ's per-family table (`arch.py`) applies unchanged. Any
+Linear may be a dense `nn.Linear` or a `QuantLinear`; the model does not care.
+
+Shapes: B batch, T new tokens, S cache length, H hidden, Hq/Hkv heads, D head_dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantkit.arch import arch_for
+from quantkit.errors import ModelSourceError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        arch_for(cfg)  # raises for unsupported families
+        scaling = cfg.get("rope_scaling") or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+        if kind not in ("default", None):
+            raise ModelSourceError(
+                f"unsupported rope_scaling: expected none or 'default', got {kind!r}"
+            )
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        qwen2 = cfg.get("model_type") == "qwen2"
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            model_type=str(cfg["model_type"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab_size=int(cfg["vocab_size"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases (its config has no flag); Llama's flag covers o too.
+            qkv_bias=qwen2 or attention_bias,
+            o_bias=attention_bias and not qwen2,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 like the HF reference, so bf16 runs match it.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE in the HF layout (rotate_half over the two halves of each head)."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, 1, T, D]."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class KVCache(nn.Module):
+    """Static, preallocated K/V for one layer: [B, Hkv, S, D], written at explicit positions."""
+
+    def __init__(
+        self,
+        batch: int,
+        max_len: int,
+        kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(
+        self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, Hkv, T, D] at positions [B, T]; return the whole cache."""
+        rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
+        # Index the (B, S) axes together: each row writes at its own positions.
+        self.k.permute(0, 2, 1, 3)[rows, positions] = k.permute(0, 2, 1, 3)
+        self.v.permute(0, 2, 1, 3)[rows, positions] = v.permute(0, 2, 1, 3)
+        return self.k, self.v
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        self.cache: KVCache | None = None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, H]. Without a cache: causal attention over x alone. With one: k/v are
+        written at `positions` and queries attend to the cache under `mask` [B, 1, T, S]."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
+        else:
+            assert positions is not None and mask is not None
+            k, v = self.cache.update(positions, k, v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions=positions, mask=mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+
+class CausalLM(nn.Module):
+    """The whole model: `forward(ids)` for full sequences; `setup_cache` + positions for decode."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.rotary(positions, self.dtype)
+
+    def setup_cache(self, *, batch: int, max_len: int) -> None:
+        cfg = self.config
+        for layer in self.model.layers:
+            layer.self_attn.cache = KVCache(
+                batch,
+                max_len,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
+
+    def drop_cache(self) -> None:
+        for layer in self.model.layers:
+            layer.self_attn.cache = None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        last_only: bool = False,
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V] (or [B, 1, V] with last_only or logits_at).
+
+        Without `positions`, rows are full sequences starting at position 0 (no cache).
+        `logits_at` int64 [B]: the one index per row whose logits are wanted (the last real
+        token of each row of a right-padded batch); the lm_head then runs on B rows, not B x T."""
+        b, t = input_ids.shape
+        if positions is None:
+            positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        cos, sin = self.rope(positions)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, positions=positions, mask=mask)
+        x = self.model.norm(x)
+        if logits_at is not None:
+            x = x[torch.arange(b, device=x.device), logits_at].unsqueeze(1)
+        elif last_only:
+            x = x[:, -1:]
+        return self.lm_head(x).float()
+
+
+def build_model(
+    config: dict[str, Any],
+    state: dict[str, torch.Tensor],
+    *,
+    dtype: torch.dtype = torch.float32,
+    modules: dict[str, nn.Module] | None = None,
+) -> CausalLM:
+    """A CausalLM carrying `state` (HF names). `modules` replaces Linears by name, e.g. with
+    QuantLinear instances; their own tensors are not looked up in `state`."""
+    cfg = ModelConfig.from_dict(config)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    for name, module in (modules or {}).items():
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, module)
+    state = dict(state)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    wanted = {k for k, _ in model.named_parameters()} | {
+        k for k, _ in model.named_buffers() if not k.endswith("inv_freq")
+    }
+    wanted -= {k for k in wanted if any(k.startswith(m + ".") for m in (modules or {}))}
+    missing = sorted(wanted - state.keys())
+    if missing:
+        raise ModelSourceError(
+            f"model weights incomplete: expected {len(wanted)} tensors, missing {len(missing)} "
+            f"(first: {missing[0]})"
+        )
+    dense = {
+        k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k in wanted
+    }
+    model.load_state_dict(dense, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # Buffers that are not weights (RoPE frequencies) were created on meta: rebuild them.
+    model.model.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+    for module in (modules or {}).values():
+        module.to(dense["model.embed_tokens.weight"].device)
+    return model.eval()
+
+
+def num_parameters(model: nn.Module) -> int:
+    return sum(math.prod(p.shape) for p in model.parameters())

@@ -1,0 +1,172 @@
+"""Quantize a model end to end: load, calibrate, RTN or AWQ, build the checkpoint tensors.
+
+The CLI adds evaluation and writes the checkpoint; this module knows nothing about either, so
+tests and scripts can call it directly.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantkit.arch import arch_for
+from quantkit.awq import AwqConfig, LayerReport, awq_quantize
+from quantkit.model import CausalLM, build_model
+from quantkit.packing import int4_dequantize, int4_quantize, unpack_int4, unpack_zero_points
+from quantkit.quant_linear import int4_tensors
+from quantkit.rtn import Int4Weights, group_size_for, rtn_quantize_weight
+from quantkit.scheme import QuantScheme
+from quantkit.sources import load_state_dict, read_config
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class CalibrationSpec:
+    """Where calibration text comes from and how much of it the statistics use."""
+
+    path: Path | None = None  # None: the bundled Wikipedia articles (calibration split)
+    n_samples: int = 128
+    seq_len: int = 512
+    seed: int = 0
+
+
+@dataclass
+class QuantizeOutcome:
+    scheme: QuantScheme
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]  # the checkpoint's state dict
+    quantized_modules: list[str]
+    storage_dtype: torch.dtype
+    layer_reports: list[LayerReport] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
+    calibration: dict[str, Any] = field(default_factory=dict)
+    bytes_before: int = 0
+
+    @property
+    def bytes_after(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def dense_state(self) -> dict[str, torch.Tensor]:
+        """fp32 dense weights equal to what the checkpoint computes with (stored scales)."""
+        state = {k: v.float() for k, v in self.tensors.items() if v.is_floating_point()}
+        for name in self.quantized_modules:
+            shape = self.tensors[f"{name}.weight_shape"].tolist()
+            codes_w = self.tensors[f"{name}.weight_packed"]
+            codes = unpack_int4(codes_w, shape[1])
+            zp = self.tensors.get(f"{name}.weight_zero_point")
+            zero = None if zp is None else unpack_zero_points(zp, shape[0])
+            scale = self.tensors[f"{name}.weight_scale"]
+            state[f"{name}.weight"] = int4_dequantize(
+                codes, scale, zero, group_size=group_size_for(self.scheme, shape[1])
+            )
+            for key in ("weight_packed", "weight_scale", "weight_shape"):
+                state.pop(f"{name}.{key}", None)
+        return state
+
+
+def storage_dtype(config: dict[str, Any]) -> torch.dtype:
+    name = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    return _DTYPES.get(name, torch.float32)
+
+
+def load_dense(model_dir: Path) -> tuple[dict[str, Any], CausalLM, int]:
+    """(config, fp32 model, bytes of the source weights)."""
+    config = read_config(model_dir)
+    state = load_state_dict(model_dir)
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    return config, build_model(config, state, dtype=torch.float32), size
+
+
+def quantized_linears(model: CausalLM, config: dict[str, Any]) -> list[tuple[str, int]]:
+    """(module name, in_features) of every Linear the scheme quantizes (decoder layers only;
+    embeddings and lm_head stay dense)."""
+    arch = arch_for(config)
+    return [
+        (f"model.layers.{i}.{name}", layer.get_submodule(name).in_features)
+        for i, layer in enumerate(model.model.layers)
+        for name in arch.linears
+    ]
+
+
+def quantize_model(
+    model_dir: Path,
+    *,
+    scheme: QuantScheme,
+    samples: Callable[[], torch.Tensor] | None = None,
+    awq: AwqConfig | None = None,
+    on_layer: Callable[[LayerReport], None] | None = None,
+    on_loaded: Callable[[CausalLM], None] | None = None,
+) -> QuantizeOutcome:
+    """Quantize the model in `model_dir` with `scheme` (AWQ needs `samples`, a callable giving
+    the calibration token matrix [n, seq_len], called after the model is loaded)."""
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    config, model, size = load_dense(model_dir)
+    timings["load_s"] = time.perf_counter() - t0
+    if on_loaded is not None:
+        on_loaded(model)
+    layers = quantized_linears(model, config)
+    scheme = scheme.resolve(layers)
+    dtype = storage_dtype(config)
+    weights: dict[str, Int4Weights]
+    reports: list[LayerReport] = []
+    t0 = time.perf_counter()
+    if scheme.method == "awq":
+        if samples is None:
+            raise ValueError("awq needs calibration samples")
+        ids = samples()
+        timings["calibration_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        weights, reports = awq_quantize(
+            model,
+            ids,
+            scheme=scheme,
+            arch=arch_for(config),
+            cfg=awq or AwqConfig(),
+            on_layer=on_layer,
+        )
+    else:
+        weights = {}
+        for name, _ in layers:
+            w = model.get_submodule(name).weight.data
+            weights[name] = rtn_quantize_weight(w, scheme=scheme)
+    timings["quantize_s"] = time.perf_counter() - t0
+    tensors: dict[str, torch.Tensor] = {}
+    for key, value in model.state_dict().items():
+        module = key.rpartition(".")[0]
+        if module in weights and key.endswith(".weight"):
+            continue
+        if key == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        tensors[key] = value.to(dtype) if value.is_floating_point() else value
+    for name, q in weights.items():
+        # Codes were chosen for fp32 scales; re-derive them for the scale as stored, so the
+        # checkpoint's weights are the best this storage dtype allows.
+        scale = q.scale.to(dtype).float()
+        g = group_size_for(scheme, q.codes.shape[1])
+        w = int4_dequantize(q.codes, q.scale, q.zero, group_size=g)
+        codes = _requantize(w, scale, q.zero, g)
+        for local, t in int4_tensors(codes, scale, q.zero, dtype=dtype).items():
+            tensors[f"{name}.{local}"] = t
+    return QuantizeOutcome(
+        scheme=scheme,
+        config=config,
+        tensors=tensors,
+        quantized_modules=[name for name, _ in layers],
+        storage_dtype=dtype,
+        layer_reports=reports,
+        timings=timings,
+        bytes_before=size,
+    )
+
+
+def _requantize(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
+) -> torch.Tensor:
+    return int4_quantize(w, scale, zero, group_size=group_size)

@@ -1,0 +1,92 @@
+"""Shared fixtures: tiny random Llama-family models saved as HF directories (no network)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def make_hf_model(path: Path, overrides: dict | None = None, seed: int = 0) -> Path:
+    """Save a random transformers model with config TINY_LLAMA (+ overrides) at `path`."""
+    import transformers
+
+    cfg = dict(TINY_LLAMA, **(overrides or {}))
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.for_model(**cfg)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    # Random init gives near-identity norms; perturb them so folding bugs cannot hide.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    data = json.loads((path / "config.json").read_text())
+    data["model_type"] = cfg["model_type"]
+    (path / "config.json").write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def _training_text() -> list[str]:
+    import ast
+    import codecs
+    import importlib.util
+
+    # The Zen of Python: real English shipped with Python. Read, not imported (import prints).
+    source = Path(importlib.util.find_spec("this").origin).read_text()
+    rot13 = ast.literal_eval(ast.parse(source).body[0].value)
+    zen = codecs.decode(rot13, "rot13")
+    return [zen] * 4
+
+
+def make_tokenizer(path: Path, vocab_size: int = 512) -> Path:
+    """A small byte-level BPE trained on real English text, saved as HF tokenizer files."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(_training_text(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|im_start|>"
+    )
+    fast.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random Llama + a real BPE tokenizer: a complete local HF model directory."""
+    path = make_hf_model(tmp_path_factory.mktemp("tiny-model"), {"hidden_size": 64})
+    return make_tokenizer(path)
