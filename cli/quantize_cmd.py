@@ -37,8 +37,27 @@ def _group_size(value: str) -> int | str:
 
 @click.command("quantize")
 @click.argument("model")
-@click.option("--bits", type=int, default=4, show_default=True, help="4 = INT4 (AWQ/RTN).")
-@click.option("--method", type=click.Choice(["awq", "rtn"]), default="awq", show_default=True)
+@click.option("--bits", type=int, default=4, show_default=True, help="4 = INT4, 8 = FP8 (E4M3).")
+@click.option(
+    "--method",
+    type=click.Choice(["awq", "rtn", "fp8"]),
+    default=None,
+    help="INT4: awq (default) or rtn; 8 bits: fp8.",
+)
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["int4", "fp8"]),
+    default=None,
+    help="Name the format instead of --bits (fp8 = --bits 8).",
+)
+@click.option(
+    "--activations",
+    type=click.Choice(["none", "dynamic"]),
+    default="none",
+    show_default=True,
+    help="FP8 only: dynamic = W8A8 with per-token scales.",
+)
 @click.option("--group-size", default="auto", show_default=True, help="auto|32|64|128|-1")
 @click.option("--symmetric", is_flag=True, help="INT4 without zero points.")
 @click.option("--calib", type=click.Path(path_type=Path), help=".txt or .jsonl ('text').")
@@ -64,7 +83,9 @@ def _group_size(value: str) -> int | str:
 def quantize_cmd(
     model: str,
     bits: int,
-    method: str,
+    method: str | None,
+    fmt: str | None,
+    activations: str,
     group_size: str,
     symmetric: bool,
     calib: Path | None,
@@ -79,13 +100,24 @@ def quantize_cmd(
     """Quantize MODEL (a local HF directory, a .gguf file, or smollm2-135m) to a
     compressed-tensors checkpoint."""
     started = time.perf_counter()
-    scheme = QuantScheme(method, bits, _group_size(group_size), symmetric)  # type: ignore[arg-type]
+    ctx = click.get_current_context()
+    scheme = _scheme(
+        ctx,
+        bits=bits,
+        method=method,
+        fmt=fmt,
+        activations=activations,
+        group_size=group_size,
+        symmetric=symmetric,
+    )
+    method = scheme.method
     if calib_samples < 1 or calib_seq_len < 16:
         raise SchemeError(
             f"--calib-samples >= 1 and --calib-seq-len >= 16 expected, got {calib_samples} "
             f"and {calib_seq_len}"
         )
-    out = output or Path("out") / f"{Path(model).name.removesuffix('.gguf')}-{method}-int4"
+    kind = "fp8" if method == "fp8" else "int4"
+    out = output or Path("out") / f"{Path(model).name.removesuffix('.gguf')}-{method}-{kind}"
     # Fail before hours of work, not after.
     if out.exists() and not force:
         raise CheckpointError(f"output directory {out} exists; pass --force to replace it")
@@ -108,9 +140,11 @@ def quantize_cmd(
         if scheme.method == "awq":
             bar = tqdm(desc="AWQ", unit="layer", total=dense.config.num_layers)
 
-    def samples() -> torch.Tensor:
+    calib_ids: torch.Tensor | None = None
+    if scheme.method == "awq":
+        # Tokenize and check the calibration text before any model work: a bad file fails fast.
         docs = texts if texts is not None else wiki_split().calibration
-        return calibration_samples(
+        calib_ids = calibration_samples(
             docs, tokenizer, n_samples=calib_samples, seq_len=calib_seq_len, seed=seed
         )
 
@@ -119,16 +153,18 @@ def quantize_cmd(
         bar.update(1)
         bar.set_postfix_str(f"layer {report.index}: MSE vs RTN -{report.loss_reduction:.0%}")
 
-    outcome = quantize_model(
-        model_dir,
-        scheme=scheme,
-        samples=samples,
-        awq=AwqConfig(search_tokens=search_tokens, seed=seed),
-        on_layer=on_layer,
-        on_loaded=on_loaded,
-    )
-    if bar is not None:
-        bar.close()
+    try:
+        outcome = quantize_model(
+            model_dir,
+            scheme=scheme,
+            samples=None if calib_ids is None else lambda: calib_ids,
+            awq=AwqConfig(search_tokens=search_tokens, seed=seed),
+            on_layer=on_layer,
+            on_loaded=on_loaded,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
     t0 = time.perf_counter()
     if held is not None:
         quantized = build_model(outcome.config, outcome.dense_state())
@@ -160,6 +196,44 @@ def quantize_cmd(
     outcome.timings["write_s"] = time.perf_counter() - t0
     outcome.timings["total_s"] = time.perf_counter() - started
     _summary(outcome, report, out=out, group_size=group_size)
+
+
+INT4_ONLY = ("group_size", "symmetric", "calib", "calib_samples", "calib_seq_len", "search_tokens")
+
+
+def _scheme(
+    ctx: click.Context,
+    *,
+    bits: int,
+    method: str | None,
+    fmt: str | None,
+    activations: str,
+    group_size: str,
+    symmetric: bool,
+) -> QuantScheme:
+    """Turn the options into a QuantScheme; options that do not apply are errors, not ignored."""
+    if fmt is not None:
+        implied = 8 if fmt == "fp8" else 4
+        if ctx.get_parameter_source("bits") == click.core.ParameterSource.COMMANDLINE and (
+            bits != implied
+        ):
+            raise SchemeError(f"--format {fmt} means --bits {implied}, got --bits {bits}")
+        bits = implied
+    if bits == 8 and method in (None, "fp8"):
+        given = [
+            "--" + name.replace("_", "-")
+            for name in INT4_ONLY
+            if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+        ]
+        if given:
+            raise SchemeError(
+                f"{', '.join(given)}: INT4-only option(s), not valid with --bits 8 (fp8 uses "
+                f"one scale per output channel and no calibration)"
+            )
+        return QuantScheme("fp8", 8, activations=activations)  # type: ignore[arg-type]
+    if activations != "none":
+        raise SchemeError(f"--activations {activations}: only fp8 (--bits 8) quantizes activations")
+    return QuantScheme(method or "awq", bits, _group_size(group_size), symmetric)  # type: ignore[arg-type]
 
 
 def _report(outcome: QuantizeOutcome, **info: Any) -> dict[str, Any]:
@@ -194,7 +268,9 @@ def _summary(
 ) -> None:
     t = outcome.timings
     scheme = outcome.scheme
-    picked = f" (group size auto -> {scheme.group_size})" if group_size == "auto" else ""
+    picked = ""
+    if scheme.is_int and group_size == "auto":
+        picked = f" (group size auto -> {scheme.group_size})"
     click.echo("")
     click.echo(f"quantized    {report['model']} -> {out}")
     click.echo(f"scheme       {scheme.describe()}{picked}")

@@ -16,6 +16,7 @@ tokens for the token-wise MLP), and the clip search `clip_tokens`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -56,6 +57,7 @@ class LayerReport:
     groups: list[GroupReport] = field(default_factory=list)
     output_mse_rtn: float = 0.0
     output_mse_awq: float = 0.0
+    seconds: dict[str, float] = field(default_factory=dict)  # per phase: capture, search, ...
 
     @property
     def loss_reduction(self) -> float:
@@ -226,6 +228,7 @@ def awq_quantize(
         report = LayerReport(index)
         inputs = {g.linears[0] for g in groups} | set(arch.linears)
         keep = {name: tok_pick for name in inputs}
+        clock = _Clock(report.seconds)
         cap = _Capture(layer, sorted(inputs), keep)
         run_layer = _layer_call(layer, cos, sin)
         with torch.no_grad():
@@ -233,11 +236,13 @@ def awq_quantize(
                 run_layer(chunk)
                 cap.offset += chunk.shape[0] * seq_len
         cap.close()
+        clock.lap("capture")
         x_attn_seq = x[seq_pick]
         layer_target = _run_chunked(run_layer, x_attn_seq, cfg.batch_sequences)
         report.output_mse_rtn = _rtn_output_mse(
             layer, arch, run_layer, x_attn_seq, layer_target, scheme=scheme, cfg=cfg
         )
+        clock.lap("baseline")
         for group in groups:
             first = group.linears[0]
             if group.inspect == "self_attn":
@@ -259,6 +264,7 @@ def awq_quantize(
                 # The captured inputs of these linears now arrive divided by s.
                 for name in group.linears:
                     cap.kept[name] = [t / s for t in cap.kept[name]]
+        clock.lap("scale_search")
         for name in arch.linears:
             w = layer.get_submodule(name).weight.data
             ratio: float | torch.Tensor = 1.0
@@ -269,14 +275,28 @@ def awq_quantize(
             layer.get_submodule(name).weight.data = q.dequantize(
                 group_size=group_size_for(scheme, w.shape[1]), dtype=w.dtype
             )
+        clock.lap("clip_and_quantize")
         out_q = _run_chunked(run_layer, x_attn_seq, cfg.batch_sequences)
         report.output_mse_awq = float((out_q - layer_target).pow(2).mean())
         # Feed the quantized layer's output onward.
         x = _run_chunked(run_layer, x, cfg.batch_sequences)
+        clock.lap("propagate")
         reports.append(report)
         if on_layer is not None:
             on_layer(report)
     return result, reports
+
+
+class _Clock:
+    """Accumulates wall time per phase into a dict."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into, self.t = into, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.into[phase] = self.into.get(phase, 0.0) + now - self.t
+        self.t = now
 
 
 def _run_chunked(run: Callable, x: torch.Tensor, chunk: int) -> torch.Tensor:

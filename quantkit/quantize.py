@@ -16,9 +16,10 @@ import torch
 
 from quantkit.arch import arch_for
 from quantkit.awq import AwqConfig, LayerReport, awq_quantize
+from quantkit.checkpoint import LoadedCheckpoint, dequantize_checkpoint_tensors
 from quantkit.model import CausalLM, build_model
-from quantkit.packing import int4_dequantize, int4_quantize, unpack_int4, unpack_zero_points
-from quantkit.quant_linear import int4_tensors
+from quantkit.packing import int4_dequantize, int4_quantize, quantize_fp8
+from quantkit.quant_linear import fp8_tensors, int4_tensors
 from quantkit.rtn import Int4Weights, group_size_for, rtn_quantize_weight
 from quantkit.scheme import QuantScheme
 from quantkit.sources import load_state_dict, read_config
@@ -54,20 +55,11 @@ class QuantizeOutcome:
 
     def dense_state(self) -> dict[str, torch.Tensor]:
         """fp32 dense weights equal to what the checkpoint computes with (stored scales)."""
-        state = {k: v.float() for k, v in self.tensors.items() if v.is_floating_point()}
-        for name in self.quantized_modules:
-            shape = self.tensors[f"{name}.weight_shape"].tolist()
-            codes_w = self.tensors[f"{name}.weight_packed"]
-            codes = unpack_int4(codes_w, shape[1])
-            zp = self.tensors.get(f"{name}.weight_zero_point")
-            zero = None if zp is None else unpack_zero_points(zp, shape[0])
-            scale = self.tensors[f"{name}.weight_scale"]
-            state[f"{name}.weight"] = int4_dequantize(
-                codes, scale, zero, group_size=group_size_for(self.scheme, shape[1])
-            )
-            for key in ("weight_packed", "weight_scale", "weight_shape"):
-                state.pop(f"{name}.{key}", None)
-        return state
+        loaded = LoadedCheckpoint(
+            Path("."), self.config, self.scheme, self.tensors, self.quantized_modules, None
+        )
+        dense = dequantize_checkpoint_tensors(loaded, dtype=torch.float32)
+        return {k: v.float() if v.is_floating_point() else v for k, v in dense.items()}
 
 
 def storage_dtype(config: dict[str, Any]) -> torch.dtype:
@@ -109,51 +101,60 @@ def quantize_model(
     t0 = time.perf_counter()
     config, model, size = load_dense(model_dir)
     timings["load_s"] = time.perf_counter() - t0
+    layers = quantized_linears(model, config)
+    scheme = scheme.resolve(layers)  # before any long work: a bad group size fails at once
     if on_loaded is not None:
         on_loaded(model)
-    layers = quantized_linears(model, config)
-    scheme = scheme.resolve(layers)
     dtype = storage_dtype(config)
-    weights: dict[str, Int4Weights]
     reports: list[LayerReport] = []
     t0 = time.perf_counter()
-    if scheme.method == "awq":
-        if samples is None:
-            raise ValueError("awq needs calibration samples")
-        ids = samples()
-        timings["calibration_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        weights, reports = awq_quantize(
-            model,
-            ids,
-            scheme=scheme,
-            arch=arch_for(config),
-            cfg=awq or AwqConfig(),
-            on_layer=on_layer,
-        )
-    else:
-        weights = {}
+    module_tensors: dict[str, dict[str, torch.Tensor]] = {}
+    if scheme.method == "fp8":
+        # No calibration: a per-output-channel absmax scale is all E4M3 needs.
         for name, _ in layers:
-            w = model.get_submodule(name).weight.data
-            weights[name] = rtn_quantize_weight(w, scheme=scheme)
+            w8, scale = quantize_fp8(model.get_submodule(name).weight.data)
+            module_tensors[name] = fp8_tensors(w8, scale, dtype=dtype)
+    else:
+        weights: dict[str, Int4Weights]
+        if scheme.method == "awq":
+            if samples is None:
+                raise ValueError("awq needs calibration samples")
+            ids = samples()
+            timings["calibration_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            weights, reports = awq_quantize(
+                model,
+                ids,
+                scheme=scheme,
+                arch=arch_for(config),
+                cfg=awq or AwqConfig(),
+                on_layer=on_layer,
+            )
+        else:
+            weights = {
+                name: rtn_quantize_weight(model.get_submodule(name).weight.data, scheme=scheme)
+                for name, _ in layers
+            }
+        for name, q in weights.items():
+            # Codes were chosen for fp32 scales; re-derive them for the scale as stored, so the
+            # checkpoint's weights are the best this storage dtype allows.
+            scale = q.scale.to(dtype).float()
+            g = group_size_for(scheme, q.codes.shape[1])
+            w = int4_dequantize(q.codes, q.scale, q.zero, group_size=g)
+            codes = int4_quantize(w, scale, q.zero, group_size=g)
+            module_tensors[name] = int4_tensors(codes, scale, q.zero, dtype=dtype)
     timings["quantize_s"] = time.perf_counter() - t0
     tensors: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
         module = key.rpartition(".")[0]
-        if module in weights and key.endswith(".weight"):
+        if module in module_tensors and key.endswith(".weight"):
             continue
         if key == "lm_head.weight" and config.get("tie_word_embeddings"):
             continue
         tensors[key] = value.to(dtype) if value.is_floating_point() else value
-    for name, q in weights.items():
-        # Codes were chosen for fp32 scales; re-derive them for the scale as stored, so the
-        # checkpoint's weights are the best this storage dtype allows.
-        scale = q.scale.to(dtype).float()
-        g = group_size_for(scheme, q.codes.shape[1])
-        w = int4_dequantize(q.codes, q.scale, q.zero, group_size=g)
-        codes = _requantize(w, scale, q.zero, g)
-        for local, t in int4_tensors(codes, scale, q.zero, dtype=dtype).items():
-            tensors[f"{name}.{local}"] = t
+    for name, local in module_tensors.items():
+        for suffix, t in local.items():
+            tensors[f"{name}.{suffix}"] = t
     return QuantizeOutcome(
         scheme=scheme,
         config=config,
@@ -164,9 +165,3 @@ def quantize_model(
         timings=timings,
         bytes_before=size,
     )
-
-
-def _requantize(
-    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int
-) -> torch.Tensor:
-    return int4_quantize(w, scale, zero, group_size=group_size)
