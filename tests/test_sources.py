@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from quantkit import sources
+from quantkit import gguf_convert, sources
 from quantkit.errors import CheckpointError, ModelSourceError
 from quantkit.sources import (
     DEFAULT_MODEL,
@@ -271,7 +271,7 @@ def test_failed_conversion_leaves_no_directory(tiny_gguf, tmp_path: Path, monkey
     def crash(*args, **kwargs):
         raise KeyboardInterrupt  # Ctrl-C after the weights are written, before the rename
 
-    monkeypatch.setattr(sources, "_make_readable", crash)
+    monkeypatch.setattr(gguf_convert, "_make_readable", crash)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(path, home=tmp_path, progress=False)
     models = tmp_path / "models"

@@ -1,0 +1,309 @@
+"""GGUF -> Hugging Face safetensors directory: names, q/k un-permutation, config, tokenizer.
+
+llama.cpp stores attn_q/attn_k rows permuted for its rotary layout; transformers' Llama expects
+the halves layout, so those rows are permuted back (`unpermute_qk`). Quantized GGUF tensors are
+dequantized with the `gguf` package and stored as bfloat16. The output is written into a
+temporary folder and renamed into place, so a crash never leaves a directory that looks whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantkit.errors import ModelSourceError
+
+
+def source_key(gguf_path: Path) -> str:
+    """Identifies one version of a GGUF file and of this converter (the cache key)."""
+    # Size + mtime instead of a content hash: hashing a multi-GB GGUF on every call costs seconds.
+    st = gguf_path.stat()
+    return f"size={st.st_size}:mtime_ns={st.st_mtime_ns}:converter={CONVERTER_VERSION}"
+
+
+SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama",)
+INDEX_NAME = "model.safetensors.index.json"
+# Written last into a converted directory: which source it came from and with which converter.
+SOURCE_MARKER = "quantkit_source.json"
+# Bump when the conversion output changes, so stale cached conversions are redone.
+CONVERTER_VERSION = 1
+# Shards of at most 2 GiB keep peak memory during conversion to one shard, not the whole model.
+MAX_SHARD_BYTES = 2 << 30
+
+# --------------------------------------------------------------------------- GGUF
+
+
+# llama.cpp's per-layer tensor names -> transformers' LlamaForCausalLM names.
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """The transformers name of a llama GGUF tensor; None for one with no HF counterpart."""
+    m = _BLOCK.match(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        if part in _LAYER_NAMES:
+            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        return None
+    stem, _, kind = gguf_name.rpartition(".")
+    return f"{_GLOBAL_NAMES[stem]}.{kind}" if stem in _GLOBAL_NAMES else None
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's rotary row permutation of a q/k projection (weight or bias).
+
+    llama.cpp's convert_hf_to_gguf.py reorders each head's rows from HF's "rotate half" layout
+    (first half, second half) to interleaved pairs (GPT-J style) with
+    `w.reshape(n_head, 2, d // n_head // 2, *rest).swapaxes(1, 2)`; this is the inverse
+    (transformers' GGUF loader does the same in `LlamaTensorProcessor`).
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise ModelSourceError(f"q/k rows: expected a multiple of 2 x {n_head} heads, got {rows}")
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _field(reader: Any, key: str, default: Any = ...) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        if default is ...:
+            raise ModelSourceError(f"GGUF metadata: expected key {key!r}, found none")
+        return default
+    return field.contents()
+
+
+def _float32_value(x: float) -> float:
+    # GGUF stores float32: 1e-5 reads back as 9.999999747e-06; print it as the float32 it was.
+    import numpy as np
+
+    return float(str(np.float32(x)))
+
+
+def _gguf_config(reader: Any) -> dict[str, Any]:
+    """config.json for the llama GGUF behind `reader`."""
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ModelSourceError(
+            f"GGUF architecture: expected one of {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}, "
+            f"got {arch!r}"
+        )
+    names = {t.name for t in reader.tensors}
+    embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embd is None:
+        raise ModelSourceError("GGUF tensors: expected token_embd.weight, found none")
+    hidden = int(_field(reader, f"{arch}.embedding_length"))
+    n_head = int(_field(reader, f"{arch}.attention.head_count"))
+    n_kv = int(_field(reader, f"{arch}.attention.head_count_kv", n_head))
+    head_dim = int(_field(reader, f"{arch}.attention.key_length", hidden // n_head))
+    rope_dim = int(_field(reader, f"{arch}.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ModelSourceError(
+            f"GGUF rope.dimension_count: expected the head dim {head_dim} (full rotary), "
+            f"got {rope_dim}"
+        )
+    rope_scaling = None
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling == "linear":
+        factor = _float32_value(_field(reader, f"{arch}.rope.scaling.factor"))
+        rope_scaling = {"rope_type": "linear", "factor": factor}
+    elif scaling != "none":
+        raise ModelSourceError(f"GGUF rope scaling: expected none or linear, got {scaling!r}")
+    if "rope_freqs.weight" in names:
+        warnings.warn(
+            "GGUF holds rope_freqs (Llama-3.1 style rope scaling), which is not converted; "
+            "outputs differ from the original model",
+            stacklevel=3,
+        )
+    token_ids = {
+        f"{k}_token_id": int(v)
+        for k, key in (
+            ("bos", "bos_token_id"),
+            ("eos", "eos_token_id"),
+            ("pad", "padding_token_id"),
+        )
+        if (v := _field(reader, f"tokenizer.ggml.{key}", None)) is not None
+    }
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _float32_value(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": _float32_value(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": int(_field(reader, f"{arch}.context_length")),
+        # The embedding's row count, not llama.vocab_size: it is what the weights have.
+        "vocab_size": int(embd.shape[1]),
+        "attention_bias": any(n.endswith(".bias") and ".attn_" in n for n in names),
+        "mlp_bias": any(n.endswith(".bias") and ".ffn_" in n for n in names),
+        "tie_word_embeddings": "output.weight" not in names,
+        "torch_dtype": "bfloat16",
+        **token_ids,
+    }
+
+
+def _plan_shards(reader: Any, max_shard_bytes: int) -> list[list[Any]]:
+    """Tensors grouped into shards of at most max_shard_bytes of bf16, in file order."""
+    shards: list[list[Any]] = [[]]
+    size = 0
+    for t in reader.tensors:
+        nbytes = 2 * int(t.n_elements)
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += nbytes
+    return shards
+
+
+def _convert_tensor(t: Any, config: dict[str, Any]) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    # dequantize returns float32 in numpy order: the GGUF shape [cols, rows] reversed.
+    w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
+    part = t.name.split(".")[2] if t.name.startswith("blk.") else ""
+    if part == "attn_q":
+        w = unpermute_qk(w, config["num_attention_heads"])
+    elif part == "attn_k":
+        w = unpermute_qk(w, config["num_key_value_heads"])
+    return w.to(torch.bfloat16)
+
+
+def convert_gguf(
+    gguf_path: Path,
+    target: Path,
+    *,
+    progress: bool = True,
+    key: str | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
+    """Write the llama GGUF at `gguf_path` as a bfloat16 HF directory at `target`, atomically.
+
+    Everything is written into a temporary directory beside `target` and renamed into place at
+    the end, so a crash or Ctrl-C never leaves a directory that looks whole; an existing
+    `target` is replaced. `key` is recorded in the source marker (the cache's validity check).
+    """
+    import gguf
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    gguf_path, target = Path(gguf_path), Path(target)
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+    except (ValueError, OSError) as e:
+        raise ModelSourceError(
+            f"{gguf_path}: expected a GGUF file, got an unreadable one ({e})"
+        ) from e
+    config = _gguf_config(reader)
+    unknown = [t.name for t in reader.tensors if hf_tensor_name(t.name) is None]
+    unknown = [n for n in unknown if n != "rope_freqs.weight"]
+    if unknown:
+        raise ModelSourceError(
+            f"GGUF tensors: expected dense llama tensors, got unsupported ones: {unknown[:5]}"
+        )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        # The tokenizer first: it is the likelier failure, and it costs seconds, not minutes.
+        _save_gguf_tokenizer(gguf_path, tmp, max_length=config["max_position_embeddings"])
+        shards = _plan_shards(reader, max_shard_bytes)
+        weight_map: dict[str, str] = {}
+        total = sum(len(s) for s in shards)
+        with tqdm(total=total, desc=f"converting {gguf_path.name}", disable=not progress) as bar:
+            for i, shard in enumerate(shards):
+                fname = (
+                    "model.safetensors"
+                    if len(shards) == 1
+                    else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                )
+                tensors = {}
+                for t in shard:
+                    name = hf_tensor_name(t.name)
+                    if name is not None:
+                        tensors[name] = _convert_tensor(t, config)
+                        weight_map[name] = fname
+                    bar.update(1)
+                save_file(tensors, tmp / fname, metadata={"format": "pt"})
+                del tensors
+        if len(shards) > 1:
+            total_size = 2 * sum(int(t.n_elements) for s in shards for t in s)
+            index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        generation = {k: v for k, v in config.items() if k.endswith("_token_id")}
+        (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
+        marker = {"source": gguf_path.name, "key": key or source_key(gguf_path)}
+        (tmp / SOURCE_MARKER).write_text(json.dumps(marker, indent=2))
+        _make_readable(tmp)
+        _replace_dir(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _save_gguf_tokenizer(gguf_path: Path, out: Path, *, max_length: int) -> None:
+    """The GGUF's tokenizer (vocab, merges, special tokens, chat template) as HF files."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    except (ValueError, KeyError, OSError) as e:
+        raise ModelSourceError(
+            f"{gguf_path.name}: expected a tokenizer transformers can build, got: {e}"
+        ) from e
+    if tok.eos_token is None:
+        raise ModelSourceError(f"{gguf_path.name}: expected an eos token in the GGUF, found none")
+    # The GGUF says nothing about it, and transformers' default (1e30) disables length warnings.
+    tok.model_max_length = max_length
+    tok.save_pretrained(str(out))
+
+
+def _make_readable(folder: Path) -> None:
+    # mkdtemp makes the folder 0700 and safetensors writes 0600; a cache shared by the users of
+    # a machine needs the permissions an ordinary mkdir/open would give (umask applied).
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for f in folder.iterdir():
+        os.chmod(f, 0o666 & ~umask)
+
+
+def _replace_dir(new: Path, target: Path) -> None:
+    """Move the finished `new` to `target`, replacing an existing (stale) `target`."""
+    if target.exists():
+        stale = target.with_name(f".{target.name}.stale-{os.getpid()}")
+        os.replace(target, stale)
+        os.replace(new, target)
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+        os.replace(new, target)
