@@ -1,0 +1,12 @@
+"""Fused quantized-matmul kernels, their pure-torch references, backend dispatch and benchmarks.
+
+Layer L1 of quantkit: imports only `quantkit.errors`, `quantkit.scheme` and `quantkit.packing`.
+Nothing heavy is imported here; Triton loads only when the triton backend is used.
+
+- `dispatch`: `int4_linear`, `prepare_int4` / `PreparedInt4`, backend choice and fallbacks.
+- `w4a16_reference`: dequantize + fp32 matmul, the oracle of every W4A16 kernel.
+- `w4a16_triton` (+ `w4a16_configs`): Triton GEMM (prefill) and split-K GEMV (decode).
+- `w4a16_cpu` (+ `w4a16_cpu_source`, `cpu_build`): compiled C GEMV and dequantize + MKL.
+- `bench`: `python -m quantkit.fused_kernels.bench`, decode and prefill timings against dense
+  matmul and the measured copy bandwidth.
+"""

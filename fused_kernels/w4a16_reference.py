@@ -38,7 +38,10 @@ def w4a16_linear_reference(
 ) -> torch.Tensor:
     """y [..., N] = x [..., K] @ W.T (+ bias), computed in fp32, returned in x.dtype."""
     w = dequantize_packed_int4(
-        weight_packed, weight_scale, weight_zero_point, in_features=in_features,
+        weight_packed,
+        weight_scale,
+        weight_zero_point,
+        in_features=in_features,
         group_size=group_size,
     )
     y = x.float() @ w.T

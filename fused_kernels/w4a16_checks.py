@@ -1,0 +1,111 @@
+"""Input checks shared by every W4A16 launcher: dtype, shape, device, with expected-vs-got text.
+
+Shape and dtype mistakes are `ValueError`s (the caller passed wrong tensors); a dtype or device a
+backend cannot run on is `KernelUnavailableError` (the tensors are fine, the backend is not).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantkit.errors import KernelUnavailableError
+
+ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def resolve_group_size(group_size: int, in_features: int) -> int:
+    """-1 (per channel) -> in_features; otherwise group_size, which must divide in_features."""
+    if group_size == -1:
+        return in_features
+    if group_size <= 0 or in_features % group_size:
+        raise ValueError(
+            f"group_size: expected -1 or a positive divisor of in_features {in_features}, "
+            f"got {group_size}"
+        )
+    return group_size
+
+
+def check_int4_operands(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero_point: torch.Tensor | None,
+    *,
+    in_features: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    backend: str,
+) -> None:
+    """Raise unless the operands form one valid compressed-tensors W4A16 linear.
+
+    `group_size` is already resolved (in_features for per channel).
+    """
+    check_int4_weights(
+        weight_packed,
+        weight_scale,
+        weight_zero_point,
+        in_features=in_features,
+        group_size=group_size,
+        bias=bias,
+    )
+    if x.dtype not in ACT_DTYPES:
+        raise KernelUnavailableError(
+            f"{backend} backend: expected activations in float32, bfloat16 or float16, "
+            f"got {x.dtype}"
+        )
+    if x.dim() < 1 or x.shape[-1] != in_features:
+        raise ValueError(
+            f"x: expected shape [..., {in_features}] (in_features), got {tuple(x.shape)}"
+        )
+    if x.device != weight_packed.device:
+        raise ValueError(f"x: expected the weights' device {weight_packed.device}, got {x.device}")
+
+
+def check_int4_weights(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero_point: torch.Tensor | None,
+    *,
+    in_features: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> None:
+    """The weight half of `check_int4_operands` (run once by `prepare_int4`)."""
+    if weight_packed.dtype != torch.int32 or weight_packed.dim() != 2:
+        raise ValueError(
+            "weight_packed: expected a 2-D int32 tensor [N, ceil(K/8)], "
+            f"got {weight_packed.dtype} {tuple(weight_packed.shape)}"
+        )
+    n, words = weight_packed.shape
+    if words != (in_features + 7) // 8:
+        raise ValueError(
+            f"weight_packed: expected {(in_features + 7) // 8} words per row for in_features "
+            f"{in_features}, got {words}"
+        )
+    groups = in_features // group_size
+    if weight_scale.shape != (n, groups) or weight_scale.dtype not in SCALE_DTYPES:
+        raise ValueError(
+            f"weight_scale: expected a float [{n}, {groups}] tensor, got {weight_scale.dtype} "
+            f"{tuple(weight_scale.shape)}"
+        )
+    if weight_zero_point is not None and (
+        weight_zero_point.dtype != torch.int32 or weight_zero_point.shape != ((n + 7) // 8, groups)
+    ):
+        raise ValueError(
+            f"weight_zero_point: expected int32 [{(n + 7) // 8}, {groups}], got "
+            f"{weight_zero_point.dtype} {tuple(weight_zero_point.shape)}"
+        )
+    if bias is not None and (bias.shape != (n,) or bias.dtype not in SCALE_DTYPES):
+        raise ValueError(
+            f"bias: expected a float [{n}] tensor, got {bias.dtype} {tuple(bias.shape)}"
+        )
+    for name, t in (
+        ("weight_scale", weight_scale),
+        ("weight_zero_point", weight_zero_point),
+        ("bias", bias),
+    ):
+        if t is not None and t.device != weight_packed.device:
+            raise ValueError(
+                f"{name}: expected weight_packed's device {weight_packed.device}, got {t.device}"
+            )

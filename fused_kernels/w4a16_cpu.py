@@ -1,0 +1,271 @@
+"""CPU W4A16 linear: a compiled C GEMV for decode, dequantize + MKL for prefill.
+
+y [..., N] = x [..., K] @ dequant(W).T (+ bias), W in compressed-tensors pack-quantized layout
+(see `quantkit.packing`), read as stored: no repack, so the bytes a call reads are exactly the
+checkpoint's `weight_packed` + `weight_scale` (+ `weight_zero_point`).
+
+- M <= `GEMV_MAX_M[variant]`: `qk_w4a16_gemv` (see `w4a16_cpu_source`) streams the packed rows
+  once per 4 activation rows, fp32 accumulation, OpenMP over output rows with torch's threads.
+- larger M: `qk_w4_dequant` writes fp32 row chunks of W and MKL multiplies them (fp32 MKL is
+  the fastest prefill on CPUs without bf16 instructions, see DESIGN.md).
+
+The kernel is built once per machine by `cpu_build` (needs gcc). The reference of the same
+function is `w4a16_reference.w4a16_linear_reference`; tests hold this launcher to it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from quantkit.errors import KernelUnavailableError
+from quantkit.fused_kernels.cpu_build import cpu_variant, load_library
+from quantkit.fused_kernels.w4a16_checks import check_int4_operands
+from quantkit.fused_kernels.w4a16_cpu_source import C_SOURCE
+
+# Largest M that takes the GEMV; above it fp32 MKL on dequantized chunks wins. Crossovers
+# measured at 4096x4096 g128 on one Zen 5 core (CPU time, GEMV vs dequant+MKL): avx512 M=512
+# 143 vs 167 ms and M=1024 348 vs 345 ms (MKL runs its AVX2 code on AMD); avx2 M=64 25.3 vs
+# 25.7 ms, M=128 49.5 vs 45.8 ms; generic C M=8 26.1 vs 26.8 ms.
+GEMV_MAX_M = {"avx512": 1024, "avx2": 64, "generic": 8}
+# fp32 rows dequantized per MKL call in the prefill path: 8 MB chunks stay in L2/L3 while MKL
+# reads them, and bound the temporary memory for 14336x4096 layers.
+_PREFILL_CHUNK_BYTES = 8 << 20
+
+_DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# C signatures, one letter per argument (p = pointer, i = int, l = int64), grouped as in the C
+# source: x, x dtype, M, K, x stride | weights, N, stride | scale, dtype, groups, stride |
+# zero points, stride, group size | bias, dtype | out, dtype, stride | threads.
+_GEMV_SIGNATURE = "pilll pll pill pll pi pil i"
+# weights, n0, n1, K, stride | scale, dtype, groups, stride | zero points, stride | out, threads
+_DEQUANT_SIGNATURE = "pllll pill pl pi"
+
+
+class _Layer(ctypes.Structure):
+    """Mirror of the C struct `qk_w4_layer` (all integers int64, so no padding questions)."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p if kind == "p" else ctypes.c_int64)
+        for name, kind in [
+            ("wq", "p"), ("N", "l"), ("K", "l"), ("wq_stride", "l"), ("scale", "p"),
+            ("s_dt", "l"), ("n_groups", "l"), ("s_stride", "l"), ("zp", "p"),
+            ("zp_stride", "l"), ("group_size", "l"), ("bias", "p"), ("b_dt", "l"),
+        ]
+    ]  # fmt: skip
+
+
+def _ctypes_of(signature: str) -> list[type]:
+    kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_int64}
+    return [kinds[c] for c in signature.replace(" ", "")]
+
+
+@functools.cache
+def _variant(variant: str | None) -> str:
+    return variant or cpu_variant()
+
+
+@functools.cache
+def _library(variant: str | None = None) -> ctypes.CDLL:
+    """The compiled kernels for `variant` (default: the best this CPU runs), built on first use
+    (one gcc call, cached on disk; functools.cache keeps the loaded handle, not tensors)."""
+    lib = load_library("qk_w4a16_cpu", C_SOURCE, variant=variant)
+    lib.qk_w4a16_gemv.argtypes = _ctypes_of(_GEMV_SIGNATURE)
+    lib.qk_w4a16_gemv.restype = ctypes.c_int
+    lib.qk_w4_dequant.argtypes = _ctypes_of(_DEQUANT_SIGNATURE)
+    lib.qk_w4a16_gemv_layer.argtypes = [ctypes.POINTER(_Layer), *_ctypes_of("pillpili")]
+    lib.qk_w4a16_gemv_layer.restype = ctypes.c_int
+    lib.qk_w4_dequant.restype = ctypes.c_int
+    return lib
+
+
+def cpu_kernel_available() -> bool:
+    """True if the C kernel builds and loads here (builds it on first call)."""
+    try:
+        _library()
+    except KernelUnavailableError:
+        return False
+    return True
+
+
+def _check_status(status: int, what: str) -> None:
+    if status == 1:
+        raise ValueError(f"{what}: expected a group size that is a multiple of 32 or per-channel")
+    if status != 0:
+        raise MemoryError(f"{what}: expected a scratch buffer, got allocation failure ({status})")
+
+
+def _dequant_rows(
+    lib: ctypes.CDLL,
+    wp: torch.Tensor,
+    scale: torch.Tensor,
+    zp: torch.Tensor | None,
+    n0: int,
+    n1: int,
+    k: int,
+    threads: int,
+) -> torch.Tensor:
+    out = torch.empty(n1 - n0, k, dtype=torch.float32)
+    status = lib.qk_w4_dequant(
+        wp.data_ptr(), n0, n1, k, wp.stride(0),
+        scale.data_ptr(), _DT_CODE[scale.dtype], scale.shape[1], scale.stride(0),
+        None if zp is None else zp.data_ptr(), 0 if zp is None else zp.stride(0),
+        out.data_ptr(), threads,
+    )  # fmt: skip
+    _check_status(status, "qk_w4_dequant")
+    return out
+
+
+def dequantize_cpu(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero_point: torch.Tensor | None,
+    *,
+    in_features: int,
+) -> torch.Tensor:
+    """dequant(W) as fp32 [N, K] with the C kernel (bit-identical to the reference's)."""
+    wp, scale = weight_packed.contiguous(), weight_scale.contiguous()
+    zp = None if weight_zero_point is None else weight_zero_point.contiguous()
+    threads = torch.get_num_threads()
+    return _dequant_rows(_library(), wp, scale, zp, 0, wp.shape[0], in_features, threads)
+
+
+def w4a16_linear_cpu(
+    x: torch.Tensor,
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero_point: torch.Tensor | None,
+    *,
+    in_features: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    check: bool = True,
+    variant: str | None = None,
+) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ dequant(W).T (+ bias), fp32 accumulation, in x.dtype.
+
+    `group_size` is resolved (in_features for per channel). `check=False` skips the operand
+    checks for callers that ran them once already (`PreparedInt4`). `variant` picks the
+    instruction set (`cpu_build.supported_variants()`; default the best), for tests and benches.
+    """
+    if check:
+        check_int4_operands(
+            x,
+            weight_packed,
+            weight_scale,
+            weight_zero_point,
+            in_features=in_features,
+            group_size=group_size,
+            bias=bias,
+            backend="cpu",
+        )
+        if x.device.type != "cpu":
+            raise KernelUnavailableError(f"cpu backend: expected CPU tensors, got {x.device}")
+    lib = _library(variant)
+    gemv_max_m = GEMV_MAX_M[_variant(variant)]
+    k, n = in_features, weight_packed.shape[0]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    # The kernel indexes with row strides only; these are no-ops for the usual contiguous case.
+    wp = weight_packed if weight_packed.stride(-1) == 1 else weight_packed.contiguous()
+    scale = weight_scale if weight_scale.stride(-1) == 1 else weight_scale.contiguous()
+    zp = weight_zero_point
+    if zp is not None and zp.stride(-1) != 1:
+        zp = zp.contiguous()
+    threads = torch.get_num_threads()
+    if m == 0:
+        return x.new_empty(*lead, n)
+    if m <= gemv_max_m:
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        b = None if bias is None else bias.contiguous()
+        out = torch.empty(m, n, dtype=x.dtype)
+        status = lib.qk_w4a16_gemv(
+            x2.data_ptr(), _DT_CODE[x.dtype], m, k, x2.stride(0),
+            wp.data_ptr(), n, wp.stride(0),
+            scale.data_ptr(), _DT_CODE[scale.dtype], scale.shape[1], scale.stride(0),
+            None if zp is None else zp.data_ptr(), 0 if zp is None else zp.stride(0), group_size,
+            None if b is None else b.data_ptr(), 0 if b is None else _DT_CODE[b.dtype],
+            out.data_ptr(), _DT_CODE[x.dtype], n, threads,
+        )  # fmt: skip
+        _check_status(status, "qk_w4a16_gemv")
+        return out.reshape(*lead, n)
+    # Prefill: fp32 rows of W in chunks, each multiplied by MKL while it is still in cache.
+    x32 = x2.float()
+    out = torch.empty(m, n, dtype=torch.float32)
+    rows = max(8, _PREFILL_CHUNK_BYTES // (4 * k))
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        w = _dequant_rows(lib, wp, scale, zp, n0, n1, k, threads)
+        torch.matmul(x32, w.T, out=out[:, n0:n1])
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype).reshape(*lead, n)
+
+
+class CpuInt4Layer:
+    """One INT4 linear bound to the C GEMV once; a call passes only x and the output.
+
+    Decode at SmolLM2 sizes is dominated by per-call overhead (the 576x576 GEMV itself takes
+    ~10 us), so the checks, contiguity fixes, dtype codes and the 13 static kernel arguments
+    are settled here, at load time. Holds references to the tensors it was built from (their
+    memory stays valid); build a new one if the layer's tensors are replaced.
+    """
+
+    def __init__(
+        self,
+        weight_packed: torch.Tensor,
+        weight_scale: torch.Tensor,
+        weight_zero_point: torch.Tensor | None,
+        *,
+        in_features: int,
+        group_size: int,
+        bias: torch.Tensor | None = None,
+        variant: str | None = None,
+    ) -> None:
+        if weight_packed.device.type != "cpu":
+            raise KernelUnavailableError(
+                f"cpu backend: expected CPU tensors, got {weight_packed.device}"
+            )
+        wp, scale = weight_packed.contiguous(), weight_scale.contiguous()
+        zp = None if weight_zero_point is None else weight_zero_point.contiguous()
+        b = None if bias is None else bias.contiguous()
+        self.tensors = (wp, scale, zp)
+        self.bias = b
+        self.in_features, self.out_features = in_features, wp.shape[0]
+        self.group_size, self.variant = group_size, variant
+        self._max_m = GEMV_MAX_M[_variant(variant)]
+        self._layer = _Layer(
+            wp.data_ptr(), wp.shape[0], in_features, wp.stride(0),
+            scale.data_ptr(), _DT_CODE[scale.dtype], scale.shape[1], scale.stride(0),
+            None if zp is None else zp.data_ptr(), 0 if zp is None else zp.stride(0), group_size,
+            None if b is None else b.data_ptr(), 0 if b is None else _DT_CODE[b.dtype],
+        )  # fmt: skip
+        self._fn = _library(variant).qk_w4a16_gemv_layer
+        if group_size != in_features and group_size % 32:
+            raise ValueError(
+                f"group_size: expected a multiple of 32 or per-channel, got {group_size}"
+            )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cpu:
+            raise KernelUnavailableError(f"cpu backend: expected CPU tensors, got {x.device}")
+        n = self.out_features
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        m = x2.shape[0]
+        if m > self._max_m or m == 0 or x2.stride(-1) != 1:
+            return w4a16_linear_cpu(
+                x, *self.tensors, in_features=self.in_features, group_size=self.group_size,
+                bias=self.bias, check=False, variant=self.variant,
+            )  # fmt: skip
+        out = torch.empty(m, n, dtype=x.dtype)
+        code = _DT_CODE[x.dtype]
+        status = self._fn(
+            self._layer, x2.data_ptr(), code, m, x2.stride(0), out.data_ptr(), code, n,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            _check_status(status, "qk_w4a16_gemv")
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)

@@ -1,0 +1,416 @@
+"""C source of the CPU W4A16 kernels, compiled once per machine by `cpu_build` (gcc + ctypes).
+
+It lives in a .py module (not a .c file) so that it ships with the package without package-data
+rules. The kernels read the compressed-tensors tensors exactly as stored (no repack):
+
+- `qk_w4a16_gemv`: y [M, N] = x [M, K] @ dequant(W).T (+ bias), for small M (decode). Streams
+  each packed row once per chunk of <= 4 activation rows; OpenMP over output rows.
+- `qk_w4a16_gemv_layer`: the same with the layer's arguments in a struct bound once.
+- `qk_w4_dequant`: rows [n0, n1) of dequant(W) as fp32 [n1 - n0, K], bit-identical to
+  `quantkit.packing.int4_dequantize`; the prefill path hands these to MKL.
+
+Why the GEMV is fast. A 32-element block of a row is 4 int32 words (16 bytes). The kernel loads
+the 4 words once into every 128-bit lane of a vector register and shifts lane l of vector j by
+4 * ((VEC/4) * j + (l >> 2)): after `& 0xF` the nibbles come out in a fixed permutation of the
+block (lane l of vector j = element 8 * (l & 3) + (VEC/4) * j + (l >> 2)). Rather than permute
+4-bit weights on every call, the activations (a few KB) are permuted once per call to match, so
+the inner loop is shift, and, int->float, one FMA to dequantize (u * s - (8 + zp) * s, shared by
+all activation rows) and one FMA per activation row: no shuffles. Compiled for AVX-512 (16
+lanes), AVX2 (8 lanes) or plain C, picked from the CPU's flags by `cpu_build`.
+
+Measured at N=14336, K=4096, g128, M=1, weights streamed from DRAM, one Zen 5 core (CPU
+time, the machine being shared): 15.9 GB/s of packed weight with AVX-512, 10.3 GB/s with AVX2,
+against 36-38 GB/s for a one-core 256 MB copy (read + write bytes). The AVX2 loop is bound by
+its ~5 vector ops per 8 weights, not by memory, so the op count per weight is what the layout
+and the loop structure minimise; the AVX-512 loop needs the software prefetch described below.
+
+dtype codes: 0 = fp32, 1 = bf16, 2 = fp16 (x, scales, bias, output). Return value: 0 on
+success, 1 = unsupported group layout (groups must be multiples of 32 or per channel), 2 = out
+of memory.
+"""
+
+from __future__ import annotations
+
+C_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else {  /* subnormal: renormalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f; memcpy(&f, &bits, 4); return f;
+}
+
+static uint16_t float_to_half(float f) {  /* round to nearest even, as torch does */
+    uint32_t x; memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7FFFFFFF;
+    if (ax >= 0x7F800000) return (uint16_t)(sign | 0x7C00 | (ax > 0x7F800000 ? 0x200 : 0));
+    if (ax >= 0x477FF000) return (uint16_t)(sign | 0x7C00);  /* rounds to inf */
+    if (ax < 0x38800000) {  /* subnormal half (or zero): steps of 2^-24 */
+        float a; memcpy(&a, &ax, 4);
+        return (uint16_t)(sign | (uint32_t)__builtin_rintf(a * 16777216.0f));
+    }
+    uint32_t r = ax + 0xC8000FFF + ((ax >> 13) & 1);  /* rebias exponent, round to even */
+    return (uint16_t)(sign | (r >> 13));
+}
+
+static inline float load_f(const void *p, int64_t i, int dt) {
+    if (dt == DT_BF16) {
+        uint32_t b = (uint32_t)((const uint16_t *)p)[i] << 16; float f; memcpy(&f, &b, 4);
+        return f;
+    }
+    if (dt == DT_F16) return half_to_float(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+
+static inline void store_f(void *p, int64_t i, int dt, float v) {
+    if (dt == DT_BF16) {
+        uint32_t b; memcpy(&b, &v, 4);
+        if ((b & 0x7FFFFFFF) > 0x7F800000) b |= 0x00400000;  /* keep NaN a NaN */
+        else b += 0x7FFF + ((b >> 16) & 1);
+        ((uint16_t *)p)[i] = (uint16_t)(b >> 16);
+    } else if (dt == DT_F16) {
+        ((uint16_t *)p)[i] = float_to_half(v);
+    } else {
+        ((float *)p)[i] = v;
+    }
+}
+
+/* Vector width in fp32 lanes. A 32-element block (4 words) becomes NV = 32 / VEC vectors:
+   lane l of vector j holds element 8 * (l & 3) + (VEC / 4) * j + (l >> 2) of the block. */
+#if defined(__AVX512F__)
+#define VEC 16
+typedef __m512 vf;
+typedef __m512i vi;
+#define VF_ZERO() _mm512_setzero_ps()
+#define VF_SET1(a) _mm512_set1_ps(a)
+#define VF_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VF_ADD(a, b) _mm512_add_ps(a, b)
+#define VF_LOAD(p) _mm512_loadu_ps(p)
+#define VF_HSUM(a) _mm512_reduce_add_ps(a)
+#define VI_BCAST4(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p)))
+#define VI_NIBBLE(w, sh) \
+    _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(0xF)))
+/* 32 zmm registers: 4 accumulators per activation row at every MB */
+#define ACC_PER_ROW(MB) 4
+#define VI_SHIFTS(j) _mm512_setr_epi32(16 * (j), 16 * (j), 16 * (j), 16 * (j), \
+    16 * (j) + 4, 16 * (j) + 4, 16 * (j) + 4, 16 * (j) + 4, \
+    16 * (j) + 8, 16 * (j) + 8, 16 * (j) + 8, 16 * (j) + 8, \
+    16 * (j) + 12, 16 * (j) + 12, 16 * (j) + 12, 16 * (j) + 12)
+#elif defined(__AVX2__)
+#define VEC 8
+typedef __m256 vf;
+typedef __m256i vi;
+#define VF_ZERO() _mm256_setzero_ps()
+#define VF_SET1(a) _mm256_set1_ps(a)
+#define VF_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VF_ADD(a, b) _mm256_add_ps(a, b)
+#define VF_LOAD(p) _mm256_loadu_ps(p)
+static inline float VF_HSUM(__m256 a) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+#define VI_BCAST4(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
+#define VI_NIBBLE(w, sh) \
+    _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32(0xF)))
+/* 16 ymm registers: 4 accumulators at MB = 1, 2 per activation row above */
+#define ACC_PER_ROW(MB) ((MB) == 1 ? 4 : 2)
+#define VI_SHIFTS(j) _mm256_setr_epi32(8 * (j), 8 * (j), 8 * (j), 8 * (j), \
+    8 * (j) + 4, 8 * (j) + 4, 8 * (j) + 4, 8 * (j) + 4)
+#else
+#define VEC 8
+#endif
+#define NV (32 / VEC)
+
+static inline int perm_src(int j, int l) { return 8 * (l & 3) + (VEC / 4) * j + (l >> 2); }
+
+static inline int zero_of(const int32_t *zp, int64_t zp_stride, int64_t n, int64_t g) {
+    if (!zp) return 0;
+    return (int)(((uint32_t)zp[(n >> 3) * zp_stride + g] >> (4 * (n & 7))) & 0xF) - 8;
+}
+
+/* Rows [n0, n1)'s per-group dequantization constants: s [rows][G] and c = -(8 + zp) * s
+   [rows][G] (8 + zp is the stored zero-point nibble). Plain loops per dtype, over the whole
+   tile when its scales are contiguous, so gcc vectorises them: a per-row dtype switch made this
+   prologue cost 20% of a 576x576 GEMV. */
+static void tile_params(const void *scale, int s_dt, int64_t s_stride, const int32_t *zp,
+                        int64_t zp_stride, int64_t n0, int64_t n1, int64_t G, float *s, float *c)
+{
+    int64_t rows = n1 - n0, len = s_stride == G ? rows * G : G;
+    for (int64_t r = 0; r < (s_stride == G ? 1 : rows); r++) {
+        int64_t off = (n0 + r) * s_stride;
+        float *d = s + r * G;
+        if (s_dt == DT_BF16) {
+            const uint16_t *p = (const uint16_t *)scale + off;
+            for (int64_t i = 0; i < len; i++) {
+                uint32_t b = (uint32_t)p[i] << 16;
+                memcpy(d + i, &b, 4);
+            }
+        } else if (s_dt == DT_F16) {
+            const uint16_t *p = (const uint16_t *)scale + off;
+            for (int64_t i = 0; i < len; i++) d[i] = half_to_float(p[i]);
+        } else {
+            memcpy(d, (const float *)scale + off, (size_t)len * sizeof(float));
+        }
+    }
+    if (!zp) {
+        for (int64_t i = 0; i < rows * G; i++) c[i] = -8.0f * s[i];
+        return;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t n = n0 + r;
+        const uint32_t *z = (const uint32_t *)zp + (n >> 3) * zp_stride;
+        int shift = 4 * (int)(n & 7);
+        float *cr = c + r * G;
+        const float *sr = s + r * G;
+        for (int64_t g = 0; g < G; g++) cr[g] = -(float)((z[g] >> shift) & 0xF) * sr[g];
+    }
+}
+
+/* Blocks per K tile, for all MB activation rows together: 256 blocks = 32 KB of fp32 x stay
+   in L1 while the tile's weight rows stream past. Without K tiles x falls out of L1 once
+   MB * K * 4 bytes pass ~32 KB: 4096x14336 at M = 1 ran at half the bytes/s of 14336x4096
+   (3.8 vs 1.7 ms on one Zen 5 core). Short tiles hurt too: 1024-element tiles (512-byte runs
+   per weight row) halved the bytes/s at M = 1, the prefetchers want long runs. */
+#define KT_BLOCKS 256
+
+/* res[m] += sum over blocks [b0, b1) of x[m, block] . W[n, block] for MB (1..4) activation
+   rows and one weight row. xc holds the chunk's activations as [block][MB][32] (permuted).
+   Each nibble u is dequantized once, w = u * s + c (one FMA), then used for every row.
+   Accumulator indices are compile-time constants (a runtime index spills them to memory) and
+   FMA latency wants >= 8 independent chains, so blocks go in pairs (alt = 0, 1).
+   Every 64 bytes of weights it prefetches the line `pf` bytes ahead into L2: the same spot of
+   the next row tile. The K tiles visit each row in 4 KB runs, which the hardware prefetchers
+   follow badly (2.3x slower at 14336x4096, M = 1, before the software prefetch). */
+static inline __attribute__((always_inline)) void gemv_tile(
+    int MB, const float *xc, int64_t b0, int64_t b1, int64_t g0, int64_t bpg, int gsh,
+    const int32_t *wrow, int64_t words, const float *s, const float *c, int64_t pf, float *res)
+{
+#ifdef VI_NIBBLE
+    vf acc[4][4];
+    const int nacc = ACC_PER_ROW(MB);
+    for (int m = 0; m < MB; m++)
+        for (int a = 0; a < 4; a++) acc[m][a] = VF_ZERO();
+#define GEMV_BLOCK(wv_expr, bi, alt, sv, cv)                                      \
+    do {                                                                          \
+        vi wv = (wv_expr);                                                        \
+        const float *xb = xc + (bi) * 32 * MB;                                    \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NV; j++) {                    \
+            vf w = VF_FMA(VI_NIBBLE(wv, VI_SHIFTS(j)), sv, cv);                   \
+            int a = (j + NV * (alt)) % nacc;                                      \
+            _Pragma("GCC unroll 4") for (int m = 0; m < MB; m++)                  \
+                acc[m][a] = VF_FMA(w, VF_LOAD(xb + m * 32 + j * VEC), acc[m][a]); \
+        }                                                                         \
+    } while (0)
+    int64_t blk = b0, nfull = words / 4;  /* only a per-channel row has a partial block */
+    if (gsh >= 0) {
+        /* 2^gsh blocks per group (g32/64/128): one flat loop over block pairs, each block
+           broadcasting its group's s and c (a load each). A loop per group cost ~10 cycles
+           a group: 576x576 g64 took 21 us instead of 15 on one core. */
+        for (; blk + 1 < b1; blk += 2) {
+            if (!(blk & 3)) __builtin_prefetch((const char *)(wrow + blk * 4) + pf, 0, 2);
+            vf s0 = VF_SET1(s[blk >> gsh]), c0 = VF_SET1(c[blk >> gsh]);
+            vf s1 = VF_SET1(s[(blk + 1) >> gsh]), c1 = VF_SET1(c[(blk + 1) >> gsh]);
+            GEMV_BLOCK(VI_BCAST4(wrow + blk * 4), blk, 0, s0, c0);
+            GEMV_BLOCK(VI_BCAST4(wrow + blk * 4 + 4), blk + 1, 1, s1, c1);
+        }
+        if (blk < b1) {
+            vf s0 = VF_SET1(s[blk >> gsh]), c0 = VF_SET1(c[blk >> gsh]);
+            GEMV_BLOCK(VI_BCAST4(wrow + blk * 4), blk, 0, s0, c0);
+        }
+    } else {  /* per channel (one group, maybe a partial last block) or other group sizes */
+        for (int64_t g = g0; blk < b1; g++) {  /* g0 = b0 / bpg: no division per group */
+            int64_t gend = (g + 1) * bpg < b1 ? (g + 1) * bpg : b1;
+            int64_t fend = gend < nfull ? gend : nfull;
+            vf sv = VF_SET1(s[g]), cv = VF_SET1(c[g]);
+            for (; blk + 1 < fend; blk += 2) {
+                if (!(blk & 3)) __builtin_prefetch((const char *)(wrow + blk * 4) + pf, 0, 2);
+                GEMV_BLOCK(VI_BCAST4(wrow + blk * 4), blk, 0, sv, cv);
+                GEMV_BLOCK(VI_BCAST4(wrow + blk * 4 + 4), blk + 1, 1, sv, cv);
+            }
+            if (blk < fend) {
+                GEMV_BLOCK(VI_BCAST4(wrow + blk * 4), blk, 0, sv, cv);
+                blk++;
+            }
+            if (blk < gend) {  /* the tail: pad the missing words with zeros */
+                int32_t tmp[4] = {0, 0, 0, 0};
+                for (int64_t t = blk * 4; t < words; t++) tmp[t - blk * 4] = wrow[t];
+                GEMV_BLOCK(VI_BCAST4(tmp), blk, 0, sv, cv);
+                blk++;
+            }
+        }
+    }
+#undef GEMV_BLOCK
+    for (int m = 0; m < MB; m++) {
+        vf t = acc[m][0];
+        for (int a = 1; a < nacc; a++) t = VF_ADD(t, acc[m][a]);
+        res[m] += VF_HSUM(t);
+    }
+#else
+    float acc[4] = {0, 0, 0, 0};
+    for (int64_t blk = b0; blk < b1; blk++) {
+        float sg = s[blk / bpg], cg = c[blk / bpg];
+        for (int j = 0; j < NV; j++)
+            for (int l = 0; l < VEC; l++) {
+                int64_t w = blk * 4 + (l & 3);
+                uint32_t word = w < words ? (uint32_t)wrow[w] : 0u;
+                float q = (float)((word >> (4 * ((VEC / 4) * j + (l >> 2)))) & 0xF) * sg + cg;
+                for (int m = 0; m < MB; m++) acc[m] += q * xc[(blk * MB + m) * 32 + j * VEC + l];
+            }
+    }
+    for (int m = 0; m < MB; m++) res[m] += acc[m];
+#endif
+}
+
+/* Weight rows per scheduling unit: their per-group constants and partial sums live on the
+   stack, and a tile of them streams past each K tile of x. */
+#define RT 16
+
+int qk_w4a16_gemv(
+    const void *x, int x_dt, int64_t M, int64_t K, int64_t x_stride,
+    const int32_t *wq, int64_t N, int64_t wq_stride,
+    const void *scale, int s_dt, int64_t n_groups, int64_t s_stride,
+    const int32_t *zp, int64_t zp_stride, int64_t group_size,
+    const void *bias, int b_dt, void *out, int o_dt, int64_t o_stride, int n_threads)
+{
+    int64_t nblk = (K + 31) / 32, kp = nblk * 32, words = (K + 7) / 8, bpg;
+    if (n_groups == 1) bpg = nblk;
+    else if (group_size % 32 == 0 && group_size * n_groups == K) bpg = group_size / 32;
+    else return 1;
+    int gsh = -1;  /* log2(blocks per group) when that is a power of two, else -1 */
+    for (int t = 0; n_groups > 1 && t < 30; t++)
+        if (bpg == ((int64_t)1 << t)) gsh = t;
+    float *xp = (float *)aligned_alloc(64, (size_t)(M * kp) * sizeof(float));
+    /* per row tile: s [RT][G] then c [RT][G] (the last tile's rows may be fewer) */
+    float *params = (float *)malloc((size_t)((N + RT) * 2 * n_groups) * sizeof(float));
+    if (!xp || !params) { free(xp); free(params); return 2; }
+    /* x -> fp32, each 32-element block permuted to the order the shifts produce, K padded with
+       zeros, rows of each chunk of 4 interleaved per block: [chunk][block][row][32]. */
+    for (int64_t m = 0; m < M; m++) {
+        int64_t m0 = m & ~(int64_t)3, mb = M - m0 < 4 ? M - m0 : 4;
+        for (int64_t b = 0; b < nblk; b++)
+            for (int j = 0; j < NV; j++)
+                for (int l = 0; l < VEC; l++) {
+                    int64_t k = b * 32 + perm_src(j, l);
+                    xp[m0 * kp + (b * mb + (m & 3)) * 32 + j * VEC + l] =
+                        k < K ? load_f(x, m * x_stride + k, x_dt) : 0.0f;
+                }
+    }
+    /* Dynamic chunks: with other processes on the cores a static split waits for the
+       descheduled thread (4 ms stalls per call measured on a loaded 2-core machine). */
+    #pragma omp parallel for num_threads(n_threads) schedule(dynamic, 1)
+    for (int64_t n0 = 0; n0 < N; n0 += RT) {
+        int64_t n1 = n0 + RT < N ? n0 + RT : N;
+        float *s = params + n0 * 2 * n_groups, *c = s + RT * n_groups;
+        tile_params(scale, s_dt, s_stride, zp, zp_stride, n0, n1, n_groups, s, c);
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            int64_t mb = M - m0 < 4 ? M - m0 : 4;
+            float res[RT][4] = {{0}};
+            int64_t kt = (KT_BLOCKS / mb) & ~(int64_t)3;  /* any group layout: handled per block */
+            int64_t pf = RT * wq_stride * 4;  /* bytes from a row to the next tile's row */
+            for (int64_t b0 = 0; b0 < nblk; b0 += kt) {
+                int64_t b1 = b0 + kt < nblk ? b0 + kt : nblk, g0 = b0 / bpg;
+                for (int64_t n = n0; n < n1; n++) {
+                    const int32_t *wrow = wq + n * wq_stride;
+                    const float *sn = s + (n - n0) * n_groups, *cn = c + (n - n0) * n_groups;
+                    const float *xc = xp + m0 * kp;
+                    float *r = res[n - n0];
+                    /* a literal MB per call, so each case is specialised */
+#define TILE(MB) gemv_tile(MB, xc, b0, b1, g0, bpg, gsh, wrow, words, sn, cn, pf, r)
+                    if (mb == 1) TILE(1);
+                    else if (mb == 2) TILE(2);
+                    else if (mb == 3) TILE(3);
+                    else TILE(4);
+#undef TILE
+                }
+            }
+            for (int64_t n = n0; n < n1; n++) {
+                float bn = bias ? load_f(bias, n, b_dt) : 0.0f;
+                for (int64_t t = 0; t < mb; t++)
+                    store_f(out, (m0 + t) * o_stride + n, o_dt, res[n - n0][t] + bn);
+            }
+        }
+    }
+    free(xp);
+    free(params);
+    return 0;
+}
+
+/* One layer's static arguments, bound once (`CpuInt4Layer`), so that a decode call passes 9
+   arguments instead of 21: each ctypes argument conversion costs ~0.1-0.2 us. */
+typedef struct {
+    const int32_t *wq;
+    int64_t N, K, wq_stride;
+    const void *scale;
+    int64_t s_dt, n_groups, s_stride;
+    const int32_t *zp;
+    int64_t zp_stride, group_size;
+    const void *bias;
+    int64_t b_dt;
+} qk_w4_layer;
+
+int qk_w4a16_gemv_layer(const qk_w4_layer *L, const void *x, int x_dt, int64_t M,
+                        int64_t x_stride, void *out, int o_dt, int64_t o_stride, int n_threads)
+{
+    return qk_w4a16_gemv(x, x_dt, M, L->K, x_stride, L->wq, L->N, L->wq_stride, L->scale,
+                         (int)L->s_dt, L->n_groups, L->s_stride, L->zp, L->zp_stride,
+                         L->group_size, L->bias, (int)L->b_dt, out, o_dt, o_stride, n_threads);
+}
+
+int qk_w4_dequant(
+    const int32_t *wq, int64_t n0, int64_t n1, int64_t K, int64_t wq_stride,
+    const void *scale, int s_dt, int64_t n_groups, int64_t s_stride,
+    const int32_t *zp, int64_t zp_stride, float *out, int n_threads)
+{
+    int64_t gs = K / n_groups;
+    if (gs * n_groups != K) return 1;
+    #pragma omp parallel for num_threads(n_threads) schedule(static)
+    for (int64_t n = n0; n < n1; n++) {
+        const int32_t *wrow = wq + n * wq_stride;
+        float *orow = out + (n - n0) * K;
+        for (int64_t g = 0; g < n_groups; g++) {
+            /* (u - (8 + zp)) is exact in fp32 and one multiply follows, as in
+               quantkit.packing.int4_dequantize: the result is bit-identical to it. */
+            float s = load_f(scale, n * s_stride + g, s_dt);
+            float z = (float)(zero_of(zp, zp_stride, n, g) + 8);
+            int64_t k = g * gs, kend = k + gs;
+#ifdef __AVX2__
+            const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+            const __m256 zv = _mm256_set1_ps(z), sv = _mm256_set1_ps(s);
+            for (; k + 8 <= kend && (k & 7) == 0; k += 8) {
+                __m256i wv = _mm256_set1_epi32(wrow[k >> 3]);
+                __m256 q = _mm256_cvtepi32_ps(
+                    _mm256_and_si256(_mm256_srlv_epi32(wv, shifts), _mm256_set1_epi32(0xF)));
+                _mm256_storeu_ps(orow + k, _mm256_mul_ps(_mm256_sub_ps(q, zv), sv));
+            }
+#endif
+            for (; k < kend; k++) {
+                float q = (float)(((uint32_t)wrow[k >> 3] >> (4 * (k & 7))) & 0xF);
+                orow[k] = (q - z) * s;
+            }
+        }
+    }
+    return 0;
+}
+"""

@@ -1,0 +1,192 @@
+"""CPU W4A16 backend (compiled C GEMV + dequantize/MKL prefill) against the reference.
+
+Every instruction-set variant this CPU runs (avx512, avx2, generic C) is built into a temporary
+$QUANTKIT_HOME and swept over odd shapes: N not a multiple of 8 (half-used zero-point words),
+per-channel K not a multiple of 8 or 32 (a partial last block), M = 1..5 (the 4-row chunking and
+its remainders), M = 16 and M = 33 (the prefill path), every activation and scale dtype, bias.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import quantkit.fused_kernels.w4a16_cpu as cpu
+from quantkit.errors import KernelUnavailableError
+from quantkit.fused_kernels.cpu_build import build_library, supported_variants
+from quantkit.fused_kernels.w4a16_reference import dequantize_packed_int4, w4a16_linear_reference
+from quantkit.packing import int4_qparams, int4_quantize, pack_int4, pack_zero_points
+
+VARIANTS = supported_variants()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_home(tmp_path_factory: pytest.TempPathFactory):
+    """Build the kernels into a temporary QUANTKIT_HOME (and forget the loaded ones after)."""
+    mp = pytest.MonkeyPatch()
+    home = tmp_path_factory.mktemp("quantkit-home")
+    mp.setenv("QUANTKIT_HOME", str(home))
+    cpu._library.cache_clear()
+    yield home
+    cpu._library.cache_clear()
+    mp.undo()
+
+
+def make_layer(n: int, k: int, group: int, symmetric: bool, *, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen)
+    g = k if group == -1 else group
+    scale, zero = int4_qparams(w, group_size=g, symmetric=symmetric)
+    codes = int4_quantize(w, scale, zero, group_size=g)
+    zp = None if zero is None else pack_zero_points(zero)
+    return pack_int4(codes), scale.to(dtype), zp, g
+
+
+def tolerances(x: torch.Tensor, w: torch.Tensor) -> dict[str, float]:
+    """The kernel computes in fp32 like the reference (x and scales upcast exactly), summing in
+    another order: ~sqrt(K) * 6e-8 of sum |x| |w| (2.3e-6 at K=1536); 1e-5 of it is the margin,
+    while one wrong nibble moves an output by >= 1/K of it. bf16/fp16 outputs are then rounded
+    once on each side, so two values 1e-5 apart may round one ulp apart: rtol of one ulp."""
+    magnitude = (x.float().abs() @ w.abs().T).max().item()
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[x.dtype]
+    return dict(atol=1e-5 * magnitude, rtol=rtol)
+
+
+CASES = [
+    # m, n, k, group, symmetric, x dtype, scale dtype, bias
+    (1, 64, 128, 32, False, torch.float32, torch.float32, False),
+    (1, 77, 384, 128, False, torch.bfloat16, torch.bfloat16, True),
+    (2, 200, 384, 64, True, torch.float16, torch.float16, True),
+    (3, 9, 200, -1, False, torch.float32, torch.bfloat16, False),
+    (4, 576, 1536, 64, False, torch.bfloat16, torch.bfloat16, False),
+    (5, 13, 13, -1, True, torch.float32, torch.float32, True),
+    (1, 33, 14336, 128, False, torch.float32, torch.float16, False),
+    (16, 40, 576, 32, False, torch.float16, torch.float32, True),
+    (7, 1, 9000, -1, False, torch.float32, torch.float32, False),
+    (33, 50, 256, 64, True, torch.bfloat16, torch.bfloat16, True),
+    (64, 9, 96, 32, False, torch.float32, torch.float32, False),
+]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "M{}-N{}-K{}-g{}-{}-{}".format(*c[:5], c[5]))
+def test_cpu_matches_reference(variant: str, case: tuple) -> None:
+    m, n, k, group, symmetric, dtype, scale_dtype, with_bias = case
+    wp, scale, zp, g = make_layer(n, k, group, symmetric, dtype=scale_dtype, seed=m)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+    y = cpu.w4a16_linear_cpu(x, wp, scale, zp, in_features=k, group_size=g, bias=bias,
+                             variant=variant)  # fmt: skip
+    ref = w4a16_linear_reference(
+        x.float(), wp, scale, zp, in_features=k, group_size=g,
+        bias=None if bias is None else bias.float(),
+    )  # fmt: skip
+    w = dequantize_packed_int4(wp, scale, zp, in_features=k, group_size=g)
+    assert y.dtype == dtype and y.shape == (m, n)
+    torch.testing.assert_close(y.float(), ref.to(dtype).float(), **tolerances(x, w))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cpu_dtype_conversions_are_exact(variant: str, dtype: torch.dtype) -> None:
+    """Identity-like weights make every fp32 operation exact, so the output must equal torch's
+    own rounding bit for bit: half/bf16 reads (x, scales, bias incl. subnormals) and the
+    round-to-nearest-even stores (ties, overflow to inf)."""
+    n = k = 64
+    codes = torch.eye(n, k, dtype=torch.int8)  # W[n, n] = (1 - 0) * s[n]
+    finfo = torch.finfo(dtype)
+    gen = torch.Generator().manual_seed(0)
+    scale = (torch.rand(n, 1, generator=gen) * 4).to(dtype)
+    scale[0] = finfo.tiny / 4  # a subnormal scale (fp16) / a tiny one (bf16)
+    scale[1] = 1.0
+    x = torch.randn(3, k, generator=gen).to(dtype)
+    x[0, 1] = finfo.max  # with bias: overflows to inf on rounding
+    x[1, 2] = finfo.tiny / 8  # a subnormal activation; its output is subnormal or zero
+    bias = torch.randn(n, generator=gen).to(dtype)
+    bias[1] = finfo.max
+    bias[2] = 0.0
+    y = cpu.w4a16_linear_cpu(x, pack_int4(codes), scale, None, in_features=k, group_size=k,
+                             bias=bias, variant=variant)  # fmt: skip
+    expected = (x.float() * scale.float().T + bias.float()).to(dtype)
+    assert torch.equal(y, expected)
+
+
+@pytest.mark.parametrize("n,k,group,symmetric", [(77, 384, 128, False), (9, 200, -1, True)])
+def test_cpu_dequantize_is_bit_exact(n: int, k: int, group: int, symmetric: bool) -> None:
+    wp, scale, zp, g = make_layer(n, k, group, symmetric, dtype=torch.bfloat16)
+    w = cpu.dequantize_cpu(wp, scale, zp, in_features=k)
+    assert torch.equal(w, dequantize_packed_int4(wp, scale, zp, in_features=k, group_size=g))
+
+
+def test_cpu_handles_views_and_leading_dims() -> None:
+    wp, scale, zp, g = make_layer(40, 256, 64, False)
+    x = torch.randn(256, 6).T.reshape(2, 3, 256)  # non-contiguous input, 3-D
+    y = cpu.w4a16_linear_cpu(x, wp, scale, zp, in_features=256, group_size=g)
+    ref = w4a16_linear_reference(x, wp, scale, zp, in_features=256, group_size=g)
+    assert y.shape == (2, 3, 40)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    assert cpu.w4a16_linear_cpu(x[:0], wp, scale, zp, in_features=256, group_size=g).shape == (
+        0, 3, 40,
+    )  # fmt: skip
+
+
+def test_cpu_rejects_bad_inputs() -> None:
+    wp, scale, zp, g = make_layer(40, 256, 64, False)
+    kw = dict(in_features=256, group_size=g)
+    with pytest.raises(KernelUnavailableError, match="got torch.float64"):
+        cpu.w4a16_linear_cpu(torch.randn(1, 256, dtype=torch.float64), wp, scale, zp, **kw)
+    with pytest.raises(ValueError, match=r"expected 32 words per row .* got 31"):
+        cpu.w4a16_linear_cpu(torch.randn(1, 256), wp[:, :31], scale, zp, **kw)
+    with pytest.raises(ValueError, match=r"weight_zero_point: expected int32 \[5, 4\]"):
+        cpu.w4a16_linear_cpu(torch.randn(1, 256), wp, scale, zp[:4], **kw)
+    with pytest.raises(ValueError, match=r"bias: expected a float \[40\] tensor"):
+        cpu.w4a16_linear_cpu(torch.randn(1, 256), wp, scale, zp, bias=torch.ones(41), **kw)
+    # groups of 16 are valid quantization but not a layout the C kernel takes
+    wp16, scale16, zp16, _ = make_layer(40, 256, 16, False)
+    with pytest.raises(ValueError, match="multiple of 32 or per-channel"):
+        cpu.w4a16_linear_cpu(torch.randn(1, 256), wp16, scale16, zp16, in_features=256,
+                             group_size=16)  # fmt: skip
+
+
+def test_build_is_cached_and_keyed(kernel_home) -> None:
+    source = "int qk_answer(void) { return 42; }\n"
+    first = build_library("qk_test", source, variant="generic")
+    assert first.parent == kernel_home / "kernels" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert build_library("qk_test", source, variant="generic") == first
+    assert first.stat().st_mtime_ns == mtime  # not rebuilt
+    other = build_library("qk_test", source + "\n", variant="generic")
+    assert other != first  # another source, another file
+    assert not list((kernel_home / "kernels").glob(".qk_test-*"))  # no temporary dirs left
+
+
+def test_missing_compiler_is_a_typed_error(monkeypatch) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler-qk")
+    with pytest.raises(KernelUnavailableError, match="expected a C compiler.*no-such-compiler-qk"):
+        build_library("qk_test_cc", "int f(void) { return 1; }\n", variant="generic")
+
+
+def test_broken_source_is_a_typed_error() -> None:
+    with pytest.raises(KernelUnavailableError, match="to build qk_bad"):
+        build_library("qk_bad", "this is not C\n", variant="generic")
+
+
+def test_unknown_variant_is_rejected() -> None:
+    with pytest.raises(KernelUnavailableError, match="cpu variant: expected one this CPU runs"):
+        build_library("qk_test", "int f(void) { return 1; }\n", variant="avx9000")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_cpu_prefill_path_matches_reference(variant: str, monkeypatch) -> None:
+    """Dequantize + MKL (taken above GEMV_MAX_M rows; forced here with a threshold of 0)."""
+    monkeypatch.setattr(cpu, "GEMV_MAX_M", dict.fromkeys(cpu.GEMV_MAX_M, 0))
+    for m, n, k, group, symmetric in [(3, 77, 384, 128, False), (20, 9, 200, -1, True)]:
+        wp, scale, zp, g = make_layer(n, k, group, symmetric, dtype=torch.bfloat16)
+        x = torch.randn(m, k)
+        bias = torch.randn(n)
+        y = cpu.w4a16_linear_cpu(x, wp, scale, zp, in_features=k, group_size=g, bias=bias,
+                                 variant=variant)  # fmt: skip
+        ref = w4a16_linear_reference(x, wp, scale, zp, in_features=k, group_size=g, bias=bias)
+        # the same fp32 weights and MKL matmul as the reference: equal up to MKL's blocking
+        torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-5)
