@@ -1,0 +1,258 @@
+"""`quantkit generate [MODEL_OR_CKPT] --prompt TEXT`: stream a completion, then say how close the
+decode came to the machine's bandwidth ceiling."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Any
+
+import click
+import torch
+
+from quantkit.errors import GenerationError, HardwareError
+from quantkit.generate import (
+    GenerationResult,
+    StreamEvent,
+    cache_length,
+    encode_prompt,
+    eos_token_ids,
+    generate,
+)
+from quantkit.hardware import local_hardware
+from quantkit.loader import LoadedModel, load_model
+from quantkit.roofline import DecodeRoofline, decode_roofline
+from quantkit.sampling import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise GenerationError(f"--device: expected a device this machine has, got {name}")
+    return torch.device(name)
+
+
+def _load(model: str | None, *, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    if model is None:
+        from quantkit.embedded import ensure_embedded_int4
+
+        return load_model(ensure_embedded_int4(), dtype=dtype, device=device)
+    return load_model(model, dtype=dtype, device=device)
+
+
+def _backend(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> str:
+    kind = str(dtype).removeprefix("torch.")
+    if loaded.scheme is None:
+        return f"dense {kind} (torch)"
+    from quantkit.fused_kernels.dispatch import resolve_backend
+
+    # resolve_backend, not choose_backend: the kernel that ran, after any fallback.
+    return f"{loaded.scheme.describe()}, {kind} activations, kernel {resolve_backend(device)}"
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    from quantkit.hardware import cpu_name
+
+    threads = torch.get_num_threads()
+    return f"cpu ({cpu_name()}, {threads} thread{'s' if threads != 1 else ''})"
+
+
+def _roofline(
+    loaded: LoadedModel, result: GenerationResult, device: torch.device
+) -> DecodeRoofline | None:
+    stats = result.stats
+    # Decode step k attends to prompt + k tokens: the mean context over the timed steps.
+    context = stats.prompt_tokens // stats.batch_size + stats.generated_tokens // 2
+    try:
+        hardware = local_hardware(device)
+    except HardwareError:  # a GPU missing from the table: report the rate without a ceiling
+        return None
+    return decode_roofline(
+        loaded.model,
+        achieved_tok_s=stats.decode_tok_s if stats.decode_latencies_s else math.nan,
+        context=context,
+        hardware=hardware,
+        batch=stats.batch_size,
+    )
+
+
+def _summary_dict(
+    result: GenerationResult,
+    roof: DecodeRoofline | None,
+    *,
+    device: torch.device,
+    backend: str,
+    loaded: LoadedModel,
+) -> dict[str, Any]:
+    stats = result.stats.to_dict()
+    out: dict[str, Any] = {
+        "text": result.texts[0] if result.texts else "",
+        "finish_reason": result.finish_reasons[0],
+        "tokens": result.tokens[0],
+        **stats,
+        "bytes_per_token": None,
+        "ceiling_tok_s": None,
+        "mbu": None,
+        "device": _device_name(device),
+        "backend": backend,
+        "model": str(loaded.path),
+    }
+    if roof is not None:
+        detail = roof.to_dict()
+        if stats["decode_tok_s"] is None:
+            detail["mbu"] = None
+        out.update(detail)
+    return out
+
+
+def _fmt_ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f} ms"
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    s = summary
+    click.echo("")
+    click.echo("---")
+    click.echo(
+        f"tokens     {s['prompt_tokens']} prompt + {s['generated_tokens']} generated "
+        f"(finish: {s['finish_reason']})"
+    )
+    prompt_rate = f" ({s['prompt_tok_s']:.0f} prompt tok/s)" if s["prompt_tok_s"] else ""
+    click.echo(f"TTFT       {_fmt_ms(s['ttft_ms'])}{prompt_rate}")
+    click.echo(f"TPOT       p50 {_fmt_ms(s['tpot_ms_p50'])}, p99 {_fmt_ms(s['tpot_ms_p99'])}")
+    rate = "n/a (one token: no decode step)"
+    if s["decode_tok_s"] is not None:
+        rate = f"{s['decode_tok_s']:.1f} tok/s"
+    click.echo(f"decode     {rate}")
+    if s["bytes_per_token"] is not None:
+        mb = 1e-6
+        click.echo(
+            f"bytes      {s['bytes_per_token'] * mb:.1f} MB/token: Linears "
+            f"{s['bytes_linear'] * mb:.1f} + scales/zeros {s['bytes_qparams'] * mb:.1f} + "
+            f"lm_head {s['bytes_lm_head'] * mb:.1f} + norms {s['bytes_other'] * mb:.2f} + "
+            f"KV {s['bytes_kv'] * mb:.2f} (at {s['kv_context']} tokens)"
+        )
+        mbu = "n/a" if s["mbu"] is None else f"{s['mbu']:.0%}"
+        click.echo(
+            f"roofline   ceiling {s['ceiling_tok_s']:.1f} tok/s at {s['peak_gb_s']:.1f} GB/s; "
+            f"MBU {mbu}"
+        )
+    click.echo(f"device     {s['device']}")
+    click.echo(f"backend    {s['backend']}")
+
+
+@click.command("generate")
+@click.argument("model", required=False, metavar="[MODEL_OR_CKPT]")
+@click.option("--prompt", required=True, help="The prompt text.")
+@click.option("--max-new-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off.")
+@click.option("--min-p", type=float, default=0.0, show_default=True, help="0 = off.")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="1 = off.")
+@click.option("--seed", type=int, default=None, help="Sampling seed (default: random).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable); removed from the output.")
+@click.option(
+    "--chat/--no-chat",
+    default=None,
+    help="Wrap the prompt in the tokenizer's chat template [default: chat if it has one].",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object, no streaming.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", *_DTYPES]),
+    default="auto",
+    show_default=True,
+    help="Activations and dense weights; auto = float32 on CPU, bfloat16 on CUDA.",
+)
+@click.option("--compile", "compile_step", is_flag=True, help="torch.compile the decode step.")
+@click.option(
+    "--threads", type=int, default=None, help="CPU threads for torch [default: torch's choice]."
+)
+def generate_cmd(
+    model: str | None,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+    repetition_penalty: float,
+    seed: int | None,
+    stop: tuple[str, ...],
+    chat: bool | None,
+    as_json: bool,
+    device: str,
+    dtype: str,
+    compile_step: bool,
+    threads: int | None,
+) -> None:
+    """Generate a completion of --prompt with MODEL_OR_CKPT (a checkpoint, a HF directory, a
+    .gguf file or smollm2-135m; default: the embedded model as INT4, quantized on first use),
+    streaming the text, then print TTFT, TPOT, tok/s and MBU against this machine's ceiling.
+
+    With --json, `generated_tokens` counts every sampled token, the EOS that ended the text
+    included; `tokens` lists the output ids (EOS excluded)."""
+    # Every check that needs no model first, so bad input fails in milliseconds.
+    if not prompt.strip():
+        raise GenerationError("--prompt: expected some text, got an empty prompt")
+    params = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+        max_new_tokens=max_new_tokens,
+        stop=tuple(stop),
+    )
+    if threads is not None:
+        if threads < 1:
+            raise GenerationError(f"--threads: expected an integer >= 1, got {threads}")
+        torch.set_num_threads(threads)
+    dev = _device(device)
+    torch_dtype = _DTYPES.get(dtype) or (torch.float32 if dev.type == "cpu" else torch.bfloat16)
+    loaded = _load(model, dtype=torch_dtype, device=dev)
+    ids = encode_prompt(loaded.tokenizer, prompt, chat=chat)
+    eos = eos_token_ids(tokenizer=loaded.tokenizer, config=loaded.config, model_dir=loaded.path)
+
+    def stream(event: StreamEvent) -> None:
+        if event.text:
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+
+    slots = None
+    if compile_step:
+        # The compiled step is specialized to the cache length: warm up with the real one.
+        context = loaded.model.config.max_position_embeddings
+        slots = cache_length([len(ids)], max_new_tokens, context=context)
+        click.echo(
+            "compiling the decode step (a short warm-up run; minutes on a CPU) ...", err=True
+        )
+        warm = SamplingParams(max_new_tokens=min(3, max_new_tokens))
+        generate(loaded.model, [ids], warm, compile=True, cache_len=slots)
+    result = generate(
+        loaded.model,
+        [ids],
+        params,
+        eos_ids=eos,
+        tokenizer=loaded.tokenizer,
+        on_token=None if as_json else stream,
+        compile=compile_step,
+        cache_len=slots,
+    )
+    roof = _roofline(loaded, result, dev)
+    summary = _summary_dict(
+        result, roof, device=dev, backend=_backend(loaded, dev, torch_dtype), loaded=loaded
+    )
+    if as_json:
+        click.echo(json.dumps(summary))
+    else:
+        _print_summary(summary)

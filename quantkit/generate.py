@@ -1,0 +1,353 @@
+"""The decode loop, after gpt-fast: `prefill`, `decode_one_token`, `generate`.
+
+Batches of different prompt lengths use right padding with per-row positions: row b's prompt
+sits at cache slots 0..L_b-1 (its pad tokens, written at L_b..Lmax-1, are overwritten by its
+own generated tokens before any query can see them), its n-th generated token is fed at slot
+L_b + n, and each query attends to slots <= its own position. So a row computes exactly what it
+would alone, and RoPE positions equal cache slots, as `CausalLM` requires.
+
+Rows that finish early (EOS, a stop string, their token limit) keep riding along in the static
+batch, frozen at their last slot, until every row is done; their outputs are discarded.
+
+What is timed (see `quantkit.stats`): TTFT = prefill + sampling + handling of the first token;
+then one latency per decode step, each including its sampling and the detokenization and
+callback of its tokens, so TTFT + the steps add up to the wall time of the call.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantkit.errors import GenerationError
+from quantkit.model import CausalLM
+from quantkit.sampling import (
+    LogitsProcessor,
+    SamplingParams,
+    apply_processors,
+    default_processors,
+    make_generator,
+    sample,
+)
+from quantkit.stats import GenerationStats, Timer
+from quantkit.textstream import IncrementalDetokenizer, StopStringStream
+
+__all__ = [
+    "GenerationResult",
+    "StreamEvent",
+    "cache_length",
+    "decode_one_token",
+    "encode_prompt",
+    "eos_token_ids",
+    "generate",
+    "prefill",
+]
+
+# Cache lengths are rounded up to this many slots, so a compiled decode step (static shapes)
+# is reused across calls whose lengths differ a little. Masked slots cost one dot product each.
+_CACHE_ROUND = 64
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """One step of one row, for streaming.
+
+    token: the generated token, or None on a closing event that adds no token (EOS).
+    text: the text that became final with this event ("" while held back: an unfinished
+        character, or a tail that may turn into a stop string).
+    finish_reason: "stop" or "length" on the row's last event, else None.
+    """
+
+    row: int
+    token: int | None
+    text: str
+    finish_reason: str | None
+
+
+@dataclass
+class GenerationResult:
+    """tokens: generated ids per row (EOS excluded; a stop string's tokens included).
+    texts: the decoded text per row, cut before its stop string (None without a tokenizer).
+    finish_reasons: "stop" (EOS or a stop string) or "length" (the token limit) per row."""
+
+    tokens: list[list[int]]
+    texts: list[str] | None
+    finish_reasons: list[str]
+    stats: GenerationStats
+
+
+# --------------------------------------------------------------------------- model steps
+
+
+def prefill(model: CausalLM, ids: torch.Tensor, *, lengths: torch.Tensor) -> torch.Tensor:
+    """Run right-padded prompts ids [B, T] (row b real up to lengths[b]) into the cache at slots
+    0..T-1; return the next-token logits [B, V] of each row's last real token."""
+    b, t = ids.shape
+    slots = model.model.layers[0].self_attn.cache.k.shape[2]
+    positions = torch.arange(t, device=ids.device).expand(b, t)
+    # Causal over the cache: query t sees slots <= t; the same for every row.
+    mask = (torch.arange(slots, device=ids.device) <= positions[:1, :, None]).unsqueeze(1)
+    logits = model(ids, positions=positions, mask=mask, logits_at=lengths - 1)
+    return logits[:, 0]
+
+
+def decode_one_token(
+    model: CausalLM, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Feed tokens [B, 1] at cache slots positions [B, 1] under mask [B, 1, 1, S]; return the
+    next-token logits [B, V]. The hot step: this is what `compile=True` compiles."""
+    return model(tokens, positions=positions, mask=mask)[:, -1]
+
+
+def _decode_step(device: torch.device, *, compile: bool) -> Callable[..., torch.Tensor]:
+    if not compile:
+        return decode_one_token
+    # CUDA graphs replay the whole step as one launch (small-batch decode is launch-bound);
+    # on CPU inductor fuses the elementwise ops between the matmuls. Dynamo caches the result
+    # on decode_one_token's code object, so later calls with the same shapes reuse it.
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    return torch.compile(decode_one_token, mode=mode, dynamic=False)
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def encode_prompt(tokenizer: Any, text: str, *, chat: bool | None = None) -> list[int]:
+    """Token ids of `text`; as one user turn of the tokenizer's chat template when `chat` (None:
+    when the tokenizer has a template, as instruct models do)."""
+    if not text.strip():
+        raise GenerationError("prompt: expected some text, got an empty prompt")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if chat is None:
+        chat = has_template
+    if chat:
+        if not has_template:
+            raise GenerationError(
+                "chat: expected a tokenizer with a chat template, got one without (use --no-chat)"
+            )
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        # The template already holds the special tokens; adding them again would double BOS.
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+    return list(tokenizer.encode(text, add_special_tokens=True))
+
+
+def eos_token_ids(
+    *, tokenizer: Any = None, config: dict[str, Any] | None = None, model_dir: Path | None = None
+) -> set[int]:
+    """Every id that ends a sequence: the tokenizer's eos, config.json's and
+    generation_config.json's `eos_token_id` (an int or a list in either file)."""
+    found: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int) and not isinstance(value, bool):
+            found.add(value)
+        elif isinstance(value, list):
+            found.update(v for v in value if isinstance(v, int))
+
+    if tokenizer is not None:
+        add(getattr(tokenizer, "eos_token_id", None))
+    if config is not None:
+        add(config.get("eos_token_id"))
+    if model_dir is not None and (Path(model_dir) / "generation_config.json").is_file():
+        try:
+            add(
+                json.loads((Path(model_dir) / "generation_config.json").read_text()).get(
+                    "eos_token_id"
+                )
+            )
+        except (OSError, json.JSONDecodeError):  # a broken optional file is not worth an error
+            pass
+    return found
+
+
+def cache_length(lengths: Sequence[int], max_new_tokens: int, *, context: int) -> int:
+    """The KV cache slots `generate` allocates by default: room for the longest row (prompt +
+    new tokens, within the context window), rounded up to a multiple of 64."""
+    needed = max(min(n + max_new_tokens, context) for n in lengths)
+    return min(context, -(-needed // _CACHE_ROUND) * _CACHE_ROUND)
+
+
+# --------------------------------------------------------------------------- per-row state
+
+
+class _Row:
+    """One sequence's output: tokens, text, and why it stopped."""
+
+    def __init__(
+        self, index: int, limit: int, *, tokenizer: Any, stop: tuple[str, ...], eos: set[int]
+    ) -> None:
+        self.index, self.limit, self.eos = index, limit, eos
+        self.tokens: list[int] = []
+        self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stream = StopStringStream(stop)
+        self.finish_reason: str | None = None
+
+    def add(self, token: int) -> StreamEvent:
+        if token in self.eos:
+            self.finish_reason = "stop"
+            return StreamEvent(self.index, None, self._close(), "stop")
+        self.tokens.append(token)
+        text = self.stream.feed(self.detok.push(token)) if self.detok is not None else ""
+        if self.stream.stopped:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.limit:
+            self.finish_reason = "length"
+            text += self._close()
+            if self.stream.stopped:  # the released tail completed a stop string
+                self.finish_reason = "stop"
+        return StreamEvent(self.index, token, text, self.finish_reason)
+
+    def _close(self) -> str:
+        text = self.stream.feed(self.detok.flush()) if self.detok is not None else ""
+        return text + self.stream.finish()
+
+
+# --------------------------------------------------------------------------- generate
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]], vocab: int, context: int) -> list[int]:
+    if not prompts:
+        raise GenerationError("prompts: expected at least one prompt, got none")
+    lengths = []
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise GenerationError(f"prompt {i}: expected at least one token, got an empty prompt")
+        bad = [t for t in prompt if not 0 <= int(t) < vocab]
+        if bad:
+            raise GenerationError(f"prompt {i}: expected token ids in [0, {vocab}), got {bad[0]}")
+        if len(prompt) >= context:
+            raise GenerationError(
+                f"prompt {i}: expected at most {context - 1} tokens (context window {context}, "
+                f"one slot left to generate), got {len(prompt)}"
+            )
+        lengths.append(len(prompt))
+    return lengths
+
+
+@torch.inference_mode()
+def generate(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    *,
+    processors: Sequence[LogitsProcessor] = (),
+    eos_ids: Iterable[int] = (),
+    tokenizer: Any = None,
+    on_token: Callable[[StreamEvent], None] | None = None,
+    compile: bool = False,
+    generator: torch.Generator | None = None,
+    cache_len: int | None = None,
+) -> GenerationResult:
+    """Generate up to `params.max_new_tokens` tokens after each prompt (token ids), batched.
+
+    processors: run after the ones `params` implies (repetition penalty), in order. They get
+        input_ids [B, T] right-aligned (the last column is each row's newest token; -1 fills
+        the left of shorter rows, and is the newest token of a row that already finished).
+    eos_ids: tokens that end a row (see `eos_token_ids`); not part of the output.
+    tokenizer: needed for texts and stop strings; on_token: called with every `StreamEvent`.
+    compile: torch.compile the decode step (CUDA graphs on GPU); the first call compiles.
+    generator: the sampling RNG (default: one seeded with params.seed on the model's device).
+    cache_len: slots of the static KV cache (default: see `cache_length`). A compiled step is
+        specialized to it, so a warm-up run that should compile for a later call passes the
+        later call's `cache_length(...)`.
+    A row's token limit is also capped by the context window (finish reason "length").
+    """
+    cfg, device = model.config, model.device
+    context = cfg.max_position_embeddings
+    lengths = _check_prompts(prompts, cfg.vocab_size, context)
+    if params.stop and tokenizer is None:
+        raise GenerationError("stop strings: expected a tokenizer to decode text, got none")
+    chain = [*default_processors(params), *processors]
+    generator = generator or make_generator(params, device)
+    eos = set(eos_ids)
+    batch, longest = len(prompts), max(lengths)
+    limits = [min(params.max_new_tokens, context - n) for n in lengths]
+    slots = cache_length(lengths, params.max_new_tokens, context=context)
+    if cache_len is not None:
+        needed = max(n + k for n, k in zip(lengths, limits, strict=True))
+        if not needed <= cache_len <= context:
+            raise GenerationError(
+                f"cache_len: expected {needed} to {context} slots for these prompts and "
+                f"max_new_tokens, got {cache_len}"
+            )
+        slots = cache_len
+    rows = [
+        _Row(i, limits[i], tokenizer=tokenizer, stop=params.stop, eos=eos) for i in range(batch)
+    ]
+
+    ids = torch.zeros(batch, longest, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, : lengths[i]] = torch.tensor([int(t) for t in prompt])
+    ids = ids.to(device)
+    length_t = torch.tensor(lengths, device=device)
+    # Right-aligned history for the processors (only kept when there are some).
+    history = None
+    if chain:
+        history = torch.full((batch, longest + max(limits)), -1, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            history[i, longest - lengths[i] : longest] = torch.tensor([int(t) for t in prompt])
+        history = history.to(device)
+    width = longest
+
+    def pick(logits: torch.Tensor) -> list[int]:
+        nonlocal width
+        if history is not None:
+            logits = apply_processors(chain, history[:, :width], logits)
+        tokens = sample(logits, params, generator=generator)
+        if history is not None:
+            active = torch.tensor([r.finish_reason is None for r in rows], device=device)
+            history[:, width] = torch.where(active, tokens, -1)
+            width += 1
+        return tokens.tolist()
+
+    def handle(tokens: list[int]) -> None:
+        for row, token in zip(rows, tokens, strict=True):
+            if row.finish_reason is None:
+                event = row.add(token)
+                if on_token is not None:
+                    on_token(event)
+
+    step = _decode_step(device, compile=compile)
+    latencies: list[float] = []
+    model.setup_cache(batch=batch, max_len=slots)
+    try:
+        timer = Timer(device).start()
+        tokens = pick(prefill(model, ids, lengths=length_t))
+        handle(tokens)
+        ttft = timer.lap()
+        cache_slots = torch.arange(slots, device=device)
+        positions = length_t.clone()  # the slot each row's next fed token goes to
+        while any(r.finish_reason is None for r in rows):
+            fed = torch.tensor(tokens, device=device).unsqueeze(1)
+            mask = (cache_slots <= positions[:, None]).view(batch, 1, 1, slots)
+            logits = step(model, fed, positions.unsqueeze(1), mask)
+            # Finished rows stay at their slot: never past the cache, never seen by others.
+            done = torch.tensor([r.finish_reason is not None for r in rows], device=device)
+            positions = torch.where(done, positions, positions + 1)
+            tokens = pick(logits)
+            handle(tokens)
+            latencies.append(timer.lap())
+        wall = timer.elapsed()
+    finally:
+        model.drop_cache()
+    stats = GenerationStats(
+        prompt_tokens=sum(lengths),
+        generated_tokens=len(latencies) + 1,
+        ttft_s=ttft,
+        decode_latencies_s=latencies,
+        wall_s=wall,
+        batch_size=batch,
+    )
+    return GenerationResult(
+        tokens=[r.tokens for r in rows],
+        texts=[r.stream.text for r in rows] if tokenizer is not None else None,
+        finish_reasons=[r.finish_reason or "length" for r in rows],
+        stats=stats,
+    )

@@ -1,0 +1,167 @@
+"""`quantkit generate` end to end on a tiny model (dense and INT4), and every bad input."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantkit.cli.main import main
+
+KEYS = (
+    "text finish_reason prompt_tokens generated_tokens ttft_ms tpot_ms_p50 tpot_ms_p99 "
+    "decode_tok_s bytes_per_token ceiling_tok_s mbu device backend"
+).split()
+
+
+@pytest.fixture(autouse=True)
+def _env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("QUANTKIT_HOME", str(tmp_path / "home"))
+    # See tests/test_generate.py: one thread keeps tiny decode steps fast on a busy machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _one_line_error(code: int, err: str, *needles: str) -> None:
+    assert code != 0
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error:") and "Traceback" not in err, err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+@pytest.fixture(scope="module")
+def int4_ckpt(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from quantkit.checkpoint import save_checkpoint
+    from quantkit.quantize import quantize_model
+    from quantkit.scheme import QuantScheme
+
+    outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("rtn", 4, "auto"))
+    out = tmp_path_factory.mktemp("ckpt") / "tiny-rtn-int4"
+    return save_checkpoint(
+        out,
+        source_dir=tiny_model_dir,
+        config=outcome.config,
+        tensors=outcome.tensors,
+        scheme=outcome.scheme,
+        quantized_modules=outcome.quantized_modules,
+        report={},
+    )
+
+
+def test_json_has_the_documented_keys(tiny_model_dir: Path, capsys) -> None:
+    code, out, err = run(
+        capsys, "generate", str(tiny_model_dir), "--prompt", "Beautiful is better than",
+        "--max-new-tokens", "8", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    data = json.loads(out)
+    assert set(KEYS) <= data.keys()
+    assert data["finish_reason"] in ("stop", "length")
+    assert 1 <= data["generated_tokens"] <= 8 and data["prompt_tokens"] > 0
+    if data["decode_tok_s"] is not None:
+        assert data["mbu"] == pytest.approx(data["decode_tok_s"] / data["ceiling_tok_s"])
+    # Dense fp32, tied head: the head is the 512 x 64 embedding read in full.
+    assert data["bytes_lm_head"] == 512 * 64 * 4
+    assert data["backend"] == "dense float32 (torch)" and data["device"].startswith("cpu")
+
+
+def test_streams_text_then_summary(int4_ckpt: Path, capsys) -> None:
+    code, out, err = run(
+        capsys, "generate", str(int4_ckpt), "--prompt", "Explicit is better",
+        "--max-new-tokens", "12", "--temperature", "0.8", "--seed", "3", "--top-k", "40",
+    )  # fmt: skip
+    assert code == 0, err
+    text, summary = out.split("\n---\n")
+    for label in ("tokens", "TTFT", "TPOT", "decode", "bytes", "roofline", "device", "backend"):
+        assert f"\n{label} " in "\n" + summary, label
+    assert "rtn int4 g64 asymmetric" in summary and "MBU" in summary
+    again = run(
+        capsys, "generate", str(int4_ckpt), "--prompt", "Explicit is better",
+        "--max-new-tokens", "12", "--temperature", "0.8", "--seed", "3", "--top-k", "40",
+        "--json",
+    )  # fmt: skip
+    assert json.loads(again[1])["text"] == text.rstrip("\n")
+
+
+def test_default_model_is_the_cached_int4_checkpoint(
+    int4_ckpt: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import quantkit.embedded
+
+    calls: list[bool] = []
+
+    def fake() -> Path:
+        calls.append(True)
+        return int4_ckpt
+
+    monkeypatch.setattr(quantkit.embedded, "ensure_embedded_int4", fake)
+    code, out, err = run(capsys, "generate", "--prompt", "Hi", "--max-new-tokens", "2", "--json")
+    assert code == 0, err
+    assert calls and json.loads(out)["model"] == str(int4_ckpt)
+
+
+def test_embedded_checkpoint_is_made_once(tmp_path: Path, monkeypatch) -> None:
+    import quantkit.embedded as embedded
+
+    made: list[Path] = []
+
+    def fake_quantize(target: Path, *, home: Path | None, progress: bool) -> None:
+        made.append(target)
+        target.mkdir(parents=True)
+        (target / "config.json").write_text("{}")
+
+    monkeypatch.setattr(embedded, "_quantize_embedded", fake_quantize)
+    lines: list[str] = []
+    first = embedded.ensure_embedded_int4(home=tmp_path, log=lines.append)
+    again = embedded.ensure_embedded_int4(home=tmp_path, log=lines.append)
+    assert first == again == tmp_path / "checkpoints" / "smollm2-135m-awq-int4"
+    assert made == [first] and len(lines) == 2 and "first use: quantizing" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["--prompt", ""], ["--prompt: expected some text, got an empty prompt"]),
+        (["--prompt", "hi", "--max-new-tokens", "0"], ["max_new_tokens", ">= 1, got 0"]),
+        (["--prompt", "hi", "--max-new-tokens", "-4"], ["max_new_tokens", "got -4"]),
+        (["--prompt", "hi", "--top-p", "0"], ["top_p: expected a number in (0, 1], got 0.0"]),
+        (["--prompt", "hi", "--top-p", "1.5"], ["top_p", "got 1.5"]),
+        (["--prompt", "hi", "--temperature", "-0.5"], ["temperature", ">= 0, got -0.5"]),
+    ],
+    ids=["empty-prompt", "zero-tokens", "negative-tokens", "top-p-0", "top-p-1.5", "neg-temp"],
+)
+def test_bad_sampling_input(tiny_model_dir: Path, capsys, args: list[str], needles) -> None:
+    code, _, err = run(capsys, "generate", str(tiny_model_dir), *args)
+    _one_line_error(code, err, *needles)
+
+
+def test_prompt_longer_than_the_context_window(tiny_model_dir: Path, capsys) -> None:
+    code, _, err = run(
+        capsys, "generate", str(tiny_model_dir), "--prompt", "Beautiful is better. " * 200
+    )
+    _one_line_error(code, err, "expected at most 255 tokens (context window 256")
+
+
+def test_not_a_checkpoint_directory(tmp_path: Path, capsys) -> None:
+    folder = tmp_path / "not-a-model"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("hello")
+    code, _, err = run(capsys, "generate", str(folder), "--prompt", "hi")
+    _one_line_error(code, err, str(folder), "found no config.json")
