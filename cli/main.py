@@ -11,8 +11,12 @@ import sys
 import click
 
 from quantkit import __version__
+from quantkit.cli.eval_cmd import eval_cmd
+from quantkit.cli.generate_cmd import generate_cmd
 from quantkit.cli.inspect_cmd import inspect_cmd
+from quantkit.cli.lm_eval_cmd import lm_eval_cmd
 from quantkit.cli.quantize_cmd import quantize_cmd
+from quantkit.cli.roofline_cmd import roofline_cmd
 from quantkit.errors import QuantkitError
 
 
@@ -24,6 +28,10 @@ def cli() -> None:
 
 cli.add_command(quantize_cmd)
 cli.add_command(inspect_cmd)
+cli.add_command(generate_cmd)
+cli.add_command(roofline_cmd)
+cli.add_command(eval_cmd)
+cli.add_command(lm_eval_cmd)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,104 @@
+"""`quantkit eval CKPT [CKPT...] --reference MODEL`: what quantization cost, on one table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from quantkit.evals.compare import compare_models, format_table, write_json
+from quantkit.evals.task_data import LOCAL_TASKS
+
+
+@click.command("eval")
+@click.argument("checkpoints", nargs=-1, required=True)
+@click.option(
+    "--reference",
+    required=True,
+    help="The unquantized model: a HF directory, a .gguf file, or smollm2-135m.",
+)
+@click.option(
+    "--tasks",
+    default="arc_easy,piqa,lambada",
+    show_default=True,
+    help=f"Comma-separated, from: {', '.join(LOCAL_TASKS)}.",
+)
+@click.option("--limit", type=int, default=None, help="Items per task (default: all).")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Write the table and the full lm-eval results here.",
+)
+@click.option(
+    "--ppl-tokens",
+    type=int,
+    default=8192,
+    show_default=True,
+    help="Held-out Wikipedia tokens for perplexity and KL/top-1 (0 skips them).",
+)
+@click.option("--window", type=int, default=512, show_default=True, help="Perplexity window.")
+@click.option("--batch-size", type=int, default=32, show_default=True, help="Contexts per batch.")
+@click.option(
+    "--max-batch-tokens",
+    type=int,
+    default=2048,
+    show_default=True,
+    help="Tokens per forward pass, padding included (bounds memory).",
+)
+@click.option(
+    "--add-bos/--no-add-bos",
+    default=None,
+    help="Start every sequence with BOS (default: the tokenizer's own behaviour).",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Folder of the benchmark .jsonl files (default: $QUANTKIT_DATA/benchmarks).",
+)
+@click.option(
+    "--cache",
+    is_flag=True,
+    help="Reuse each unchanged model's lm-eval answers from $QUANTKIT_HOME/eval-cache.",
+)
+@click.option("--no-progress", is_flag=True, help="No progress bars.")
+def eval_cmd(
+    checkpoints: tuple[str, ...],
+    reference: str,
+    tasks: str,
+    limit: int | None,
+    json_path: Path | None,
+    ppl_tokens: int,
+    window: int,
+    batch_size: int,
+    max_batch_tokens: int,
+    add_bos: bool | None,
+    data_dir: Path | None,
+    cache: bool,
+    no_progress: bool,
+) -> None:
+    """Compare quantized CHECKPOINTS with --reference on lm-eval tasks (offline), held-out
+    perplexity and next-token KL / top-1 agreement; print one table with recovery %."""
+    from quantkit.evals.harness import offline_env
+    from quantkit.sources import quantkit_home
+
+    offline_env()  # before lm-eval imports `datasets`, which reads it once
+    comparison = compare_models(
+        list(checkpoints),
+        reference=reference,
+        tasks=tasks.split(","),
+        limit=limit,
+        ppl_tokens=ppl_tokens,
+        window=window,
+        batch_size=batch_size,
+        max_batch_tokens=max_batch_tokens,
+        add_bos_token=add_bos,
+        data_dir=data_dir,
+        cache_dir=quantkit_home() / "eval-cache" if cache else None,
+        progress=not no_progress,
+        log=lambda msg: click.echo(msg, err=True),
+    )
+    click.echo(format_table(comparison))
+    if json_path is not None:
+        write_json(comparison, json_path)
+        click.echo(f"wrote {json_path}")

@@ -1,0 +1,142 @@
+"""Where the offline lm-eval tasks get their items, and the names they go by.
+
+The task YAMLs in `tasks/` name a loader from this module as their `custom_dataset`, so lm-eval
+never calls `datasets.load_dataset` for them: no hub, no download, no dataset cache. The
+multiple-choice and cloze sets are JSON-lines files (llm-foundry's local eval data) in the
+benchmarks folder, found in this order:
+
+1. `data_dir=PATH` from lm-eval's `--metadata` (or `TaskManager(metadata=...)`),
+2. `$QUANTKIT_DATA/benchmarks`, where $QUANTKIT_DATA is the project's data folder,
+3. `../shared/data/benchmarks` beside the repository root (a development checkout).
+
+The perplexity task reads the held-out split of the Wikipedia sample used for calibration
+(`quantkit.calibration.wiki_split`), so it never overlaps the AWQ calibration text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from quantkit.errors import EvalError
+
+__all__ = [
+    "DATA_ENV",
+    "LOCAL_TASKS",
+    "TASKS_DIR",
+    "benchmarks_dir",
+    "load_benchmark",
+    "load_wikipedia",
+    "read_jsonl",
+    "resolve_task_names",
+]
+
+DATA_ENV = "QUANTKIT_DATA"
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+# Short name (what `quantkit eval --tasks` takes) -> the lm-eval task name in tasks/*.yaml.
+# The task names carry a prefix so that they never shadow lm-eval's own (hub-backed) tasks.
+LOCAL_TASKS: dict[str, str] = {
+    "arc_easy": "quantkit_arc_easy",
+    "piqa": "quantkit_piqa",
+    "boolq": "quantkit_boolq",
+    "openbookqa": "quantkit_openbookqa",
+    "copa": "quantkit_copa",
+    "lambada": "quantkit_lambada_openai",
+    "wikipedia": "quantkit_wikipedia",
+}
+_ALIASES = {"openbook_qa": "openbookqa", "lambada_openai": "lambada", "wiki": "wikipedia"}
+_REPO_DEFAULT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "benchmarks"
+
+
+def benchmarks_dir(data_dir: str | Path | None = None) -> Path:
+    """The folder holding the benchmark .jsonl files (see the module docstring for the order)."""
+    if data_dir:
+        return Path(data_dir).expanduser()
+    env = os.environ.get(DATA_ENV)
+    if env:
+        return Path(env).expanduser() / "benchmarks"
+    return _REPO_DEFAULT
+
+
+def read_jsonl(path: Path, *, fields: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Rows of a JSON-lines file, each checked to carry `fields`."""
+    if not path.is_file():
+        raise EvalError(
+            f"benchmark file missing: expected {path}; set {DATA_ENV} to the data folder that "
+            f"holds benchmarks/ (or pass --metadata data_dir=FOLDER)"
+        )
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise EvalError(f"{path}:{lineno}: expected a JSON object, got {e.msg}") from None
+            missing = [k for k in fields if k not in row] if isinstance(row, dict) else fields
+            if missing:
+                raise EvalError(
+                    f"{path}:{lineno}: expected the fields {', '.join(fields)}, "
+                    f"missing {', '.join(missing)}"
+                )
+            rows.append(row)
+    if not rows:
+        raise EvalError(f"{path}: expected at least one item, got an empty file")
+    return rows
+
+
+def _dataset_dict(rows: list[dict[str, Any]]) -> Any:
+    import datasets
+
+    # An in-memory Dataset: nothing is written to the HF datasets cache.
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+
+
+def load_benchmark(*, file: str, fields: list[str], data_dir: str | None = None, **_: Any) -> Any:
+    """`custom_dataset` of the benchmark tasks: {"test": the rows of `file`}.
+
+    lm-eval calls it with the task's metadata and model arguments as keywords too (its
+    `--metadata` merges them); everything but `file`, `fields` and `data_dir` is ignored."""
+    rows = read_jsonl(benchmarks_dir(data_dir) / file, fields=tuple(fields))
+    if "choices" in fields:
+        for i, row in enumerate(rows):
+            if not 0 <= int(row["gold"]) < len(row["choices"]):
+                raise EvalError(
+                    f"{file} item {i}: expected gold in [0, {len(row['choices'])}), "
+                    f"got {row['gold']}"
+                )
+    return _dataset_dict(rows)
+
+
+def load_wikipedia(**_: Any) -> Any:
+    """`custom_dataset` of the perplexity task: {"test": one row {"page": text} per held-out
+    article of the Wikipedia sample}."""
+    from quantkit.calibration import wiki_split
+
+    return _dataset_dict([{"page": text} for text in wiki_split().heldout])
+
+
+def resolve_task_names(names: list[str]) -> list[str]:
+    """lm-eval task names for `quantkit eval --tasks`: short names (arc_easy, piqa, lambada, ...)
+    or the full quantkit_* names. Anything else raises EvalError listing what exists."""
+    out = []
+    for raw in names:
+        name = raw.strip()
+        if not name:
+            continue
+        short = _ALIASES.get(name, name)
+        if short in LOCAL_TASKS:
+            out.append(LOCAL_TASKS[short])
+        elif name in LOCAL_TASKS.values():
+            out.append(name)
+        else:
+            raise EvalError(
+                f"unknown task {name!r}: expected one of {', '.join(LOCAL_TASKS)} "
+                f"(or their quantkit_* names)"
+            )
+    if not out:
+        raise EvalError("--tasks: expected at least one task name, got none")
+    return list(dict.fromkeys(out))

@@ -1,0 +1,148 @@
+"""The offline tasks: data lookup, loaders, task names, and the local task manager."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from quantkit.errors import EvalError
+from quantkit.evals.task_data import (
+    DATA_ENV,
+    LOCAL_TASKS,
+    TASKS_DIR,
+    benchmarks_dir,
+    load_benchmark,
+    read_jsonl,
+    resolve_task_names,
+)
+
+MC = {"query": "Question: Which is a fruit?", "choices": ["apple", "chair"], "gold": 0}
+
+
+def _write(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_every_short_name_has_a_yaml() -> None:
+    import yaml
+
+    names = set()
+    for f in TASKS_DIR.glob("*.yaml"):
+        # !function tags are lm-eval's; the plain loader only needs the task name.
+        text = "\n".join(ln for ln in f.read_text().splitlines() if "!function" not in ln)
+        names.add(yaml.safe_load(text)["task"])
+    assert names == set(LOCAL_TASKS.values())
+
+
+def test_resolve_task_names() -> None:
+    assert resolve_task_names(["arc_easy", " piqa", "lambada_openai", "quantkit_copa"]) == [
+        "quantkit_arc_easy",
+        "quantkit_piqa",
+        "quantkit_lambada_openai",
+        "quantkit_copa",
+    ]
+    assert resolve_task_names(["openbook_qa", "openbookqa"]) == ["quantkit_openbookqa"]
+    with pytest.raises(EvalError, match=r"unknown task 'hellaswag': expected one of arc_easy"):
+        resolve_task_names(["arc_easy", "hellaswag"])
+    with pytest.raises(EvalError, match="expected at least one task name"):
+        resolve_task_names(["", " "])
+
+
+def test_benchmarks_dir_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DATA_ENV, str(tmp_path / "data"))
+    assert benchmarks_dir() == tmp_path / "data" / "benchmarks"
+    assert benchmarks_dir(tmp_path / "mine") == tmp_path / "mine"
+    monkeypatch.delenv(DATA_ENV)
+    assert benchmarks_dir().parts[-3:] == ("shared", "data", "benchmarks")
+
+
+def test_missing_file_names_it_and_the_variable(tmp_path: Path) -> None:
+    with pytest.raises(EvalError) as err:
+        load_benchmark(file="arc_easy.jsonl", fields=["query"], data_dir=str(tmp_path))
+    msg = str(err.value)
+    assert str(tmp_path / "arc_easy.jsonl") in msg and DATA_ENV in msg
+
+
+def test_bad_rows(tmp_path: Path) -> None:
+    f = tmp_path / "x.jsonl"
+    f.write_text('{"query": "q", "choices": ["a"], "gold": 0}\nnot json\n')
+    with pytest.raises(EvalError, match=r"x.jsonl:2: expected a JSON object"):
+        read_jsonl(f, fields=("query",))
+    _write(f, [{"query": "q"}])
+    with pytest.raises(
+        EvalError, match=r"x.jsonl:1: expected the fields query, gold, missing gold"
+    ):
+        read_jsonl(f, fields=("query", "gold"))
+    _write(f, [dict(MC, gold=2)])
+    with pytest.raises(EvalError, match=r"item 0: expected gold in \[0, 2\), got 2"):
+        load_benchmark(file="x.jsonl", fields=["query", "choices", "gold"], data_dir=str(tmp_path))
+    f.write_text("\n")
+    with pytest.raises(EvalError, match="expected at least one item"):
+        read_jsonl(f, fields=("query",))
+
+
+def test_loader_ignores_lm_eval_metadata(tmp_path: Path) -> None:
+    _write(tmp_path / "arc_easy.jsonl", [MC, dict(MC, gold=1)])
+    ds = load_benchmark(
+        file="arc_easy.jsonl",
+        fields=["query", "choices", "gold"],
+        data_dir=str(tmp_path),
+        version=1.0,
+        pretrained="whatever",
+    )
+    assert ds["test"].num_rows == 2 and ds["test"][1]["gold"] == 1
+
+
+# --------------------------------------------------------------------------- with lm-eval
+
+
+@pytest.fixture()
+def data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    pytest.importorskip("lm_eval")
+    monkeypatch.setenv(DATA_ENV, str(tmp_path))
+    _write(tmp_path / "benchmarks" / "piqa.jsonl", [dict(MC, query="Question: eat?\n")])
+    return tmp_path / "benchmarks"
+
+
+def test_local_task_manager_renders_prompts(data: Path) -> None:
+    from quantkit.evals.harness import local_task_manager
+
+    manager = local_task_manager(["quantkit_piqa"])
+    assert set(LOCAL_TASKS.values()) <= set(manager.all_tasks)
+    assert "arc_easy" not in manager.all_tasks  # lm-eval's built-ins were not indexed
+    task = manager.load(["quantkit_piqa"])["tasks"]["quantkit_piqa"]
+    doc = next(iter(task.test_docs()))
+    assert task.doc_to_text(doc) == "Question: eat?\nAnswer:"
+    assert task.doc_to_choice(doc) == ["apple", "chair"]
+
+
+def test_unknown_local_task_fails_fast(data: Path) -> None:
+    from quantkit.evals.harness import local_task_manager
+
+    with pytest.raises(EvalError, match="unknown task 'quantkit_nope': expected one of"):
+        local_task_manager(["quantkit_nope"])
+    with pytest.raises(EvalError, match="--include_path: expected a folder of task YAMLs"):
+        local_task_manager(["quantkit_piqa"], include_path=data / "absent")
+
+
+def test_real_benchmark_files_render() -> None:
+    """The shipped YAMLs on the real data (skipped where the project's data folder is absent)."""
+    pytest.importorskip("lm_eval")
+    if not (benchmarks_dir() / "arc_easy.jsonl").is_file():
+        pytest.skip(f"no benchmark data at {benchmarks_dir()}")
+    from quantkit.evals.harness import local_task_manager
+
+    names = [n for n in LOCAL_TASKS.values() if n != "quantkit_wikipedia"]
+    tasks = local_task_manager(names).load(names)["tasks"]
+    counts = {}
+    for name, task in tasks.items():
+        docs = list(task.test_docs())
+        counts[name] = len(docs)
+        text = task.doc_to_text(docs[0])
+        assert text and not text.endswith(" "), (name, text)
+    assert counts["quantkit_arc_easy"] == 2376 and counts["quantkit_lambada_openai"] == 5153
+    assert counts["quantkit_piqa"] == 1838 and counts["quantkit_copa"] == 100
