@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml Makefile
 demo: setup
 	$(BIN)/quantkit quantize smollm2-135m --bits 4 -o $(DEMO_OUT) --force
 	$(BIN)/quantkit inspect $(DEMO_OUT)
+	$(BIN)/quantkit generate $(DEMO_OUT) --max-new-tokens 96 \
+		--prompt "Explain in three sentences why INT4 weights make decoding faster."
 
 test: setup
 	$(BIN)/python -m pytest -q

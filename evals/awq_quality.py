@@ -1,7 +1,7 @@
 """Benchmark: how much of the RTN -> unquantized perplexity gap AWQ closes, over several seeds.
 
     python -m quantkit.evals.awq_quality [--model smollm2-135m] [--seeds 0 1 2]
-        [--eval-tokens 32768] [--group-size auto] [--calib-samples 128] [--search-tokens 4096]
+        [--eval-tokens 32768] [--group-size auto] [--calib-samples 64] [--search-tokens 4096]
 
 Perplexity is measured on the held-out Wikipedia split (articles never used for calibration),
 window 512; each seed redraws the calibration windows. Prints one table and, with --json, writes
@@ -21,7 +21,7 @@ from quantkit.awq import AwqConfig
 from quantkit.calibration import calibration_samples, heldout_tokens, wiki_split
 from quantkit.evals.perplexity import perplexity
 from quantkit.model import build_model
-from quantkit.quantize import load_dense, quantize_model
+from quantkit.quantize import DEFAULT_CALIB_SAMPLES, load_dense, quantize_model
 from quantkit.scheme import QuantScheme
 from quantkit.sources import resolve_model
 from quantkit.tokenizer import load_tokenizer
@@ -117,7 +117,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--eval-tokens", type=int, default=32768)
     p.add_argument("--group-size", default="auto")
-    p.add_argument("--calib-samples", type=int, default=128)
+    p.add_argument("--calib-samples", type=int, default=DEFAULT_CALIB_SAMPLES)
     p.add_argument("--calib-seq-len", type=int, default=512)
     p.add_argument("--search-tokens", type=int, default=4096)
     p.add_argument("--grid", type=int, default=20)

@@ -79,13 +79,13 @@ def _quantize_embedded(target: Path, *, home: Path | None, progress: bool) -> No
     from quantkit.awq import AwqConfig, LayerReport
     from quantkit.calibration import calibration_samples, wiki_split
     from quantkit.checkpoint import save_checkpoint
-    from quantkit.quantize import quantize_model
+    from quantkit.quantize import DEFAULT_CALIB_SAMPLES, quantize_model
     from quantkit.scheme import QuantScheme
     from quantkit.sources import resolve_model
     from quantkit.tokenizer import load_tokenizer
 
-    # The `quantkit quantize` defaults: 128 x 512 calibration tokens, seed 0, group size auto.
-    n_samples, seq_len, seed = 128, 512, 0
+    # The `quantkit quantize` defaults: 64 x 512 calibration tokens, seed 0, group size auto.
+    n_samples, seq_len, seed = DEFAULT_CALIB_SAMPLES, 512, 0
     model_dir = resolve_model(DEFAULT_MODEL, home=home, progress=progress)
     tokenizer = load_tokenizer(model_dir)
 

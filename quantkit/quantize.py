@@ -24,6 +24,8 @@ from quantkit.rtn import Int4Weights, group_size_for, rtn_quantize_weight
 from quantkit.scheme import QuantScheme
 from quantkit.sources import load_state_dict, read_config
 
+# Calibration windows for the activation statistics (x 512 tokens). See cli/quantize_cmd.py.
+DEFAULT_CALIB_SAMPLES = 64
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -32,7 +34,7 @@ class CalibrationSpec:
     """Where calibration text comes from and how much of it the statistics use."""
 
     path: Path | None = None  # None: the bundled Wikipedia articles (calibration split)
-    n_samples: int = 128
+    n_samples: int = DEFAULT_CALIB_SAMPLES
     seq_len: int = 512
     seed: int = 0
 
