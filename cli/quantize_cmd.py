@@ -152,8 +152,8 @@ def quantize_cmd(
 
     def on_layer(report: LayerReport) -> None:
         assert bar is not None
-        bar.update(1)
         bar.set_postfix_str(f"layer {report.index}: MSE vs RTN -{report.loss_reduction:.0%}")
+        bar.update(1)
 
     try:
         outcome = quantize_model(
@@ -288,9 +288,11 @@ def _summary(
     click.echo(f"size         {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB ({ratio:.2f}x smaller)")
     red = report["awq_layer_mse_reduction"]
     if red:
+        # Signed change of the layer-output MSE relative to RTN: negative = AWQ is closer to fp.
+        change = sorted(-r for r in red)
         click.echo(
-            f"AWQ          layer-output MSE vs RTN: median -{statistics.median(red):.0%} "
-            f"(range -{min(red):.0%} .. -{max(red):.0%}) over {len(red)} layers"
+            f"AWQ          layer-output MSE vs RTN: median {statistics.median(change):+.0%} "
+            f"(best {change[0]:+.0%}, worst {change[-1]:+.0%}) over {len(red)} layers"
         )
     ppl = report["perplexity"]
     if ppl:

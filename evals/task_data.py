@@ -65,7 +65,8 @@ def read_jsonl(path: Path, *, fields: tuple[str, ...]) -> list[dict[str, Any]]:
     if not path.is_file():
         raise EvalError(
             f"benchmark file missing: expected {path}; set {DATA_ENV} to the data folder that "
-            f"holds benchmarks/ (or pass --metadata data_dir=FOLDER)"
+            f"holds benchmarks/, or name the benchmarks folder with --data-dir (quantkit eval) "
+            f"or --metadata data_dir=FOLDER (quantkit lm-eval)"
         )
     rows = []
     with path.open(encoding="utf-8") as f:

@@ -135,7 +135,7 @@ def device_name(device: torch.device) -> str:
 def git_commit() -> str:
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
+            ["git", "describe", "--always", "--dirty"],
             cwd=Path(__file__).parent,
             capture_output=True,
             text=True,

@@ -289,7 +289,7 @@ def test_eval_cache_reuses_answers(capsys, tiny_model_dir: Path, tmp_path, monke
     from quantkit.evals.lm_eval_model import QuantkitLM
 
     same = shutil.copytree(tiny_model_dir, tmp_path / "same")
-    args = ["eval", str(same), "--reference", str(tiny_model_dir), "--tasks", "copa"]
+    args = ["eval", str(same), "--reference", str(tiny_model_dir), "--tasks", "arc_easy"]
     args += ["--limit", "5", "--ppl-tokens", "0", "--no-progress", "--cache"]
     code, first, err = run(capsys, *args)
     assert code == 0, err

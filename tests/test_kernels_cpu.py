@@ -70,7 +70,9 @@ CASES = [
 
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "M{}-N{}-K{}-g{}-{}-{}".format(*c[:5], c[5]))
-def test_cpu_matches_reference(variant: str, case: tuple) -> None:
+def test_cpu_matches_reference(variant: str, case: tuple, monkeypatch) -> None:
+    # fp32 math throughout (the bf16-matmul prefill has its own test and tolerance)
+    monkeypatch.setattr(cpu, "has_bf16_matmul", lambda: False)
     m, n, k, group, symmetric, dtype, scale_dtype, with_bias = case
     wp, scale, zp, g = make_layer(n, k, group, symmetric, dtype=scale_dtype, seed=m)
     gen = torch.Generator().manual_seed(1)
@@ -190,3 +192,20 @@ def test_cpu_prefill_path_matches_reference(variant: str, monkeypatch) -> None:
         ref = w4a16_linear_reference(x, wp, scale, zp, in_features=k, group_size=g, bias=bias)
         # the same fp32 weights and MKL matmul as the reference: equal up to MKL's blocking
         torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-5)
+
+
+def test_cpu_bf16_prefill_path(monkeypatch) -> None:
+    """bf16 activations above GEMV_MAX_M_BF16 rows on a CPU with bf16 matmuls: the weights are
+    rounded to bf16 (half an ulp, 2^-9 relative: at worst 2^-9 of sum |x| |w|) and the output
+    is rounded to bf16 (and again after the bias): atol 2^-8 of sum |x| |w|, rtol 2^-7."""
+    monkeypatch.setattr(cpu, "has_bf16_matmul", lambda: True)
+    wp, scale, zp, g = make_layer(300, 576, 64, False, dtype=torch.bfloat16)
+    x = torch.randn(40, 576).to(torch.bfloat16)
+    bias = torch.randn(300).to(torch.bfloat16)
+    y = cpu.w4a16_linear_cpu(x, wp, scale, zp, in_features=576, group_size=g, bias=bias)
+    ref = w4a16_linear_reference(x.float(), wp, scale, zp, in_features=576, group_size=g,
+                                 bias=bias.float())  # fmt: skip
+    w = dequantize_packed_int4(wp, scale, zp, in_features=576, group_size=g)
+    magnitude = (x.float().abs() @ w.abs().T).max().item()
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref, atol=2.0**-8 * magnitude, rtol=2.0**-7)

@@ -1,0 +1,92 @@
+"""JSONSchemaBench's data: categories, a fixed sample, and error classification."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BenchSchema", "category_of", "classify_error", "default_bench_dir", "sample_schemas"]
+
+# Published compile coverage ("compliance") on GlaiveAI-2K, JSONSchemaBench paper, table 3.
+PUBLISHED_GLAIVE = {"Outlines": 0.96, "XGrammar": 0.93, "Guidance": 0.98}
+
+
+def default_bench_dir() -> Path:
+    """$QUANTKIT_JSONSCHEMABENCH, else ../shared/data/jsonschemabench beside the repository."""
+    env = os.environ.get("QUANTKIT_JSONSCHEMABENCH")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench"
+
+
+def category_of(name: str) -> str:
+    """`Github_easy---foo.json` -> Github_easy; `BFCL_simple_3.json` -> BFCL; `JME_7` -> JME."""
+    if "---" in name:
+        return name.split("---", 1)[0]
+    return re.split(r"[_.]", name, maxsplit=1)[0]
+
+
+@dataclass(frozen=True)
+class BenchSchema:
+    name: str
+    category: str
+    schema: Any
+    tests: list[dict[str, Any]]
+
+
+def sample_schemas(
+    folder: Path, *, per_category: int = 15, limit: int | None = None
+) -> list[BenchSchema]:
+    """A fixed sample: per category, `per_category` files evenly spaced in sorted name order
+    (the same files on every run), interleaved across categories; the first `limit` of them."""
+    files = sorted((folder / "maskbench" / "data").glob("*.json"))
+    by_category: dict[str, list[Path]] = defaultdict(list)
+    for path in files:
+        by_category[category_of(path.name)].append(path)
+    picked: list[list[Path]] = []
+    for category in sorted(by_category):
+        paths = by_category[category]
+        k = min(per_category, len(paths))
+        picked.append([paths[(i * len(paths)) // k] for i in range(k)])
+    order = [p for round_ in zip(*[_pad(c, per_category) for c in picked], strict=True) for p in
+             round_ if p is not None]  # fmt: skip
+    if limit is not None:
+        order = order[:limit]
+    out = []
+    for path in order:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        out.append(
+            BenchSchema(path.name, category_of(path.name), data["schema"], data.get("tests", []))
+        )
+    return out
+
+
+def _pad(paths: list[Path], n: int) -> list[Path | None]:
+    return [*paths, *[None] * (n - len(paths))]
+
+
+def classify_error(message: str) -> str:
+    """A short cause for a GrammarError message, for the coverage table."""
+    keyword = re.search(r"keyword '([^']+)'", message)
+    if keyword:
+        return f"unsupported: {keyword.group(1)}"
+    for needle, kind in (
+        ("longer than the limit", "compile timeout"),
+        ("of memory", "compile memory"),
+        ("expected a valid JSON Schema", "invalid schema"),
+        ("external $ref", "external $ref"),
+        ("allOf", "allOf combination"),
+        ("pattern", "pattern"),
+        ("no JSON value satisfies", "unsatisfiable"),
+        ("regex of at most", "regex too large"),
+        ("subschemas once $refs are inlined", "too many inlined $refs"),
+        ("outlines-core cannot compile", "outlines-core rejected"),
+    ):
+        if needle in message:
+            return kind
+    return "other"

@@ -1,0 +1,139 @@
+"""JSON-Schema-Test-Suite, keyword by keyword: which keywords compile, and is the grammar sound?
+
+For every schema group of a draft's test files (one file per keyword), lower the schema to its
+regex; then, for each test instance, ask whether the regex matches the instance's compact JSON
+text (the regex's own language, a superset of what the index can generate: see `acceptance`).
+Reported per keyword:
+
+- groups lowered / total, and the GrammarError messages of the rest (the unsupported list);
+- soundness: invalid instances rejected / invalid instances of compiled groups. Must be 100%:
+  an accepted invalid instance is an output the constraint would let through;
+- completeness: valid instances accepted / valid instances of compiled groups (the grammar may
+  be narrower than the schema: lower is allowed, it only costs choice).
+
+Usage: python -m quantkit.grammar.bench_testsuite [--draft draft2020-12] [--data DIR] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quantkit.errors import GrammarError
+from quantkit.grammar.acceptance import accepts_text
+from quantkit.grammar.constraints import json_schema_grammar
+
+__all__ = ["KeywordReport", "default_suite_dir", "main", "run_suite"]
+
+
+def default_suite_dir() -> Path:
+    """$QUANTKIT_JSON_SCHEMA_TEST_SUITE, else ../shared/data/json-schema-test-suite beside the
+    repository (where the project keeps its shared data)."""
+    env = os.environ.get("QUANTKIT_JSON_SCHEMA_TEST_SUITE")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "shared" / "data" / "json-schema-test-suite"
+
+
+@dataclass
+class KeywordReport:
+    keyword: str
+    groups: int = 0
+    compiled: int = 0
+    valid: int = 0
+    valid_accepted: int = 0
+    invalid: int = 0
+    invalid_rejected: int = 0
+    errors: list[str] = field(default_factory=list)
+    unsound: list[str] = field(default_factory=list)  # "group / test" accepted though invalid
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def run_suite(folder: Path, *, files: list[str] | None = None) -> list[KeywordReport]:
+    """One report per test file (keyword) in `folder` (e.g. tests/draft2020-12)."""
+    reports = []
+    for path in sorted(folder.glob("*.json")):
+        if files is not None and path.stem not in files:
+            continue
+        report = KeywordReport(path.stem)
+        for group in json.loads(path.read_text(encoding="utf-8")):
+            report.groups += 1
+            try:
+                grammar = json_schema_grammar(group["schema"], label=group["description"])
+            except GrammarError as e:
+                report.errors.append(f"{group['description']}: {e}")
+                continue
+            report.compiled += 1
+            for test in group["tests"]:
+                accepted = accepts_text(grammar.regex, _compact(test["data"]))
+                if test["valid"]:
+                    report.valid += 1
+                    report.valid_accepted += accepted
+                else:
+                    report.invalid += 1
+                    report.invalid_rejected += not accepted
+                    if accepted:
+                        report.unsound.append(f"{group['description']} / {test['description']}")
+        reports.append(report)
+    return reports
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:5.1f}%" if whole else "    -"
+
+
+def print_reports(reports: list[KeywordReport]) -> None:
+    print(f"{'keyword':<28} {'lowered':>9} {'sound':>7} {'complete':>9}")
+    for r in reports:
+        print(
+            f"{r.keyword:<28} {r.compiled:>4}/{r.groups:<4} {_pct(r.invalid_rejected, r.invalid)} "
+            f"  {_pct(r.valid_accepted, r.valid)}"
+        )
+    total = {k: sum(getattr(r, k) for r in reports) for k in asdict(reports[0]) if k not in
+             ("keyword", "errors", "unsound")} if reports else {}  # fmt: skip
+    if total:
+        print(
+            f"{'ALL':<28} {total['compiled']:>4}/{total['groups']:<4} "
+            f"{_pct(total['invalid_rejected'], total['invalid'])}   "
+            f"{_pct(total['valid_accepted'], total['valid'])}"
+        )
+    unsupported = [r for r in reports if r.errors]
+    print("\nkeywords with groups that raise GrammarError (first message each):")
+    for r in unsupported:
+        print(f"  {r.keyword} ({len(r.errors)}/{r.groups}): {r.errors[0][:160]}")
+    unsound = [u for r in reports for u in r.unsound]
+    print(f"\nunsound acceptances (invalid instance accepted): {len(unsound)}")
+    for u in unsound[:20]:
+        print(f"  {u}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m quantkit.grammar.bench_testsuite")
+    parser.add_argument("--data", type=Path, default=None, help="the test suite's root folder")
+    parser.add_argument("--draft", default="draft2020-12")
+    parser.add_argument("--json", type=Path, default=None, help="also write the report here")
+    args = parser.parse_args(argv)
+    folder = (args.data or default_suite_dir()) / "tests" / args.draft
+    if not folder.is_dir():
+        print(f"error: expected the test suite at {folder}, found nothing", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    reports = run_suite(folder)
+    print_reports(reports)
+    print(f"\n{args.draft}: {time.perf_counter() - started:.0f} s")
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in reports], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

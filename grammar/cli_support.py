@@ -1,0 +1,194 @@
+"""What `quantkit generate --schema/--regex/--choice` needs, kept out of the thin CLI module.
+
+The command calls, in order:
+
+    run = GrammarRun.from_options(schema=..., regex=..., choices=..., compile_timeout=...)
+    prompt = run.prompt(prompt)                  # the default prompt for a schema
+    ... load the model ...
+    processor = run.processor(loaded)            # compile (or load from cache), log to stderr
+    ... generate(..., processors=[processor]) ...
+    run.summary(result) / run.summary_lines(result)  # compile time, mask cost, validity
+    run.finish(result, output=path)              # validate; write --output atomically
+
+Every user mistake is a GrammarError (one line, non-zero exit through the CLI's handler), raised
+before the model loads where possible.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quantkit.errors import GenerationError, GrammarError
+from quantkit.grammar.compiler import DEFAULT_TIMEOUT_S, CompiledGrammar, compile_grammar
+from quantkit.grammar.constraints import (
+    Grammar,
+    choice_grammar,
+    json_schema_grammar,
+    load_schema_file,
+    regex_grammar,
+    validate_json,
+)
+from quantkit.grammar.processor import GrammarLogitsProcessor
+from quantkit.grammar.prompting import default_schema_prompt
+from quantkit.grammar.vocabulary import TokenVocabulary
+
+__all__ = ["GrammarRun", "write_atomic"]
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` through a temporary file in the same folder and a rename, so the
+    file is either the old one or the whole new one, never half written."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise GrammarError(f"--output {path}: expected an existing folder, got {folder}")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            if not text.endswith("\n"):
+                fh.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class GrammarRun:
+    """One constrained generation from the CLI: the grammar, then its index and processor."""
+
+    grammar: Grammar
+    compile_timeout: float | None = DEFAULT_TIMEOUT_S
+    log: Callable[[str], None] = _stderr
+    compiled: CompiledGrammar | None = field(default=None, init=False)
+    processor_: GrammarLogitsProcessor | None = field(default=None, init=False)
+
+    @classmethod
+    def from_options(
+        cls,
+        *,
+        schema: str | Path | None = None,
+        regex: str | None = None,
+        choices: Sequence[str] = (),
+        compile_timeout: float | None = DEFAULT_TIMEOUT_S,
+        log: Callable[[str], None] = _stderr,
+    ) -> GrammarRun | None:
+        """The run the options ask for, or None without a constraint. Checks everything that
+        needs no model: one constraint at most, the schema file, the regex's syntax."""
+        given = [
+            n for n, v in (("--schema", schema), ("--regex", regex), ("--choice", choices)) if v
+        ]
+        if len(given) > 1:
+            raise GrammarError(
+                f"{' and '.join(given)}: expected at most one of --schema, --regex, --choice, "
+                f"got {len(given)}"
+            )
+        if compile_timeout is not None and not compile_timeout > 0:
+            raise GrammarError(
+                f"--compile-timeout: expected a number of seconds > 0, got {compile_timeout}"
+            )
+        if schema is not None and schema != "":
+            parsed = load_schema_file(schema)
+            grammar = json_schema_grammar(parsed, label=f"schema {Path(schema).name}")
+        elif regex is not None and regex != "":
+            grammar = regex_grammar(regex)
+        elif choices:
+            grammar = choice_grammar(choices)
+        else:
+            return None
+        return cls(grammar, compile_timeout=compile_timeout, log=log)
+
+    def prompt(self, prompt: str | None) -> str:
+        """`prompt`, or for a schema without one the default prompt (title, description)."""
+        if prompt is not None:
+            return prompt
+        if self.grammar.kind == "json_schema":
+            return default_schema_prompt(self.grammar.schema)
+        raise GenerationError(f"--prompt: expected a prompt with {self.grammar.label}, got none")
+
+    def processor(self, loaded: Any, *, eos_ids: set[int]) -> GrammarLogitsProcessor:
+        """Compile (or load) the index for the loaded model's tokenizer; a new processor."""
+        vocab = TokenVocabulary.from_tokenizer(
+            loaded.tokenizer, eos_token_ids=eos_ids, vocab_size=loaded.config.get("vocab_size")
+        )
+        if self.compiled is None or self.compiled.vocabulary.fingerprint != vocab.fingerprint:
+            self.log(f"compiling {self.grammar.label} (limit {self.compile_timeout:g} s) ...")
+            self.compiled = compile_grammar(self.grammar, vocab, timeout_s=self.compile_timeout)
+        self.processor_ = GrammarLogitsProcessor(self.compiled)
+        return self.processor_
+
+    def check(self, text: str, finish_reason: str) -> str | None:
+        """None if `text` is a complete, valid output; else why not (one line)."""
+        if finish_reason != "stop":
+            return "incomplete: the token limit came before the grammar was complete"
+        if self.grammar.kind == "json_schema":
+            problem = validate_json(text, self.grammar.schema)
+            return None if problem is None else f"does not validate: {problem}"
+        if re.fullmatch(self.grammar.regex, text) is None:
+            return f"does not match {self.grammar.label}"
+        return None
+
+    def summary(
+        self, text: str, finish_reason: str, decode_latencies_s: Sequence[float]
+    ) -> dict[str, Any]:
+        """Machine-readable fields for --json (and for `summary_lines`)."""
+        assert self.compiled is not None and self.processor_ is not None  # processor() ran
+        stats = self.processor_.mask_stats()
+        steps = list(decode_latencies_s)
+        share = None
+        if steps and stats["calls"] > 1:
+            # The first call masks the prefill's logits (part of TTFT); the rest pair with steps.
+            mask_s = sum(self.processor_.mask_times_s[1:])
+            share = mask_s / sum(steps)
+        problem = self.check(text, finish_reason)
+        return {
+            "constraint": self.grammar.label,
+            "compile_s": self.compiled.compile_s,
+            "compile_source": self.compiled.source,
+            "mask_mean_us": stats["mean_us"],
+            "mask_p99_us": stats["p99_us"],
+            "mask_share": share,
+            "output_valid": problem is None,
+            "output_problem": problem,
+            "grammar_notes": list(self.grammar.notes),
+        }
+
+    def summary_lines(self, summary: dict[str, Any]) -> list[str]:
+        """The lines the command adds to its summary block."""
+        cached = {"memory": " (cached)", "disk": " (from cache)"}.get(summary["compile_source"], "")
+        lines = [
+            f"grammar    {summary['constraint']}: index in {summary['compile_s']:.2f} s{cached}"
+        ]
+        share = summary["mask_share"]
+        share_text = "" if share is None else f" = {share:.2%} of the decode step"
+        lines.append(
+            f"mask       mean {summary['mask_mean_us']:.0f} us, p99 "
+            f"{summary['mask_p99_us']:.0f} us per token{share_text}"
+        )
+        for note in summary["grammar_notes"][:3]:
+            lines.append(f"narrowed   {note}")
+        verdict = "valid" if summary["output_valid"] else summary["output_problem"]
+        what = "JSON, matches the schema" if self.grammar.kind == "json_schema" else "matches"
+        lines.append(f"output     {what}" if summary["output_valid"] else f"output     {verdict}")
+        return lines
+
+    def finish(self, text: str, finish_reason: str, *, output: Path | None = None) -> None:
+        """Write --output (only a complete, valid output); GrammarError otherwise."""
+        problem = self.check(text, finish_reason)
+        if problem is not None:
+            hint = " (raise --max-new-tokens)" if finish_reason != "stop" else ""
+            raise GrammarError(f"output {problem}{hint}")
+        if output is not None:
+            write_atomic(Path(output), text)

@@ -1,0 +1,114 @@
+"""What a user can constrain generation to: a JSON schema, a regex, or a choice of strings.
+
+Each becomes a `Grammar`: one regex over the output text (outlines-core's input), plus what is
+needed to check and explain the result (the schema for validation, notes on where the grammar
+is narrower than the schema).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from quantkit.errors import GrammarError
+from quantkit.grammar.json_schema import WHITESPACE, check_schema, schema_to_regex
+from quantkit.grammar.regex_parts import escape_literal
+
+__all__ = [
+    "Grammar",
+    "choice_grammar",
+    "json_schema_grammar",
+    "load_schema_file",
+    "regex_grammar",
+    "validate_json",
+]
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """kind: "json_schema", "regex" or "choice"; regex: what outlines-core compiles;
+    label: a short description for messages; schema: the parsed schema (json_schema only);
+    notes: where the grammar is narrower than the schema (still sound), for the user."""
+
+    kind: str
+    regex: str
+    label: str
+    schema: Any = None
+    notes: tuple[str, ...] = ()
+
+
+def load_schema_file(path: str | Path) -> Any:
+    """The parsed JSON of a schema file; GrammarError if it cannot be read or is not JSON."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise GrammarError(f"--schema {path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise GrammarError(f"--schema {path}: expected UTF-8 JSON text, got binary data") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise GrammarError(
+            f"--schema {path}: expected a JSON file, got invalid JSON at line {e.lineno} "
+            f"column {e.colno}: {e.msg}"
+        ) from None
+
+
+def json_schema_grammar(
+    schema: Any, *, label: str = "schema", whitespace: str = WHITESPACE
+) -> Grammar:
+    """A grammar for JSON documents valid against `schema` (parsed JSON or JSON text)."""
+    lowered = schema_to_regex(schema, whitespace=whitespace)
+    parsed = json.loads(schema) if isinstance(schema, str) else schema
+    return Grammar("json_schema", lowered.regex, label, schema=parsed, notes=lowered.notes)
+
+
+def regex_grammar(pattern: str) -> Grammar:
+    """A grammar for texts that fully match `pattern` (outlines-core / Rust regex syntax).
+
+    Python's parser checks it first, so a plain syntax error gets a readable message; a pattern
+    Python reads but Rust does not (lookarounds, backreferences) fails when compiled.
+    """
+    if not isinstance(pattern, str) or not pattern:
+        raise GrammarError(f"--regex: expected a non-empty pattern, got {pattern!r}")
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise GrammarError(f"--regex {pattern!r}: expected a valid regex, got {e}") from None
+    return Grammar("regex", pattern, f"regex {pattern!r}")
+
+
+def choice_grammar(options: Sequence[str]) -> Grammar:
+    """A grammar for exactly one of `options` (verbatim text)."""
+    options = list(options)
+    if not options or not all(isinstance(o, str) and o for o in options):
+        raise GrammarError(f"--choice: expected one or more non-empty strings, got {options!r}")
+    if len(set(options)) != len(options):
+        dup = next(o for o in options if options.count(o) > 1)
+        raise GrammarError(f"--choice: expected distinct options, got {dup!r} twice")
+    # Longest first: the automaton is leftmost-first (see regex_parts.json_literal_regex).
+    ordered = sorted(options, key=lambda o: (-len(o), o))
+    regex = "(?:" + "|".join(escape_literal(o) for o in ordered) + ")"
+    return Grammar("choice", regex, f"choice of {len(options)}")
+
+
+def validate_json(text: str, schema: Any) -> str | None:
+    """None if `text` parses as JSON and validates against `schema` (formats checked where
+    jsonschema can), else a one-line reason."""
+    from jsonschema import exceptions
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"not JSON: {e.msg} at column {e.colno}"
+    cls = check_schema(schema)
+    error = exceptions.best_match(cls(schema, format_checker=cls.FORMAT_CHECKER).iter_errors(value))
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path) or "(root)"
+    return f"invalid at {where}: {error.message}"

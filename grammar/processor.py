@@ -1,0 +1,163 @@
+"""The grammar as a `LogitsProcessor`: one outlines-core Guide per row, a bitmask per step.
+
+Each call (one per decode step, as `quantkit.sampling.LogitsProcessor` requires):
+
+1. advance every live row's Guide by the token the previous step sampled for it (the last
+   column of input_ids); a row whose token was an EOS, or -1 (the caller already finished it),
+   is done and is never advanced again: outlines-core raises on EOS, which is not text;
+2. let each Guide write its allowed-token bitmask straight into one int32 buffer [B, V/32]
+   (native code, no Python loop over the vocabulary); rows in an accepting state also get every
+   EOS id, so a sequence can only end where the grammar is complete;
+3. unpack the bits with numpy (one single-threaded pass, no torch.compile warm-up, no OpenMP
+   threads competing with the model's matmuls) and set the disallowed logits to -inf.
+
+Measured on SmolLM2's 49k vocabulary (2 vCPUs): about 40-80 us per step for one row, against a
+decode step of tens of milliseconds. The time of every call is kept in `mask_times_s`.
+
+The processor holds per-generation state: create one per `generate()` call, or `reset()` it.
+It checks that input_ids grows by one column per call, which catches reuse without a reset.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from quantkit.errors import GrammarError
+from quantkit.grammar.compiler import CompiledGrammar
+from quantkit.grammar.vocabulary import import_outlines_core
+
+__all__ = ["GrammarLogitsProcessor"]
+
+
+class GrammarLogitsProcessor:
+    """Constrain each row of a batch to its grammar.
+
+    grammars: one CompiledGrammar for every row, or a sequence with one per row (None leaves
+        that row unconstrained). All must share one vocabulary.
+    """
+
+    def __init__(self, grammars: CompiledGrammar | Sequence[CompiledGrammar | None]) -> None:
+        self._per_row = not isinstance(grammars, CompiledGrammar)
+        given = list(grammars) if self._per_row else [grammars]  # type: ignore[arg-type]
+        present = [g for g in given if g is not None]
+        if not present:
+            raise GrammarError(
+                "grammar processor: expected at least one compiled grammar, got none"
+            )
+        prints = {g.vocabulary.fingerprint for g in present}
+        if len(prints) > 1:
+            raise GrammarError(
+                f"grammar processor: expected grammars compiled for one vocabulary, got {len(prints)}"
+            )
+        self._grammars = given
+        self.vocabulary = present[0].vocabulary
+        self._eos = sorted(self.vocabulary.eos_token_ids)
+        self.mask_times_s: list[float] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget all rows: the next call starts a new generation."""
+        self._guides: list[Any] = []
+        self._done: list[bool] = []
+        self._width: int | None = None
+        self._bits: np.ndarray | None = None
+
+    @property
+    def finished(self) -> list[bool]:
+        """Per row: whether its grammar is complete (an accepting state) right now."""
+        return [g is None or g.is_finished() for g in self._guides]
+
+    def _start(self, batch: int, vocab: int) -> None:
+        if vocab < self.vocabulary.size:
+            raise GrammarError(
+                f"grammar processor: expected logits at least as wide as the vocabulary "
+                f"({self.vocabulary.size}), got {vocab}"
+            )
+        if self._per_row and len(self._grammars) != batch:
+            raise GrammarError(
+                f"grammar processor: expected {len(self._grammars)} rows (one per grammar), "
+                f"got {batch}"
+            )
+        oc = import_outlines_core()
+        grammars = self._grammars if self._per_row else self._grammars * batch
+        self._guides = [None if g is None else oc.Guide(g.index) for g in grammars]
+        self._done = [False] * batch
+        # Padded embeddings: bits past the tokenizer's size stay 0, never allowed.
+        self._bits = np.zeros((batch, (vocab + 31) // 32), dtype=np.int32)
+
+    def _advance(self, last: list[int]) -> None:
+        eos = set(self._eos)
+        for row, (guide, token) in enumerate(zip(self._guides, last, strict=True)):
+            if self._done[row] or guide is None:
+                continue
+            if token < 0 or token in eos:
+                self._done[row] = True
+                continue
+            try:
+                guide.advance(token, return_tokens=False)
+            except ValueError:
+                raise GrammarError(
+                    f"row {row}: token {token} is not allowed by the grammar (a masked token was "
+                    f"sampled: the processor must run last-but-sampling, once per step)"
+                ) from None
+
+    def _fill(self) -> np.ndarray:
+        bits = self._bits
+        assert bits is not None  # set by _start
+        words = bits.shape[1]
+        for row, guide in enumerate(self._guides):
+            line = bits[row]
+            if guide is None or self._done[row]:
+                line.fill(-1)  # unconstrained / finished rows: leave their logits alone
+                continue
+            line.fill(0)
+            guide.write_mask_into(line.ctypes.data, words, 4)
+            if guide.is_finished():
+                for token in self._eos:
+                    line[token >> 5] |= np.int32(np.uint32(1 << (token & 31)).view(np.int32))
+            elif not line.any():
+                raise GrammarError(f"row {row}: the grammar allows no token here (a dead end)")
+        return bits
+
+    def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        if logits.dim() != 2 or input_ids.dim() != 2 or input_ids.shape[0] != logits.shape[0]:
+            raise GrammarError(
+                f"grammar processor: expected input_ids [B, T] and logits [B, V], got "
+                f"{tuple(input_ids.shape)} and {tuple(logits.shape)}"
+            )
+        batch, vocab = logits.shape
+        width = input_ids.shape[1]
+        if self._width is None:
+            self._start(batch, vocab)
+        else:
+            if width != self._width + 1 or batch != len(self._guides):
+                raise GrammarError(
+                    f"grammar processor: expected input_ids with {self._width + 1} columns (one "
+                    f"more than last step), got {width}; use a new processor or reset() per "
+                    f"generate call"
+                )
+            self._advance(input_ids[:, -1].tolist())
+        self._width = width
+        bits = self._fill()
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+        allowed_t = torch.from_numpy(allowed).view(torch.bool).to(logits.device)
+        out = logits.masked_fill(allowed_t.logical_not(), float("-inf"))
+        self.mask_times_s.append(time.perf_counter() - started)
+        return out
+
+    def mask_stats(self) -> dict[str, float]:
+        """Mean and p99 of the per-step mask time, in microseconds, over `calls` steps."""
+        times = np.asarray(self.mask_times_s) * 1e6
+        if times.size == 0:
+            return {"calls": 0, "mean_us": float("nan"), "p99_us": float("nan")}
+        return {
+            "calls": int(times.size),
+            "mean_us": float(times.mean()),
+            "p99_us": float(np.percentile(times, 99)),
+        }
