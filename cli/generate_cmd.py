@@ -1,11 +1,13 @@
 """`quantkit generate [MODEL_OR_CKPT] --prompt TEXT`: stream a completion, then say how close the
-decode came to the machine's bandwidth ceiling."""
+decode came to the machine's bandwidth ceiling. `--schema FILE.json | --regex PATTERN | --choice A
+--choice B ...` constrain the output (see `quantkit.grammar.cli_support`)."""
 
 from __future__ import annotations
 
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -20,6 +22,8 @@ from quantkit.generate import (
     eos_token_ids,
     generate,
 )
+from quantkit.grammar.cli_support import GrammarRun, write_atomic
+from quantkit.grammar.compiler import DEFAULT_TIMEOUT_S
 from quantkit.hardware import local_hardware
 from quantkit.loader import LoadedModel, load_model
 from quantkit.roofline import DecodeRoofline, decode_roofline
@@ -149,7 +153,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
 
 @click.command("generate")
 @click.argument("model", required=False, metavar="[MODEL_OR_CKPT]")
-@click.option("--prompt", required=True, help="The prompt text.")
+@click.option(
+    "--prompt",
+    default=None,
+    help="The prompt text (optional with --schema: then a default prompt asks for a JSON "
+    "object matching the schema, its title and description included).",
+)
 @click.option("--max-new-tokens", type=int, default=128, show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=int, default=0, show_default=True, help="0 = off.")
@@ -176,6 +185,19 @@ def _print_summary(summary: dict[str, Any]) -> None:
 @click.option(
     "--threads", type=int, default=None, help="CPU threads for torch [default: torch's choice]."
 )
+@click.option(
+    "--schema", "schema_file", default=None, help="Output: JSON valid for this schema file."
+)
+@click.option("--regex", default=None, help="Output: text that fully matches this regex.")
+@click.option("--choice", "choices", multiple=True, help="Output: one of these (repeatable).")
+@click.option(
+    "--compile-timeout",
+    type=float,
+    default=DEFAULT_TIMEOUT_S,
+    show_default=True,
+    help="Seconds allowed to compile the --schema/--regex/--choice grammar.",
+)
+@click.option("--output", default=None, help="Also write the output to this file (atomically).")
 def generate_cmd(
     model: str | None,
     prompt: str,
@@ -193,6 +215,11 @@ def generate_cmd(
     dtype: str,
     compile_step: bool,
     threads: int | None,
+    schema_file: str | None,
+    regex: str | None,
+    choices: tuple[str, ...],
+    compile_timeout: float,
+    output: str | None,
 ) -> None:
     """Generate a completion of --prompt with MODEL_OR_CKPT (a checkpoint, a HF directory, a
     .gguf file or smollm2-135m; default: the embedded model as INT4, quantized on first use),
@@ -201,6 +228,13 @@ def generate_cmd(
     With --json, `generated_tokens` counts every sampled token, the EOS that ended the text
     included; `tokens` lists the output ids (EOS excluded)."""
     # Every check that needs no model first, so bad input fails in milliseconds.
+    grammar = GrammarRun.from_options(
+        schema=schema_file, regex=regex, choices=choices, compile_timeout=compile_timeout
+    )
+    if grammar is not None:
+        prompt = grammar.prompt(prompt)
+    if prompt is None:
+        raise GenerationError("--prompt: expected a prompt (or --schema FILE), got none")
     if not prompt.strip():
         raise GenerationError("--prompt: expected some text, got an empty prompt")
     params = SamplingParams(
@@ -222,6 +256,9 @@ def generate_cmd(
     loaded = _load(model, dtype=torch_dtype, device=dev)
     ids = encode_prompt(loaded.tokenizer, prompt, chat=chat)
     eos = eos_token_ids(tokenizer=loaded.tokenizer, config=loaded.config, model_dir=loaded.path)
+    processors = []
+    if grammar is not None:
+        processors = [grammar.processor(loaded, eos_ids=eos, max_new_tokens=max_new_tokens)]
 
     def stream(event: StreamEvent) -> None:
         if event.text:
@@ -247,12 +284,22 @@ def generate_cmd(
         on_token=None if as_json else stream,
         compile=compile_step,
         cache_len=slots,
+        processors=processors,
     )
     roof = _roofline(loaded, result, dev)
     summary = _summary_dict(
         result, roof, device=dev, backend=_backend(loaded, dev, torch_dtype), loaded=loaded
     )
+    finish = result.finish_reasons[0]
+    if grammar is not None:
+        summary.update(grammar.summary(summary["text"], finish, result.stats.decode_latencies_s))
     if as_json:
         click.echo(json.dumps(summary))
     else:
         _print_summary(summary)
+        for line in grammar.summary_lines(summary) if grammar is not None else []:
+            click.echo(line)
+    if grammar is not None:  # a GrammarError (exit 2) if the output is incomplete or invalid
+        grammar.finish(summary["text"], finish, output=Path(output) if output else None)
+    elif output is not None:
+        write_atomic(Path(output), summary["text"])

@@ -144,7 +144,9 @@ def compare_models(
     cache_dir: keep each model's lm-eval answers there (lm-eval's sqlite response cache, one
         file per model fingerprint), so a re-run with one more checkpoint only evaluates it.
     """
-    from quantkit.evals.harness import simple_evaluate
+    from quantkit.evals.harness import offline_env, simple_evaluate
+
+    offline_env()  # before lm-eval (and `datasets`, which reads it once) is imported
     from quantkit.evals.lm_eval_model import QuantkitLM
 
     say = log or (lambda _msg: None)

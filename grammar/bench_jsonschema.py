@@ -66,6 +66,7 @@ class SchemaResult:
     output_error: str | None = None
     output: str | None = None
     new_tokens: int = 0
+    steered: bool = False  # the token budget steered the end (see grammar.budget)
 
 
 def _compact(value: Any) -> str:
@@ -99,9 +100,12 @@ def _generate_batch(
     from quantkit.sampling import SamplingParams
 
     prompts = [
-        encode_prompt(loaded.tokenizer, default_schema_prompt(item.schema)) for _, item, _ in rows
+        encode_prompt(loaded.tokenizer, default_schema_prompt(item.schema, max_schema_chars=1500))
+        for _, item, _ in rows
     ]
-    processor = GrammarLogitsProcessor([compiled for _, _, compiled in rows])
+    processor = GrammarLogitsProcessor(
+        [compiled for _, _, compiled in rows], max_new_tokens=max_new
+    )
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
     out = generate(
         loaded.model,
@@ -112,6 +116,7 @@ def _generate_batch(
         tokenizer=loaded.tokenizer,
     )
     for i, (result, item, _) in enumerate(rows):
+        result.steered = i in processor.steered
         result.finish = out.finish_reasons[i]
         result.new_tokens = len(out.tokens[i])
         result.output = out.texts[i] if out.texts else None
@@ -143,8 +148,9 @@ def run_bench(
     model: str | None = None,
     generate_outputs: bool = True,
     max_new_tokens: int = 512,
-    batch: int = 4,
+    batch: int = 1,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    cache: bool = True,
     log: Any = print,
 ) -> dict[str, Any]:
     from quantkit.generate import eos_token_ids
@@ -163,7 +169,7 @@ def run_bench(
         results.append(result)
         try:
             grammar = json_schema_grammar(item.schema, label=item.name)
-            compiled = compile_grammar(grammar, vocab, timeout_s=timeout_s)
+            compiled = compile_grammar(grammar, vocab, timeout_s=timeout_s, cache=cache)
         except GrammarError as e:
             result.error, result.error_kind = str(e), classify_error(str(e))
             log(f"[{n}/{len(items)}] {item.name}: not compiled ({result.error_kind})")
@@ -171,9 +177,8 @@ def run_bench(
         result.compiled, result.compile_s = True, compiled.compile_s
         result.compile_source = compiled.source
         _check_tests(result, item, compiled, loaded.tokenizer)
-        log(
-            f"[{n}/{len(items)}] {item.name}: compiled in {compiled.compile_s:.1f} s ({compiled.source})"
-        )
+        took = f"{compiled.compile_s:.1f} s ({compiled.source})"
+        log(f"[{n}/{len(items)}] {item.name}: index in {took}")
         if generate_outputs:
             ready.append((result, item, compiled))
             if len(ready) == batch:
@@ -249,15 +254,15 @@ def print_report(report: dict[str, Any]) -> None:
     valid_t = sum(r.valid_tests for r in compiled)
     invalid_t = sum(r.invalid_tests for r in compiled)
     agree = sum(r.valid_accepted + r.invalid_rejected for r in compiled)
-    print(
-        f"regex soundness       invalid rejected {_rate(sum(r.invalid_rejected for r in compiled), invalid_t)}"
-    )
-    print(
-        f"  completeness        valid accepted {_rate(sum(r.valid_accepted for r in compiled), valid_t)}"
-    )
+    rejected = sum(r.invalid_rejected for r in compiled)
+    print(f"regex soundness       invalid rejected {_rate(rejected, invalid_t)}")
+    accepted = sum(r.valid_accepted for r in compiled)
+    print(f"  completeness        valid accepted {_rate(accepted, valid_t)}")
     print(f"  agreement           {_rate(agree, valid_t + invalid_t)}")
     print(f"finished outputs      valid {_rate(sum(bool(r.output_ok) for r in fin), len(fin))}")
     print(f"hit the token limit   {_rate(len(gen) - len(fin), len(gen))}")
+    steered = sum(r.steered for r in gen)
+    print(f"  steered to finish   {_rate(steered, len(gen))} (the budget closed the document)")
     for r in fin:
         if not r.output_ok:
             print(f"  INVALID {r.name}: {r.output_error}")
@@ -279,15 +284,27 @@ def main(argv: list[str] | None = None) -> int:
         "--model", default=None, help="default: embedded INT4 if cached, else dense"
     )
     parser.add_argument("--max-new-tokens", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="rows per generate call (a batch waits for its "
+        "slowest row, so 1 is fastest when some rows run to the token limit)",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--compile-timeout", type=float, default=DEFAULT_TIMEOUT_S)
     parser.add_argument("--no-generate", action="store_true", help="coverage and soundness only")
+    parser.add_argument("--no-cache", action="store_true", help="compile every index afresh")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)
     folder = args.data or default_bench_dir()
     if not (folder / "maskbench" / "data").is_dir():
         print(f"error: expected JSONSchemaBench at {folder}, found nothing", file=sys.stderr)
         return 2
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     items = sample_schemas(folder, per_category=args.per_category, limit=args.limit)
     started = time.perf_counter()
     report = run_bench(
@@ -297,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         max_new_tokens=args.max_new_tokens,
         batch=args.batch,
         timeout_s=args.compile_timeout,
+        cache=not args.no_cache,
         log=lambda line: print(line, flush=True),
     )
     report["wall_s"] = time.perf_counter() - started

@@ -101,7 +101,10 @@ class GrammarRun:
             )
         if schema is not None and schema != "":
             parsed = load_schema_file(schema)
-            grammar = json_schema_grammar(parsed, label=f"schema {Path(schema).name}")
+            try:
+                grammar = json_schema_grammar(parsed, label=f"schema {Path(schema).name}")
+            except GrammarError as e:
+                raise GrammarError(f"--schema {schema}: {e}") from None
         elif regex is not None and regex != "":
             grammar = regex_grammar(regex)
         elif choices:
@@ -118,15 +121,18 @@ class GrammarRun:
             return default_schema_prompt(self.grammar.schema)
         raise GenerationError(f"--prompt: expected a prompt with {self.grammar.label}, got none")
 
-    def processor(self, loaded: Any, *, eos_ids: set[int]) -> GrammarLogitsProcessor:
-        """Compile (or load) the index for the loaded model's tokenizer; a new processor."""
+    def processor(
+        self, loaded: Any, *, eos_ids: set[int], max_new_tokens: int | None = None
+    ) -> GrammarLogitsProcessor:
+        """Compile (or load) the index for the loaded model's tokenizer; a new processor, which
+        steers the output to completion within max_new_tokens when given (see `budget`)."""
         vocab = TokenVocabulary.from_tokenizer(
             loaded.tokenizer, eos_token_ids=eos_ids, vocab_size=loaded.config.get("vocab_size")
         )
         if self.compiled is None or self.compiled.vocabulary.fingerprint != vocab.fingerprint:
             self.log(f"compiling {self.grammar.label} (limit {self.compile_timeout:g} s) ...")
             self.compiled = compile_grammar(self.grammar, vocab, timeout_s=self.compile_timeout)
-        self.processor_ = GrammarLogitsProcessor(self.compiled)
+        self.processor_ = GrammarLogitsProcessor(self.compiled, max_new_tokens=max_new_tokens)
         return self.processor_
 
     def check(self, text: str, finish_reason: str) -> str | None:
@@ -160,6 +166,7 @@ class GrammarRun:
             "mask_mean_us": stats["mean_us"],
             "mask_p99_us": stats["p99_us"],
             "mask_share": share,
+            "budget_steered": bool(self.processor_.steered),
             "output_valid": problem is None,
             "output_problem": problem,
             "grammar_notes": list(self.grammar.notes),
@@ -177,6 +184,8 @@ class GrammarRun:
             f"mask       mean {summary['mask_mean_us']:.0f} us, p99 "
             f"{summary['mask_p99_us']:.0f} us per token{share_text}"
         )
+        if summary["budget_steered"]:
+            lines.append("budget     steered to finish within --max-new-tokens (byte by byte)")
         for note in summary["grammar_notes"][:3]:
             lines.append(f"narrowed   {note}")
         verdict = "valid" if summary["output_valid"] else summary["output_problem"]

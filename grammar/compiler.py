@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import GrammarError
+from quantkit.grammar.budget import CompletionPlan, byte_vocabulary, completion_plan
 from quantkit.grammar.constraints import Grammar
 from quantkit.grammar.vocabulary import TokenVocabulary, import_outlines_core
 from quantkit.sources import quantkit_home
@@ -48,11 +49,13 @@ DEFAULT_MEMORY_LIMIT = 6 * 2**30
 _MEMORY_ENTRIES = 4
 _STARTUP_TIMEOUT_S = 300.0
 _memory: OrderedDict[str, Any] = OrderedDict()
+_plans: dict[str, CompletionPlan] = {}
 
 
 @dataclass(frozen=True)
 class CompiledGrammar:
-    """An Index ready to drive `Guide`s. source: "compiled", "disk" or "memory"."""
+    """An Index ready to drive `Guide`s. source: "compiled", "disk" or "memory" (of the token
+    index); plan: distances to completion, for finishing within the token budget (`budget`)."""
 
     grammar: Grammar
     vocabulary: TokenVocabulary
@@ -60,6 +63,7 @@ class CompiledGrammar:
     key: str
     compile_s: float
     source: str
+    plan: CompletionPlan | None = None
 
     @property
     def from_cache(self) -> bool:
@@ -69,6 +73,7 @@ class CompiledGrammar:
 def clear_memory_cache() -> None:
     """Forget the in-process indexes (the disk cache stays)."""
     _memory.clear()
+    _plans.clear()
 
 
 def grammar_cache_dir(home: Path | None = None) -> Path:
@@ -210,22 +215,52 @@ def compile_grammar(
     cache: bool = True,
     home: Path | None = None,
     memory_limit_bytes: int = DEFAULT_MEMORY_LIMIT,
+    plan: bool = True,
 ) -> CompiledGrammar:
     """The Index of `grammar` over `vocabulary`, from memory, disk, or compiled now.
 
     timeout_s: the compile time limit (None: compile in this process, without a limit).
     cache: read and write the disk cache (the memory cache is always used).
+    plan: also build the completion plan (a byte-level index of the same regex, see `budget`),
+        within the same time limit.
     """
-    oc = import_outlines_core()
     if timeout_s is not None and not timeout_s > 0:
         raise GrammarError(f"--compile-timeout: expected a number of seconds > 0, got {timeout_s}")
     started = time.perf_counter()
+    index, key, source = _index(
+        grammar, vocabulary, timeout_s=timeout_s, cache=cache, home=home, memory=memory_limit_bytes
+    )
+    completion = None
+    if plan:
+        left = None if timeout_s is None else max(timeout_s - (time.perf_counter() - started), 1.0)
+        byte_index, byte_key, _ = _index(
+            grammar, byte_vocabulary(), timeout_s=left, cache=cache, home=home,
+            memory=memory_limit_bytes,
+        )  # fmt: skip
+        completion = _plans.get(byte_key)
+        if completion is None:
+            completion = _plans[byte_key] = completion_plan(byte_index)
+            while len(_plans) > _MEMORY_ENTRIES:
+                _plans.pop(next(iter(_plans)))
+    elapsed = time.perf_counter() - started
+    return CompiledGrammar(grammar, vocabulary, index, key, elapsed, source, completion)
+
+
+def _index(
+    grammar: Grammar,
+    vocabulary: TokenVocabulary,
+    *,
+    timeout_s: float | None,
+    cache: bool,
+    home: Path | None,
+    memory: int,
+) -> tuple[Any, str, str]:
+    """(index, cache key, source) from memory, disk, or compiled now."""
+    oc = import_outlines_core()
     key = _cache_key(grammar.regex, vocabulary)
     if key in _memory:
         _memory.move_to_end(key)
-        return CompiledGrammar(
-            grammar, vocabulary, _memory[key], key, time.perf_counter() - started, "memory"
-        )
+        return _memory[key], key, "memory"
     folder = grammar_cache_dir(home) if cache else Path(tempfile.mkdtemp(prefix="qk-grammar-"))
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{key}.index"
@@ -237,8 +272,8 @@ def compile_grammar(
                 _compile_here(oc, grammar, vocabulary, path)
             else:
                 _run_worker(
-                    grammar.regex, vocabulary, path, timeout_s=timeout_s,
-                    memory=memory_limit_bytes, label=grammar.label,
+                    grammar.regex, vocabulary, path, timeout_s=timeout_s, memory=memory,
+                    label=grammar.label,
                 )  # fmt: skip
         index = oc.Index.from_binary(path.read_bytes())
         path.touch()  # most recently used: trimmed last
@@ -252,7 +287,7 @@ def compile_grammar(
     _memory[key] = index
     while len(_memory) > _MEMORY_ENTRIES:
         _memory.popitem(last=False)
-    return CompiledGrammar(grammar, vocabulary, index, key, time.perf_counter() - started, source)
+    return index, key, source
 
 
 def _compile_here(oc: Any, grammar: Grammar, vocabulary: TokenVocabulary, path: Path) -> None:

@@ -36,18 +36,19 @@ from quantkit.errors import GrammarError
 from quantkit.grammar.regex_parts import (
     BOUNDED_STRING_CAP,
     FORMATS,
+    FRACTIONAL_NUMBER,
     STRING,
     any_value_regex,
     escape_literal,
     integer_regex,
     json_literal_regex,
     number_regex,
-    pattern_string_regex,
     string_length_regex,
 )
+from quantkit.grammar.regex_pattern import pattern_string_regex
 from quantkit.grammar.schema_merge import close_branch, merge_schemas
 from quantkit.grammar.schema_objects import COUNT_CAP, NEVER, counts, lower_array, lower_object
-from quantkit.grammar.schema_unions import ALL_TYPES, apply_not, lower_union
+from quantkit.grammar.schema_unions import ALL_TYPES, FRACTIONAL, apply_not, lower_union
 from quantkit.grammar.vocabulary import import_outlines_core
 
 __all__ = ["COUNT_CAP", "WHITESPACE", "SchemaRegex", "check_schema", "schema_to_regex"]
@@ -128,7 +129,7 @@ class _Lowerer:
         """Any JSON value, as a leaf: outlines-core's own regex for `{}` is an alternation
         without parentheses, so inside an array or a property it swallows its neighbours (a
         tuple of one `{}` accepted `[1,2]`)."""
-        return self.leaf(any_value_regex(self.whitespace))
+        return self.leaf(any_value_regex(self.whitespace, count_cap=COUNT_CAP))
 
     def structure_regex(self, lowered: Any) -> str:
         """outlines-core's regex for a lowered subschema (placeholders left in place)."""
@@ -276,6 +277,10 @@ class _Lowerer:
         return lower_array(self, node, where, refs)
 
     def lower_number(self, kind: str, node: dict[str, Any], where: str) -> Any:
+        if node.get(FRACTIONAL):
+            if kind == "integer" or _NUMBER_KEYS & set(node):
+                return NEVER if kind == "integer" else self._fractional_error(where)
+            return self.leaf(FRACTIONAL_NUMBER)
         step = node.get("multipleOf")
         if step is not None:
             if not (isinstance(step, int | float) and step > 0 and (1 / step).is_integer()):
@@ -302,6 +307,12 @@ class _Lowerer:
         except GrammarError as e:
             raise GrammarError(f"{where}: {e}") from None
         return self.leaf(regex)
+
+    @staticmethod
+    def _fractional_error(where: str) -> Any:
+        raise GrammarError(
+            f"{where}: keyword 'not': not integer together with number bounds is not supported"
+        )
 
     def lower_string(self, node: dict[str, Any], where: str) -> Any:
         lo, hi = counts(node, "minLength", "maxLength")

@@ -8,11 +8,11 @@ Each call (one per decode step, as `quantkit.sampling.LogitsProcessor` requires)
 2. let each Guide write its allowed-token bitmask straight into one int32 buffer [B, V/32]
    (native code, no Python loop over the vocabulary); rows in an accepting state also get every
    EOS id, so a sequence can only end where the grammar is complete;
-3. unpack the bits with numpy (one single-threaded pass, no torch.compile warm-up, no OpenMP
-   threads competing with the model's matmuls) and set the disallowed logits to -inf.
+3. with a token budget, rows close to running out are steered to finish in time (`budget`);
+4. unpack the bits and set the disallowed logits to -inf with numpy: single-threaded passes,
+   no torch.compile warm-up, no OpenMP threads competing with the model's (see `_apply_mask`).
 
-Measured on SmolLM2's 49k vocabulary (2 vCPUs): about 40-80 us per step for one row, against a
-decode step of tens of milliseconds. The time of every call is kept in `mask_times_s`.
+The time of every call is kept in `mask_times_s` (see `mask_stats`).
 
 The processor holds per-generation state: create one per `generate()` call, or `reset()` it.
 It checks that input_ids grows by one column per call, which catches reuse without a reset.
@@ -28,10 +28,30 @@ import numpy as np
 import torch
 
 from quantkit.errors import GrammarError
+from quantkit.grammar.budget import WINDOW, CompletionPlan
 from quantkit.grammar.compiler import CompiledGrammar
 from quantkit.grammar.vocabulary import import_outlines_core
 
 __all__ = ["GrammarLogitsProcessor"]
+
+
+def _bit(token: int) -> np.int32:
+    """The int32 word with only `token`'s bit (token % 32) set."""
+    return np.uint32(1 << (token & 31)).view(np.int32)
+
+
+def _apply_mask(logits: torch.Tensor, allowed: np.ndarray) -> torch.Tensor:
+    """logits with the disallowed entries set to -inf (a new tensor).
+
+    On CPU with float32 logits this runs in numpy, single-threaded: torch's masked_fill splits
+    a 49k-wide row over its OpenMP threads, which on a busy 2-core machine took 1.7 ms per call
+    instead of 31 us on one thread (measured), the oversubscription the issue warns about.
+    """
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        array = logits.numpy()
+        return torch.from_numpy(np.where(allowed, array, array.dtype.type(-np.inf)))
+    allowed_t = torch.from_numpy(allowed).to(logits.device, non_blocking=True)
+    return logits.masked_fill(allowed_t.logical_not(), float("-inf"))
 
 
 class GrammarLogitsProcessor:
@@ -39,9 +59,18 @@ class GrammarLogitsProcessor:
 
     grammars: one CompiledGrammar for every row, or a sequence with one per row (None leaves
         that row unconstrained). All must share one vocabulary.
+    max_new_tokens: the generation's token budget; given, a row whose remaining tokens come
+        within `budget.WINDOW` of what completing its document needs is steered to finish in
+        time (single-byte tokens that keep completion within the budget; see `budget`). The
+        rows this happened to are in `steered`.
     """
 
-    def __init__(self, grammars: CompiledGrammar | Sequence[CompiledGrammar | None]) -> None:
+    def __init__(
+        self,
+        grammars: CompiledGrammar | Sequence[CompiledGrammar | None],
+        *,
+        max_new_tokens: int | None = None,
+    ) -> None:
         self._per_row = not isinstance(grammars, CompiledGrammar)
         given = list(grammars) if self._per_row else [grammars]  # type: ignore[arg-type]
         present = [g for g in given if g is not None]
@@ -52,11 +81,19 @@ class GrammarLogitsProcessor:
         prints = {g.vocabulary.fingerprint for g in present}
         if len(prints) > 1:
             raise GrammarError(
-                f"grammar processor: expected grammars compiled for one vocabulary, got {len(prints)}"
+                f"grammar processor: expected grammars compiled for one vocabulary, got "
+                f"{len(prints)}"
             )
         self._grammars = given
         self.vocabulary = present[0].vocabulary
         self._eos = sorted(self.vocabulary.eos_token_ids)
+        self.max_new_tokens = max_new_tokens
+        # byte -> a token that is exactly that byte (every byte-level vocabulary has them).
+        self._byte_token: dict[int, int] = {}
+        for token_id in sorted(self.vocabulary.token_bytes):
+            data = self.vocabulary.token_bytes[token_id]
+            if len(data) == 1:
+                self._byte_token.setdefault(data[0], token_id)
         self.mask_times_s: list[float] = []
         self.reset()
 
@@ -64,6 +101,8 @@ class GrammarLogitsProcessor:
         """Forget all rows: the next call starts a new generation."""
         self._guides: list[Any] = []
         self._done: list[bool] = []
+        self._counts: list[int] = []
+        self.steered: set[int] = set()
         self._width: int | None = None
         self._bits: np.ndarray | None = None
 
@@ -86,7 +125,9 @@ class GrammarLogitsProcessor:
         oc = import_outlines_core()
         grammars = self._grammars if self._per_row else self._grammars * batch
         self._guides = [None if g is None else oc.Guide(g.index) for g in grammars]
+        self._plans = [None if g is None else g.plan for g in grammars]
         self._done = [False] * batch
+        self._counts = [0] * batch
         # Padded embeddings: bits past the tokenizer's size stay 0, never allowed.
         self._bits = np.zeros((batch, (vocab + 31) // 32), dtype=np.int32)
 
@@ -100,6 +141,7 @@ class GrammarLogitsProcessor:
                 continue
             try:
                 guide.advance(token, return_tokens=False)
+                self._counts[row] += 1
             except ValueError:
                 raise GrammarError(
                     f"row {row}: token {token} is not allowed by the grammar (a masked token was "
@@ -117,12 +159,34 @@ class GrammarLogitsProcessor:
                 continue
             line.fill(0)
             guide.write_mask_into(line.ctypes.data, words, 4)
+            plan = self._plans[row]
+            if self.max_new_tokens is not None and plan is not None:
+                self._steer(row, line, guide, plan)
             if guide.is_finished():
                 for token in self._eos:
-                    line[token >> 5] |= np.int32(np.uint32(1 << (token & 31)).view(np.int32))
+                    line[token >> 5] |= _bit(token)
             elif not line.any():
                 raise GrammarError(f"row {row}: the grammar allows no token here (a dead end)")
         return bits
+
+    def _steer(self, row: int, line: np.ndarray, guide: Any, plan: CompletionPlan) -> None:
+        """Inside the budget window, keep only single-byte tokens after which the document can
+        still be completed (and closed with EOS) in the tokens left."""
+        assert self.max_new_tokens is not None
+        left = self.max_new_tokens - self._counts[row]  # tokens left, this step's included
+        state = guide.get_state()
+        need = plan.dist.get(state)
+        if need is None or left > need + 1 + WINDOW:
+            return
+        keep = np.zeros_like(line)
+        # After this byte, left - 1 tokens remain and one of them must be the EOS.
+        for byte in plan.bytes_within(state, left - 2):
+            token = self._byte_token.get(byte)
+            if token is not None and line[token >> 5] >> (token & 31) & 1:
+                keep[token >> 5] |= _bit(token)
+        if keep.any() or guide.is_finished():  # finished: EOS is added by the caller
+            line[:] = keep
+            self.steered.add(row)
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
@@ -146,8 +210,7 @@ class GrammarLogitsProcessor:
         self._width = width
         bits = self._fill()
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-        allowed_t = torch.from_numpy(allowed).view(torch.bool).to(logits.device)
-        out = logits.masked_fill(allowed_t.logical_not(), float("-inf"))
+        out = _apply_mask(logits, allowed.view(np.bool_))
         self.mask_times_s.append(time.perf_counter() - started)
         return out
 

@@ -12,8 +12,9 @@ __all__ = ["default_schema_prompt"]
 _SCHEMA_CHARS = 3000
 
 
-def default_schema_prompt(schema: Any) -> str:
-    """Ask for a JSON value matching `schema`, naming its title and description."""
+def default_schema_prompt(schema: Any, *, max_schema_chars: int = _SCHEMA_CHARS) -> str:
+    """Ask for a JSON value matching `schema`, naming its title and description; the schema
+    itself follows, cut after `max_schema_chars` characters."""
     kind = (
         "JSON object"
         if isinstance(schema, dict) and schema.get("type") == "object"
@@ -29,8 +30,8 @@ def default_schema_prompt(schema: Any) -> str:
     if isinstance(description, str) and description.strip():
         lines.append(f"It is: {description.strip()}")
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
-    if len(text) > _SCHEMA_CHARS:
-        text = text[:_SCHEMA_CHARS] + " ... (schema abbreviated)"
+    if len(text) > max_schema_chars:
+        text = text[:max_schema_chars] + " ... (schema abbreviated)"
     lines.append(f"It must match this JSON schema: {text}")
     lines.append("Fill every field with a realistic value. Answer with the JSON only.")
     return "\n".join(lines)

@@ -27,9 +27,11 @@ from quantkit.grammar.schema_objects import NEVER
 if TYPE_CHECKING:
     from quantkit.grammar.json_schema import _Lowerer
 
-__all__ = ["ALL_TYPES", "lower_union", "apply_not"]
+__all__ = ["ALL_TYPES", "FRACTIONAL", "apply_not", "lower_union"]
 
 ALL_TYPES = ("null", "boolean", "object", "array", "number", "string")
+# Set on a node whose numbers must not be integers (from `not: {type: integer}`).
+FRACTIONAL = "x-quantkit-fractional"
 _TYPE_OF = {type(None): "null", bool: "boolean", dict: "object", list: "array", str: "string",
             int: "number", float: "number"}  # fmt: skip
 
@@ -44,6 +46,8 @@ def apply_not(lowerer: _Lowerer, node: dict[str, Any], where: str, refs: tuple) 
     if negated is True or negated == {}:
         return False
     keys = {k for k in negated if k not in ("title", "description", "$comment")}
+    if keys == {"not"}:  # not (not A) = A
+        return merge_schemas(rest, negated["not"], where=where)
     if "enum" in rest or "const" in rest:
         # The enum values are checked against the whole node, `not` included (lower_enum).
         return node
@@ -52,9 +56,10 @@ def apply_not(lowerer: _Lowerer, node: dict[str, Any], where: str, refs: tuple) 
         if "number" in banned:
             banned.add("integer")
         allowed = lowerer.types_of(rest, where) or list(ALL_TYPES)
-        if "number" in allowed and "integer" in banned and "number" not in banned:
-            raise GrammarError(f"{where}: keyword 'not': not integer (but number) is not supported")
-        return {**rest, "type": [t for t in allowed if t not in banned]}
+        out = {**rest, "type": [t for t in allowed if t not in banned]}
+        if "number" in out["type"] and "integer" in banned:
+            out[FRACTIONAL] = True  # numbers, but never integers: lower_number writes a fraction
+        return out
     if keys == {"required"} and negated["required"]:
         # Not all of these names: leave out one that the node does not require itself.
         required = set(rest.get("required", []))

@@ -136,6 +136,40 @@ def test_batch_of_three_different_grammars(vocab: TokenVocabulary) -> None:
     assert stats["calls"] >= 2 and stats["p99_us"] >= stats["mean_us"] / 10 > 0
 
 
+def test_budget_steers_every_row_to_a_complete_document(vocab: TokenVocabulary) -> None:
+    # An unbounded string and random logits: without the budget most runs would not end.
+    compiled = compile_grammar(regex_grammar('"[a-j ]*"'), vocab, timeout_s=None)
+    assert compiled.plan is not None
+    for seed in range(4):
+        budget = 12 + seed
+        processor = GrammarLogitsProcessor([compiled] * 2, max_new_tokens=budget)
+        outs, done = run_loop(processor, vocab, batch=2, steps=budget, seed=seed)
+        assert all(done), seed  # EOS came within max_new_tokens
+        for tokens in outs:
+            assert len(tokens) < budget and re.fullmatch('"[a-j ]*"', decode(vocab, tokens))
+    unsteered = GrammarLogitsProcessor(compiled)
+    outs, done = run_loop(unsteered, vocab, batch=1, steps=12, seed=1)
+    assert not unsteered.steered
+
+
+def test_byte_plan_states_match_the_token_index(vocab: TokenVocabulary) -> None:
+    import outlines_core
+
+    from quantkit.grammar.budget import byte_vocabulary
+
+    grammar = json_schema_grammar({"type": "object", "properties": {"a": {"type": "boolean"}}})
+    tokens = compile_grammar(grammar, vocab, timeout_s=None)
+    byte_index = compile_grammar(grammar, byte_vocabulary(), timeout_s=None, plan=False).index
+    token_guide, byte_guide = outlines_core.Guide(tokens.index), outlines_core.Guide(byte_index)
+    ids = [3 + PIECES.index(p) for p in ["{", '"a', '"', ":", "true", "}"]]
+    for token in ids:
+        token_guide.advance(token, return_tokens=False)
+        for byte in vocab.token_bytes[token]:
+            byte_guide.advance(byte, return_tokens=False)
+        assert token_guide.get_state() == byte_guide.get_state()
+    assert tokens.plan.dist[token_guide.get_state()] == 0
+
+
 def test_unconstrained_rows_and_reuse_checks(vocab: TokenVocabulary) -> None:
     compiled = compile_grammar(regex_grammar("a"), vocab, timeout_s=None)
     processor = GrammarLogitsProcessor([compiled, None])

@@ -24,9 +24,9 @@ from quantkit.grammar.regex_parts import (
     integer_regex,
     json_literal_regex,
     number_regex,
-    pattern_string_regex,
     string_length_regex,
 )
+from quantkit.grammar.regex_pattern import pattern_string_regex
 
 
 def full(regex: str, text: str) -> bool:
@@ -38,8 +38,9 @@ def full(regex: str, text: str) -> bool:
 
 @pytest.mark.parametrize(
     "lo,hi,lo_x,hi_x",
-    [(-15, 123, False, False), (7, None, True, False), (None, -3, False, True), (0, 0, False, False),
-     (-1000, 999, False, False), (0.5, 9.5, False, False), (None, None, False, False)],
+    [(-15, 123, False, False), (7, None, True, False), (None, -3, False, True),
+     (0, 0, False, False), (-1000, 999, False, False), (0.5, 9.5, False, False),
+     (None, None, False, False)],
 )  # fmt: skip
 def test_integer_regex_is_exactly_the_range(lo, hi, lo_x, hi_x) -> None:
     regex = integer_regex(lo, hi, exclusive_minimum=lo_x, exclusive_maximum=hi_x)
@@ -110,7 +111,9 @@ def _random_texts(regex: str, count: int, seed: int) -> list[str]:
     vocab = TokenVocabulary.from_bytes(
         {b: bytes([b]) for b in range(128)}, eos_token_ids=[200], size=201
     )
-    compiled = compile_grammar(Grammar("regex", regex, "format"), vocab, timeout_s=None, cache=False)
+    compiled = compile_grammar(
+        Grammar("regex", regex, "format"), vocab, timeout_s=None, cache=False
+    )
     rng = random.Random(seed)
     out = []
     for _ in range(count):
@@ -159,7 +162,9 @@ def test_string_lengths_are_capped_but_valid() -> None:
         (r"^[^0-9]*$", ["ab c"], ["a1"]),
     ],
 )
-def test_pattern_regex_matches_the_json_encoding(pattern: str, good: list[str], bad: list[str]) -> None:
+def test_pattern_regex_matches_the_json_encoding(
+    pattern: str, good: list[str], bad: list[str]
+) -> None:
     regex = pattern_string_regex(pattern)
     for text in good:
         assert full(regex, f'"{text}"'), (pattern, text, regex)
@@ -211,7 +216,10 @@ def test_refs_recursion_and_allof_are_resolved() -> None:
         "$defs": {
             "node": {
                 "type": "object",
-                "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}},
+                "properties": {
+                    "v": {"type": "integer"},
+                    "kids": {"type": "array", "items": {"$ref": "#/$defs/node"}},
+                },
                 "required": ["v"],
             },
             "named": {"properties": {"name": {"const": "x"}}, "required": ["name"]},
@@ -227,15 +235,16 @@ def test_refs_recursion_and_allof_are_resolved() -> None:
 @pytest.mark.parametrize(
     "schema,needle",
     [
-        ({"not": {"type": "string"}}, "'not'"),
+        ({"not": {"minimum": 3}}, "'not'"),
         ({"if": {"type": "string"}, "then": {"minLength": 1}}, "'if'"),
         ({"type": "array", "contains": {"type": "integer"}}, "'contains'"),
-        ({"dependentSchemas": {"a": {"required": ["b"]}}, "properties": {"a": {}}}, "'dependentSchemas'"),
+        ({"dependentSchemas": {"a": {"required": ["b"]}}, "properties": {"a": {}}},
+         "'dependentSchemas'"),
         ({"$dynamicRef": "#meta"}, "'\\$dynamicRef'"),
         ({"type": "integer", "multipleOf": 3}, "'multipleOf'"),
         ({"oneOf": [{"type": "integer"}, {"minimum": 2}]}, "'oneOf'"),
         ({"$ref": "https://example.com/other.json"}, "external \\$ref"),
-        ({"type": "string", "pattern": "^a", "maxLength": 3}, "'pattern' together"),
+        ({"type": "string", "pattern": "^(ab)+$", "maxLength": 3}, "'pattern' together"),
     ],
 )  # fmt: skip
 def test_unsupported_keywords_raise_a_grammar_error_naming_them(schema, needle: str) -> None:
@@ -251,6 +260,32 @@ def test_unsupported_keywords_raise_a_grammar_error_naming_them(schema, needle: 
 def test_not_a_schema(schema, needle: str) -> None:
     with pytest.raises(GrammarError, match=needle):
         json_schema_grammar(schema)
+
+
+def test_simple_not_and_exclusive_oneof() -> None:
+    regex = schema_to_regex({"not": {"type": ["string", "object", "array"]}}).regex
+    assert accepts_text(regex, "1") and accepts_text(regex, "null")
+    assert not accepts_text(regex, '"a"') and not accepts_text(regex, "[]")
+    # Required sets that are not subsets of each other: each branch drops the optional
+    # properties the other requires, so no output matches both.
+    one = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "oneOf": [{"required": ["a"]}, {"required": ["b"]}],
+    }
+    regex = schema_to_regex(one).regex
+    assert accepts_text(regex, '{"a":1}') and accepts_text(regex, '{"b":2}')
+    assert not accepts_text(regex, '{"a":1,"b":2}')
+    with pytest.raises(GrammarError, match="branches 0 and 1 may both match"):
+        schema_to_regex({"oneOf": [{"enum": ["x"]}, {"type": "string"}]})
+
+
+def test_numbers_and_any_values_are_bounded() -> None:
+    regex = schema_to_regex({"type": "object", "properties": {"n": {"type": "number"},
+                             "x": {}}, "required": ["n", "x"]}).regex  # fmt: skip
+    assert accepts_text(regex, '{"n":1234567890123456,"x":[1,2,3,4]}')
+    assert not accepts_text(regex, '{"n":12345678901234567,"x":1}')  # 17 digits
+    assert not accepts_text(regex, '{"n":1,"x":[1,2,3,4,5]}')  # any-value arrays: 4 items
 
 
 def test_narrowing_is_reported() -> None:
@@ -283,8 +318,11 @@ def test_json_schema_test_suite_subset_is_sound() -> None:
     ]
     for name in ["type", "properties", "required", "enum", "minimum", "items", "ref"]:
         assert reports[name].compiled >= reports[name].groups // 2, name
-    assert reports["not"].compiled == 0 and reports["contains"].compiled == 0
-    assert all("keyword 'not'" in e for e in reports["not"].errors)
+    assert reports["contains"].compiled == 0
+    assert all("keyword 'contains'" in e for e in reports["contains"].errors)
+    assert reports["not"].errors and all(
+        "keyword 'not'" in e or "no JSON value satisfies it" in e for e in reports["not"].errors
+    )
 
 
 def test_suite_dir_is_relative_to_the_repository(monkeypatch, tmp_path: Path) -> None:

@@ -1,0 +1,90 @@
+"""JSONSchemaBench in CI: the fixed sample, error classes, a few schemas' regex soundness, and
+(slow) a short generation run with the real embedded model."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from quantkit.grammar.acceptance import accepts_text
+from quantkit.grammar.bench_data import (
+    category_of,
+    classify_error,
+    default_bench_dir,
+    sample_schemas,
+)
+from quantkit.grammar.constraints import json_schema_grammar
+
+DATA = default_bench_dir()
+HAVE_DATA = (DATA / "maskbench" / "data").is_dir()
+_REAL_HOME = os.environ.get("QUANTKIT_HOME")
+
+
+def test_category_and_error_classes() -> None:
+    assert category_of("Github_easy---o1.json") == "Github_easy"
+    assert category_of("BFCL_parallel_multiple_3.json") == "BFCL"
+    assert category_of("JME_7.json") == "JME"
+    assert classify_error("#/a: keyword 'not': negation ...") == "unsupported: not"
+    assert classify_error("x: compiling the grammar took longer than the limit of 1 s") == (
+        "compile timeout"
+    )
+    assert classify_error("schema: expected a valid JSON Schema, got ...") == "invalid schema"
+
+
+@pytest.mark.skipif(not HAVE_DATA, reason="JSONSchemaBench data not found")
+def test_sample_is_fixed_and_spans_the_categories() -> None:
+    first = sample_schemas(DATA, per_category=15)
+    again = sample_schemas(DATA, per_category=15)
+    assert [s.name for s in first] == [s.name for s in again]
+    assert len(first) >= 200 and len({s.category for s in first}) >= 14
+    assert len({s.name for s in first}) == len(first)
+    # Interleaved: the first schemas already cover many categories (--limit stays diverse).
+    assert len({s.category for s in first[:15]}) == 15
+
+
+@pytest.mark.skipif(not HAVE_DATA, reason="JSONSchemaBench data not found")
+def test_small_subset_is_sound_on_its_test_instances() -> None:
+    items = [s for s in sample_schemas(DATA, per_category=1) if s.tests][:12]
+    lowered = checked = 0
+    for item in items:
+        try:
+            grammar = json_schema_grammar(item.schema, label=item.name)
+        except Exception as e:  # noqa: BLE001 (only GrammarError is allowed: checked below)
+            assert type(e).__name__ == "GrammarError", (item.name, e)
+            continue
+        lowered += 1
+        if len(grammar.regex) > 20_000:  # Python's re may backtrack for long on huge regexes
+            continue
+        for test in item.tests[:6]:
+            text = json.dumps(test["data"], separators=(",", ":"), ensure_ascii=False)
+            if not test["valid"]:
+                assert not accepts_text(grammar.regex, text), (item.name, test["description"])
+            checked += 1
+    assert lowered >= len(items) // 2 and checked >= 10
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_DATA, reason="JSONSchemaBench data not found")
+def test_generation_on_the_embedded_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two small schemas, 32 new tokens, the real model from the shared cache (converting it
+    again into a temporary home would take longer than the test); no index is cached."""
+    from quantkit.grammar.bench_jsonschema import SchemaResult, run_bench
+
+    if _REAL_HOME is None:
+        monkeypatch.delenv("QUANTKIT_HOME", raising=False)
+    else:
+        monkeypatch.setenv("QUANTKIT_HOME", _REAL_HOME)
+    names = ["Glaiveai2K", "BFCL"]
+    items = [s for s in sample_schemas(DATA, per_category=1) if s.category in names]
+    report = run_bench(
+        items, model="smollm2-135m", max_new_tokens=32, cache=False, log=lambda _: None
+    )
+    results = [SchemaResult(**r) for r in report["results"]]
+    assert sum(r.compiled for r in results) == 2
+    for r in results:
+        if r.finish == "stop":
+            assert r.output_ok, (r.name, r.output_error, r.output)
+        assert r.invalid_rejected == r.invalid_tests, r.name
+    assert report["mask"]["steps"] > 0 and report["mask"]["mean_us"] > 0
