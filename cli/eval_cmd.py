@@ -10,6 +10,7 @@ import torch
 from quantkit.errors import EvalError
 from quantkit.evals.compare import compare_models, format_table, write_json
 from quantkit.evals.task_data import LOCAL_TASKS
+from quantkit.sources import quantkit_home
 
 
 @click.command("eval")
@@ -88,8 +89,6 @@ def eval_cmd(
 ) -> None:
     """Compare quantized CHECKPOINTS with --reference on lm-eval tasks (offline), held-out
     perplexity and next-token KL / top-1 agreement; print one table with recovery %."""
-    from quantkit.sources import quantkit_home
-
     if threads is not None:
         if threads < 1:
             raise EvalError(f"--threads: expected an integer >= 1, got {threads}")

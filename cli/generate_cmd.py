@@ -25,6 +25,7 @@ from quantkit.generate import (
 from quantkit.grammar.cli_support import GrammarRun, write_atomic
 from quantkit.grammar.compiler import DEFAULT_TIMEOUT_S
 from quantkit.hardware import local_hardware
+from quantkit.lm_head import HEAD_DTYPES, auto_head_dtype, set_head_dtype
 from quantkit.loader import LoadedModel, load_model
 from quantkit.roofline import DecodeRoofline, decode_roofline
 from quantkit.sampling import SamplingParams
@@ -50,12 +51,17 @@ def _load(model: str | None, *, dtype: torch.dtype, device: torch.device) -> Loa
 
 def _backend(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> str:
     kind = str(dtype).removeprefix("torch.")
+    head = str(loaded.model.lm_head.weight.dtype).removeprefix("torch.")
+    head_note = "" if head == kind else f", lm_head {head}"
     if loaded.scheme is None:
-        return f"dense {kind} (torch)"
+        return f"dense {kind} (torch){head_note}"
     from quantkit.fused_kernels.dispatch import resolve_backend
 
     # resolve_backend, not choose_backend: the kernel that ran, after any fallback.
-    return f"{loaded.scheme.describe()}, {kind} activations, kernel {resolve_backend(device)}"
+    return (
+        f"{loaded.scheme.describe()}, {kind} activations, kernel {resolve_backend(device)}"
+        f"{head_note}"
+    )
 
 
 def _device_name(device: torch.device) -> str:
@@ -105,6 +111,7 @@ def _summary_dict(
         "mbu": None,
         "device": _device_name(device),
         "backend": backend,
+        "head_dtype": str(loaded.model.lm_head.weight.dtype).removeprefix("torch."),
         "model": str(loaded.path),
     }
     if roof is not None:
@@ -181,6 +188,14 @@ def _print_summary(summary: dict[str, Any]) -> None:
     show_default=True,
     help="Activations and dense weights; auto = float32 on CPU, bfloat16 on CUDA.",
 )
+@click.option(
+    "--head-dtype",
+    type=click.Choice(["auto", *HEAD_DTYPES]),
+    default="auto",
+    show_default=True,
+    help="dtype of the lm_head matmul; auto = bfloat16 for an INT4/FP8 model on a CPU with bf16 "
+    "instructions (half the bytes of the largest read), else the model's.",
+)
 @click.option("--compile", "compile_step", is_flag=True, help="torch.compile the decode step.")
 @click.option(
     "--threads", type=int, default=None, help="CPU threads for torch [default: torch's choice]."
@@ -213,6 +228,7 @@ def generate_cmd(
     as_json: bool,
     device: str,
     dtype: str,
+    head_dtype: str,
     compile_step: bool,
     threads: int | None,
     schema_file: str | None,
@@ -254,6 +270,10 @@ def generate_cmd(
     dev = _device(device)
     torch_dtype = _DTYPES.get(dtype) or (torch.float32 if dev.type == "cpu" else torch.bfloat16)
     loaded = _load(model, dtype=torch_dtype, device=dev)
+    head = HEAD_DTYPES.get(head_dtype) or auto_head_dtype(
+        loaded.model, quantized=loaded.scheme is not None
+    )
+    set_head_dtype(loaded.model, head)
     ids = encode_prompt(loaded.tokenizer, prompt, chat=chat)
     eos = eos_token_ids(tokenizer=loaded.tokenizer, config=loaded.config, model_dir=loaded.path)
     processors = []

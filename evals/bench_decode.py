@@ -180,7 +180,7 @@ def _commit() -> str:
 
 def format_table(rows: list[Row], *, bandwidth: float) -> str:
     header = (
-        f"{'engine':<30} {'weights':<22} {'batch':>5} {'tok/s p50':>9} {'[p20, p80]':>15} "
+        f"{'engine':<30} {'weights':<36} {'batch':>5} {'tok/s p50':>9} {'[p20, p80]':>15} "
         f"{'TTFT ms':>8} {'MB/token':>9} {'ceiling':>8} {'MBU':>6}"
     )
     lines = [header, "-" * len(header)]
@@ -197,7 +197,7 @@ def format_table(rows: list[Row], *, bandwidth: float) -> str:
             ceil = bandwidth / per_token
             ceiling, mbu = f"{ceil:.0f}", f"{p50 / ceil:.0%}"
         lines.append(
-            f"{r.engine:<30} {r.weights:<22} {r.batch:>5} {p50:>9.1f} {spread:>15} {ttft:>8} "
+            f"{r.engine:<30} {r.weights:<36} {r.batch:>5} {p50:>9.1f} {spread:>15} {ttft:>8} "
             f"{mb:>9} {ceiling:>8} {mbu:>6}"
         )
     return "\n".join(lines)
@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from quantkit.embedded import ensure_embedded_int4
     from quantkit.hardware import cpu_name, local_hardware
+    from quantkit.lm_head import cpu_has_bf16, set_head_dtype
     from quantkit.loader import load_model
     from quantkit.roofline import model_kv_bytes_per_token, model_read_bytes
     from quantkit.sources import DEFAULT_MODEL, embedded_gguf_path, resolve_model
@@ -245,7 +246,12 @@ def main(argv: list[str] | None = None) -> None:
     if "transformers" not in args.skip:
         hf = transformers.AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
         hf.eval()
-    engines = [("int4", int4.model, f"{scheme}"), ("dense", dense, "fp32 dense")]
+    engines = [("int4", int4.model, f"{scheme}, fp32 head"), ("dense", dense, "fp32 dense")]
+    if cpu_has_bf16() and "int4" not in args.skip:
+        # The head is half of the INT4 model's traffic: show both, not only the faster one.
+        bf16 = load_model(args.int4 or ensure_embedded_int4(), tokenizer=False).model
+        set_head_dtype(bf16, torch.bfloat16)
+        engines.insert(1, ("int4", bf16, f"{scheme}, bf16 head"))
     modes = [False, True] if args.compile else [False]
     runners: list[tuple[Row, Callable[[], tuple[float, float]]]] = []
     for batch in args.batch:

@@ -10,11 +10,8 @@ context becomes the prefix token (BOS, else EOS), and rolling log-likelihoods st
 prefix token. `add_bos_token`: None = the tokenizer's own default, True = every sequence starts
 with BOS (prepended if the tokenizer does not add it), False = never add special tokens.
 
-Log-likelihoods are batched and share their contexts. Requests with the same context (the
-choices of a multiple-choice item) are grouped: the contexts of a batch run once through the
-model into the KV cache (right-padded, logits only at each context's last token), then the
-cache rows are repeated, one per continuation, and every continuation runs as a second short
-batch after its context. On ARC-Easy that scores ~45 tokens per item instead of ~120.
+Log-likelihoods are batched, longest first, and requests with the same context (the choices of
+a multiple-choice item) run that context once: see `quantkit.evals.continuations`.
 """
 
 from __future__ import annotations
@@ -25,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from quantkit.errors import EvalError, MissingExtraError
+from quantkit.evals.continuations import plan_batches, score_continuations
 from quantkit.evals.perplexity import perplexity
 from quantkit.generate import eos_token_ids, generate
 from quantkit.loader import LoadedModel, load_model
@@ -232,6 +229,11 @@ class QuantkitLM(TemplateLM):
             groups[ctx].append(i)
         # Longest first, so similar lengths share a batch (less padding).
         order = sorted(groups, key=lambda c: -(len(c) + max(len(pairs[i][1]) for i in groups[c])))
+        plan = plan_batches(
+            [(len(ctx), [len(pairs[i][1]) for i in groups[ctx]]) for ctx in order],
+            batch_size=self.batch_size,
+            max_tokens=self.max_batch_tokens,
+        )
         results: list[tuple[float, bool] | None] = [None] * len(pairs)
         bar = tqdm(
             total=len(pairs),
@@ -239,10 +241,10 @@ class QuantkitLM(TemplateLM):
             unit="req",
             disable=disable_tqdm or not self.progress,
         )
-        for batch in self._batches(order, groups, pairs):
-            contexts = [list(ctx) for ctx in batch]
-            conts = [[list(pairs[i][1]) for i in groups[ctx]] for ctx in batch]
-            scored = self._score(contexts, conts)
+        for indices in plan:
+            batch = [order[j] for j in indices]
+            conts = [[pairs[i][1] for i in groups[ctx]] for ctx in batch]
+            scored = score_continuations(self.model, batch, conts)
             for ctx, per_ctx in zip(batch, scored, strict=True):
                 for i, result in zip(groups[ctx], per_ctx, strict=True):
                     results[i] = result
@@ -250,102 +252,6 @@ class QuantkitLM(TemplateLM):
             bar.update(sum(len(groups[ctx]) for ctx in batch))
         bar.close()
         return results  # type: ignore[return-value]
-
-    def _batches(
-        self,
-        order: list[tuple[int, ...]],
-        groups: dict[tuple[int, ...], list[int]],
-        pairs: list[Pair],
-    ) -> list[list[tuple[int, ...]]]:
-        """Contexts per forward: at most batch_size, and both passes (contexts, then the
-        continuations) within max_batch_tokens including padding. A context too long for
-        the budget still gets a batch of its own."""
-        batches: list[list[tuple[int, ...]]] = []
-        current: list[tuple[int, ...]] = []
-        ctx_len = rows = cont_len = 0
-        for ctx in order:
-            conts = [len(pairs[i][1]) for i in groups[ctx]]
-            new_ctx_len = max(ctx_len, len(ctx))
-            new_rows = rows + len(conts)
-            new_cont_len = max(cont_len, *conts)
-            fits = (
-                len(current) < self.batch_size
-                and (len(current) + 1) * new_ctx_len <= self.max_batch_tokens
-                and new_rows * new_cont_len <= self.max_batch_tokens
-            )
-            if current and not fits:
-                batches.append(current)
-                current, new_ctx_len, new_rows, new_cont_len = [], len(ctx), len(conts), max(conts)
-            current.append(ctx)
-            ctx_len, rows, cont_len = new_ctx_len, new_rows, new_cont_len
-        if current:
-            batches.append(current)
-        return batches
-
-    @torch.inference_mode()
-    def _score(
-        self, contexts: list[list[int]], conts: list[list[list[int]]]
-    ) -> list[list[tuple[float, bool]]]:
-        """(sum log p, is_greedy) of each continuation after its context, see the module
-        docstring. Context q sits at cache slots 0..len-1 of its rows; continuation token j at
-        slot len + j, seeing slots <= its own: exactly what one unpadded sequence computes."""
-        model, device = self.model, self._device
-        lengths = torch.tensor([len(c) for c in contexts], device=device)
-        longest_cont = max(len(c) for per in conts for c in per)
-        slots = int(lengths.max()) + longest_cont
-        ids = torch.zeros(len(contexts), int(lengths.max()), dtype=torch.long)
-        for q, ctx in enumerate(contexts):
-            ids[q, : len(ctx)] = torch.tensor(ctx)
-        ids = ids.to(device)
-        # Rows that go on after their context: continuations of two or more tokens.
-        rows = [(q, c) for q, per in enumerate(conts) for c in per if len(c) > 1]
-        model.setup_cache(batch=len(contexts), max_len=slots)
-        try:
-            t = ids.shape[1]
-            positions = torch.arange(t, device=device).expand(len(contexts), t)
-            mask = (torch.arange(slots, device=device) <= positions[:1, :, None]).unsqueeze(1)
-            first = model(ids, positions=positions, mask=mask, logits_at=lengths - 1)
-            first = F.log_softmax(first[:, 0].float(), dim=-1)  # [Q, V]
-            rest = None
-            if rows:
-                rest = self._continue(rows, lengths, slots)
-        finally:
-            model.drop_cache()
-        out: list[list[tuple[float, bool]]] = []
-        row = 0
-        for q, per in enumerate(conts):
-            scored = []
-            for cont in per:
-                logp = float(first[q, cont[0]])
-                greedy = int(first[q].argmax()) == cont[0]
-                if len(cont) > 1:
-                    assert rest is not None
-                    step = rest[row, : len(cont) - 1]  # [n-1, V], predicting cont[1:]
-                    target = torch.tensor(cont[1:], device=step.device)
-                    logp += float(step.gather(-1, target[:, None]).double().sum())
-                    greedy = greedy and bool((step.argmax(-1) == target).all())
-                    row += 1
-                scored.append((logp, greedy))
-            out.append(scored)
-        return out
-
-    def _continue(
-        self, rows: list[tuple[int, list[int]]], lengths: torch.Tensor, slots: int
-    ) -> torch.Tensor:
-        """Second pass: log-probs [R, T, V] after feeding each row's continuation[:-1]."""
-        device = self._device
-        index = torch.tensor([q for q, _ in rows], device=device)
-        for layer in self.model.model.layers:
-            cache = layer.self_attn.cache
-            cache.k, cache.v = cache.k[index], cache.v[index]
-        t = max(len(c) for _, c in rows) - 1
-        ids = torch.zeros(len(rows), t, dtype=torch.long)
-        for r, (_, cont) in enumerate(rows):
-            ids[r, : len(cont) - 1] = torch.tensor(cont[:-1])
-        positions = lengths[index][:, None] + torch.arange(t, device=device)
-        mask = (torch.arange(slots, device=device) <= positions[:, :, None]).unsqueeze(1)
-        logits = self.model(ids.to(device), positions=positions, mask=mask)
-        return F.log_softmax(logits.float(), dim=-1)
 
     # ------------------------------------------------------------------ rolling
 

@@ -3,9 +3,10 @@
 A greedy small model can loop inside an unbounded string ("/type/type/type...") or number
 ("1000000...") until `max_new_tokens` runs out, leaving an unfinished document. Bounding every
 string in the grammar would make the index far larger (see `regex_parts`), so instead the
-processor watches the budget: once the tokens left come within `WINDOW` of what completing the
-document needs, it allows only single-byte tokens that keep completion within the budget, so
-every generation ends with a complete document whenever max_new_tokens allows one at all.
+processor watches the budget: once the tokens left come within `WINDOW` of the bytes that
+completing the document needs, it allows only tokens after which completion still fits (a
+token's bytes are walked through the plan; in free text only single-byte tokens are tried), and
+when nothing fits any more, only the tokens that get closest to completion.
 
 The distances come from a second index of the same regex over the 256 single bytes: its states
 are the same automaton states as the token index's (the same regex gives the same DFA; checked
@@ -47,13 +48,14 @@ class CompletionPlan:
     dist: dict[int, int]
     step: dict[int, dict[int, int]]
 
-    def bytes_within(self, state: int, budget: int) -> list[int]:
-        """Bytes from `state` after which completion needs at most `budget` more bytes."""
-        return [
-            b
-            for b, nxt in self.step.get(state, {}).items()
-            if self.dist.get(nxt, budget + 1) <= budget
-        ]
+    def after(self, state: int, data: bytes) -> int | None:
+        """The distance left after writing `data` from `state` (None: not allowed)."""
+        for byte in data:
+            nxt = self.step.get(state, {}).get(byte)
+            if nxt is None:
+                return None
+            state = nxt
+        return self.dist.get(state)
 
 
 def completion_plan(byte_index: object) -> CompletionPlan:

@@ -67,7 +67,7 @@ _UNSUPPORTED = {
     "dependentSchemas": "conditional schemas are not supported",
     "$dynamicRef": "dynamic references are not supported",
     "$recursiveRef": "dynamic references are not supported",
-    "unevaluatedItems": "'unevaluatedItems' is only supported as false or {}",
+    "unevaluatedItems": "'unevaluatedItems' is only supported as true, false or {}",
 }
 _OBJECT_KEYS = {"properties", "required", "additionalProperties", "patternProperties",
                 "minProperties", "maxProperties", "propertyNames", "dependentRequired",
@@ -129,7 +129,7 @@ class _Lowerer:
         """Any JSON value, as a leaf: outlines-core's own regex for `{}` is an alternation
         without parentheses, so inside an array or a property it swallows its neighbours (a
         tuple of one `{}` accepted `[1,2]`)."""
-        return self.leaf(any_value_regex(self.whitespace, count_cap=COUNT_CAP))
+        return self.leaf(any_value_regex(self.whitespace))
 
     def structure_regex(self, lowered: Any) -> str:
         """outlines-core's regex for a lowered subschema (placeholders left in place)."""
@@ -150,6 +150,8 @@ class _Lowerer:
         base, _, fragment = ref.partition("#")
         if base and base != self.root_id:
             raise GrammarError(f"{where}: external $ref {ref!r} is not supported (only '#/...')")
+        if fragment and not fragment.startswith("/"):  # a location-independent "#name"
+            return "#" + fragment, self.anchor(fragment, ref, where)
         node = self.root
         for raw in [p for p in urllib.parse.unquote(fragment).split("/") if p]:
             part = raw.replace("~1", "/").replace("~0", "~")
@@ -160,6 +162,19 @@ class _Lowerer:
             else:
                 raise GrammarError(f"{where}: $ref {ref!r} does not point into the schema")
         return "#" + fragment, node
+
+    def anchor(self, name: str, ref: str, where: str) -> Any:
+        """The subschema declaring `$anchor: name` (or draft 7's `$id: "#name"`)."""
+        stack = [self.root]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                if node.get("$anchor") == name or node.get("$id") == f"#{name}":
+                    return node
+                stack.extend(node.values())
+            elif isinstance(node, list):
+                stack.extend(node)
+        raise GrammarError(f"{where}: $ref {ref!r} names no $anchor in the schema")
 
     def flatten(self, node: Any, where: str, refs: tuple[str, ...]) -> tuple[Any, tuple[str, ...]]:
         """`node` with its own `$ref` and `allOf` merged in (recursively)."""
@@ -214,7 +229,7 @@ class _Lowerer:
             if node is False:
                 return NEVER
         for key, why in _UNSUPPORTED.items():
-            if key in node and not (key == "unevaluatedItems" and node[key] in (False, {})):
+            if key in node and not (key == "unevaluatedItems" and node[key] in (False, True, {})):
                 raise GrammarError(f"{where}: keyword {key!r}: {why}")
         if "if" in node and ("then" in node or "else" in node):
             raise GrammarError(

@@ -34,6 +34,10 @@ from quantkit.grammar.vocabulary import import_outlines_core
 
 __all__ = ["GrammarLogitsProcessor"]
 
+# Inside the budget window, walk at most this many allowed tokens through the plan (Python,
+# ~1 us a byte); a state allowing more is free text, where single bytes are tried instead.
+_WALK_LIMIT = 4096
+
 
 def _bit(token: int) -> np.int32:
     """The int32 word with only `token`'s bit (token % 32) set."""
@@ -170,23 +174,39 @@ class GrammarLogitsProcessor:
         return bits
 
     def _steer(self, row: int, line: np.ndarray, guide: Any, plan: CompletionPlan) -> None:
-        """Inside the budget window, keep only single-byte tokens after which the document can
-        still be completed (and closed with EOS) in the tokens left."""
+        """Inside the budget window, keep the tokens after which the document can still be
+        completed (and closed with EOS) in the tokens left; when none can, the ones that get
+        closest to completion. Bytes bound tokens from above, so this is conservative."""
         assert self.max_new_tokens is not None
         left = self.max_new_tokens - self._counts[row]  # tokens left, this step's included
         state = guide.get_state()
         need = plan.dist.get(state)
         if need is None or left > need + 1 + WINDOW:
             return
+        self.steered.add(row)
+        if left <= 1 and guide.is_finished():  # the last token: only EOS (the caller adds it)
+            line.fill(0)
+            return
+        bits = np.unpackbits(line.view(np.uint8), bitorder="little")
+        allowed = np.flatnonzero(bits[: self.vocabulary.size])
+        if len(allowed) > _WALK_LIMIT:  # free text: try the single-byte tokens only
+            singles = [self._byte_token.get(b) for b in plan.step.get(state, {})]
+            allowed = np.asarray([t for t in singles if t is not None and bits[t]], dtype=np.int64)
+        scored = []
+        for token in allowed.tolist():
+            data = self.vocabulary.token_bytes.get(token)
+            after = plan.after(state, data) if data is not None else None
+            if after is not None:
+                scored.append((after, token))
+        if not scored:
+            return
+        # After this token, left - 1 tokens remain and one of them must be the EOS.
+        fits = [t for d, t in scored if d <= left - 2]
+        best = min(d for d, _ in scored)
         keep = np.zeros_like(line)
-        # After this byte, left - 1 tokens remain and one of them must be the EOS.
-        for byte in plan.bytes_within(state, left - 2):
-            token = self._byte_token.get(byte)
-            if token is not None and line[token >> 5] >> (token & 31) & 1:
-                keep[token >> 5] |= _bit(token)
-        if keep.any() or guide.is_finished():  # finished: EOS is added by the caller
-            line[:] = keep
-            self.steered.add(row)
+        for token in fits or [t for d, t in scored if d == best]:
+            keep[token >> 5] |= _bit(token)
+        line[:] = keep
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()

@@ -40,12 +40,12 @@ __all__ = [
 # The body of a JSON string, character by character (the same class outlines-core uses).
 STRING_CHAR = r'(?:[^"\\\x00-\x1F\x7F-\x9F]|\\["\\/bfnrt])'
 STRING = f'"{STRING_CHAR}*"'
-# At most 16 integer and 15 fraction digits, 2 exponent digits: sound (every such number is a
-# JSON number), and a greedy model cannot run "1000000..." until it is out of tokens.
-_DIGITS = 15
-NUMBER = r"-?(?:0|[1-9][0-9]{0,15})(?:\.[0-9]{1,15})?(?:[eE][+-]?[0-9]{1,2})?"
+# Digits are unbounded: `{0,15}` instead of `*` made indexes several times slower to build (a
+# number occurs many times in a schema's regex); a "1000000..." loop is cut by the processor's
+# token budget instead (see `budget`).
+NUMBER = r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?"
 # Numbers that are never integers (a non-zero digit after the point, no exponent).
-FRACTIONAL_NUMBER = r"-?(?:0|[1-9][0-9]{0,15})\.[0-9]{0,14}[1-9][0-9]{0,14}"
+FRACTIONAL_NUMBER = r"-?(?:0|[1-9][0-9]*)\.[0-9]*[1-9][0-9]*"
 # Printable ASCII minus the quote and the backslash: never needs escaping in JSON.
 ASCII_CHAR = r"[ !#-\[\]-~]"
 # The longest bounded string we spell out (see the module docstring for the cost); longer
@@ -102,13 +102,14 @@ def object_regex(value: str, *, whitespace: str, low: int = 0, high: int | None 
     return f"\\{{{whitespace}{members}{whitespace}\\}}"
 
 
-def any_value_regex(whitespace: str, *, count_cap: int) -> str:
-    """Any JSON value, nested at most one level (scalars, and arrays or objects of at most
-    `count_cap` scalars): sound for "any value", with an index a fraction of a deeper one's."""
+def any_value_regex(whitespace: str) -> str:
+    """Any JSON value, nested at most one level (scalars, and arrays or objects of scalars):
+    sound for "any value", with an index a fraction of a deeper one's. (Bounding the number of
+    members too made indexes slower to build; the token budget ends a loop instead.)"""
     scalar = f"(?:{STRING}|{NUMBER}|true|false|null)"
     sep = f"{whitespace},{whitespace}"
-    array = f"\\[{whitespace}{_repeat(scalar, sep, 0, count_cap)}{whitespace}\\]"
-    members = object_regex(scalar, whitespace=whitespace, high=count_cap)
+    array = f"\\[{whitespace}{_repeat(scalar, sep, 0, None)}{whitespace}\\]"
+    members = object_regex(scalar, whitespace=whitespace, high=None)
     return f"(?:{scalar}|{array}|{members})"
 
 
@@ -147,8 +148,7 @@ def _nonneg_range(lo: int, hi: int | None) -> list[str]:
         top = 10**digits - 1
         if hi is None:
             out += _same_length(str(lo), str(top))
-            # Unbounded above, but at most 16 digits (see NUMBER); |bounds| <= _BOUND_CLAMP.
-            out.append(f"[1-9][0-9]{{{digits},{max(digits, _DIGITS)}}}")
+            out.append(f"[1-9][0-9]{{{digits},}}")
             break
         out += _same_length(str(lo), str(min(hi, top)))
         lo = top + 1
@@ -189,8 +189,8 @@ def integer_regex(
 
 # --------------------------------------------------------------------------- numbers
 
-_FRACTION = r"(?:\.[0-9]{1,15})?"
-_NONZERO_FRACTION = r"\.[0-9]{0,14}[1-9][0-9]{0,14}"
+_FRACTION = r"(?:\.[0-9]+)?"
+_NONZERO_FRACTION = r"\.[0-9]*[1-9][0-9]*"
 
 
 def _magnitude(lo: int, lo_excl: bool, hi: int | None, hi_excl: bool) -> list[str]:

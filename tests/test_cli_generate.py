@@ -80,6 +80,7 @@ def test_json_has_the_documented_keys(tiny_model_dir: Path, capsys) -> None:
     # Dense fp32, tied head: the head is the 512 x 64 embedding read in full.
     assert data["bytes_lm_head"] == 512 * 64 * 4
     assert data["backend"] == "dense float32 (torch)" and data["device"].startswith("cpu")
+    assert data["head_dtype"] == "float32"  # dense models keep the head transformers uses
 
 
 def test_streams_text_then_summary(int4_ckpt: Path, capsys) -> None:
@@ -98,6 +99,18 @@ def test_streams_text_then_summary(int4_ckpt: Path, capsys) -> None:
         "--json",
     )  # fmt: skip
     assert json.loads(again[1])["text"] == text.rstrip("\n")
+
+
+def test_head_dtype_option(int4_ckpt: Path, capsys) -> None:
+    common = ["generate", str(int4_ckpt), "--prompt", "Flat is", "--max-new-tokens", "3", "--json"]
+    code, out, err = run(capsys, *common, "--head-dtype", "bfloat16")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["head_dtype"] == "bfloat16" and data["bytes_lm_head"] == 512 * 64 * 2
+    assert "lm_head bfloat16" in data["backend"]
+    code, out, err = run(capsys, *common, "--head-dtype", "float32")
+    assert code == 0, err
+    assert json.loads(out)["bytes_lm_head"] == 512 * 64 * 4
 
 
 def test_default_model_is_the_cached_int4_checkpoint(

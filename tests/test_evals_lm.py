@@ -142,6 +142,28 @@ def test_add_bos_token(tiny_model_dir: Path) -> None:
     assert with_bos.loglikelihood(req, disable_tqdm=True)[0][0] != pytest.approx(plain, abs=1e-4)
 
 
+def test_plan_batches_respects_both_budgets() -> None:
+    from quantkit.evals.continuations import plan_batches
+
+    g = torch.Generator().manual_seed(0)
+    groups = [
+        (
+            int(torch.randint(1, 60, (), generator=g)),
+            torch.randint(1, 9, (4,), generator=g).tolist(),
+        )
+        for _ in range(200)
+    ]
+    groups.append((500, [3, 3]))  # bigger than the budget alone: a batch of its own
+    plan = plan_batches(groups, batch_size=8, max_tokens=256)
+    assert [i for batch in plan for i in batch] == list(range(len(groups)))  # order kept
+    assert plan[-1] == [200]
+    for batch in plan[:-1]:
+        ctx = max(groups[i][0] for i in batch)
+        conts = [n for i in batch for n in groups[i][1]]
+        assert len(batch) <= 8 and len(batch) * ctx <= 256 and len(conts) * max(conts) <= 256
+    assert len(plan) < len(groups) / 2  # it does batch
+
+
 def test_registered_with_lm_eval_and_keeps_builtin_models() -> None:
     from lm_eval.api.registry import get_model
 

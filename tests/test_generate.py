@@ -310,3 +310,36 @@ def test_embedded_model_greedy_matches_transformers(monkeypatch: pytest.MonkeyPa
             want = want[:-1]
         assert got.tokens[0] == want, text
         assert got.texts[0] == loaded.tokenizer.decode(want, skip_special_tokens=True)
+
+
+# --------------------------------------------------------------------------- the lm_head dtype
+
+
+def test_bf16_head_halves_its_bytes_and_keeps_the_logits(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import quantkit.lm_head as lm_head
+    from quantkit.roofline import model_read_bytes
+
+    model = load_model(tiny_model_dir, tokenizer=False).model
+    ids = torch.tensor(_prompts([20], seed=10))
+    with torch.inference_mode():
+        want = model(ids)
+        before = model_read_bytes(model)
+        lm_head.set_head_dtype(model, torch.bfloat16)
+        got = model(ids)
+    assert got.dtype == torch.float32
+    # Only the activation is rounded to bf16 (8 bits of mantissa): ~0.4% of the logit scale.
+    torch.testing.assert_close(got, want, rtol=0, atol=0.01 * want.abs().max().item())
+    assert not torch.equal(got, want)
+    after = model_read_bytes(model)
+    assert after.head == before.head // 2 and not after.tied
+    assert after.embedding == before.embedding  # the table stays fp32 for the embedding lookup
+    with pytest.raises(GenerationError, match="head dtype: expected one of"):
+        lm_head.set_head_dtype(model, torch.int8)
+    # auto: bf16 only for a quantized fp32 model on a CPU with bf16 instructions.
+    monkeypatch.setattr(lm_head, "cpu_has_bf16", lambda: True)
+    assert lm_head.auto_head_dtype(model, quantized=True) == torch.bfloat16
+    assert lm_head.auto_head_dtype(model, quantized=False) == torch.float32
+    monkeypatch.setattr(lm_head, "cpu_has_bf16", lambda: False)
+    assert lm_head.auto_head_dtype(model, quantized=True) == torch.float32

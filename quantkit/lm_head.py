@@ -1,0 +1,69 @@
+"""The output projection in a narrower dtype than the model: half the bytes of the biggest read.
+
+With INT4 Linears, the dense lm_head dominates a small model's decode traffic: SmolLM2-135M's
+tied 49152 x 576 head is 113 MB in fp32 against 57 MB for the whole INT4 body. Decode is
+bandwidth-bound, so reading it in bf16 halves the largest single read of every step. That pays
+only where the CPU has bf16 dot-product instructions (AVX512-BF16, AMX): elsewhere oneDNN's bf16
+GEMV is compute-bound and slower than fp32 (DESIGN.md: 2.3x slower at batch 8 on Zen 3).
+Measured on an AVX512-BF16 EPYC, 1 thread: 3.5 ms per token in bf16 vs ~7 ms in fp32.
+
+Only the activation is rounded: the embedded model's weights were bf16 to begin with (the GGUF
+is converted to a bf16 directory), so its head loses nothing by the cast. Logits move by ~0.3%
+relative, which can flip a greedy choice between near-tied tokens; a dense run that must match
+transformers token for token keeps the fp32 head (the default for dense models).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantkit.errors import GenerationError
+from quantkit.model import CausalLM
+
+HEAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CastHead(nn.Module):
+    """x [..., H] -> x.to(dtype) @ W.T, W [V, H] stored once in `dtype` (accumulated in fp32 by
+    the BLAS); the caller (`CausalLM.forward`) turns the logits into fp32."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().to(dtype).contiguous(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.weight.dtype), self.weight)
+
+
+def cpu_has_bf16() -> bool:
+    """True if this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: assume not, the safe choice
+        return False
+    flags_line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    flags = set(flags_line.split(":", 1)[-1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def auto_head_dtype(model: CausalLM, *, quantized: bool) -> torch.dtype:
+    """bf16 for a quantized fp32 model on a CPU with bf16 instructions, else the model dtype.
+
+    Dense models keep their head so that they compute what transformers computes."""
+    if quantized and model.dtype == torch.float32 and model.device.type == "cpu":
+        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    return model.dtype
+
+
+def set_head_dtype(model: CausalLM, dtype: torch.dtype) -> None:
+    """Run `model`'s lm_head in `dtype` (a copy of the weight; the embedding table is kept as it
+    is, so a tied head stops being tied). No-op when the head already has that dtype."""
+    if dtype not in HEAD_DTYPES.values():
+        raise GenerationError(f"head dtype: expected one of {', '.join(HEAD_DTYPES)}, got {dtype}")
+    if model.lm_head.weight.dtype == dtype:
+        return
+    model.lm_head = CastHead(model.lm_head.weight, dtype)
