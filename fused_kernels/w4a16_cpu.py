@@ -23,6 +23,7 @@ import torch
 
 from quantkit.errors import KernelUnavailableError
 from quantkit.fused_kernels.cpu_build import cpu_flags, cpu_variant, load_library
+from quantkit.fused_kernels.decode_cpu_source import DECODE_SOURCE
 from quantkit.fused_kernels.w4a16_checks import check_int4_operands
 from quantkit.fused_kernels.w4a16_cpu_source import C_SOURCE
 
@@ -75,7 +76,8 @@ def _variant(variant: str | None) -> str:
 def _library(variant: str | None = None) -> ctypes.CDLL:
     """The compiled kernels for `variant` (default: the best this CPU runs), built on first use
     (one gcc call, cached on disk; functools.cache keeps the loaded handle, not tensors)."""
-    lib = load_library("qk_w4a16_cpu", C_SOURCE, variant=variant)
+    # One library: the decode step (`decode_cpu`) calls the GEMV's static functions.
+    lib = load_library("qk_w4a16_cpu", C_SOURCE + DECODE_SOURCE, variant=variant)
     lib.qk_w4a16_gemv.argtypes = _ctypes_of(_GEMV_SIGNATURE)
     lib.qk_w4a16_gemv.restype = ctypes.c_int
     lib.qk_w4_dequant.argtypes = _ctypes_of(_DEQUANT_SIGNATURE)

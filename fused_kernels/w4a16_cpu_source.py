@@ -201,8 +201,9 @@ static void tile_params(const void *scale, int s_dt, int64_t s_stride, const int
    Accumulator indices are compile-time constants (a runtime index spills them to memory) and
    FMA latency wants >= 8 independent chains, so blocks go in pairs (alt = 0, 1).
    Every 64 bytes of weights it prefetches the line `pf` bytes ahead into L2 (the distance is
-   chosen by the caller, see `qk_w4a16_gemv`). The K tiles visit each row in 4 KB runs, which the hardware prefetchers
-   follow badly (2.3x slower at 14336x4096, M = 1, before the software prefetch). */
+   chosen by the caller, see `gemv_rows`). The K tiles visit each row in 4 KB runs, which the
+   hardware prefetchers follow badly (2.3x slower at 14336x4096, M = 1, before the software
+   prefetch). */
 static inline __attribute__((always_inline)) void gemv_tile(
     int MB, const float *xc, int64_t b0, int64_t b1, int64_t g0, int64_t bpg, int gsh,
     const int32_t *wrow, int64_t words, const float *s, const float *c, int64_t pf, float *res)
@@ -288,26 +289,42 @@ static inline __attribute__((always_inline)) void gemv_tile(
    4096x4096, M = 1, 2 threads, against 24.5 with 16 and 22 with 8 (longer contiguous runs). */
 #define RT 32
 
-int qk_w4a16_gemv(
-    const void *x, int x_dt, int64_t M, int64_t K, int64_t x_stride,
-    const int32_t *wq, int64_t N, int64_t wq_stride,
-    const void *scale, int s_dt, int64_t n_groups, int64_t s_stride,
-    const int32_t *zp, int64_t zp_stride, int64_t group_size,
-    const void *bias, int b_dt, void *out, int o_dt, int64_t o_stride, int n_threads)
-{
-    int64_t nblk = (K + 31) / 32, kp = nblk * 32, words = (K + 7) / 8, bpg;
-    if (n_groups == 1) bpg = nblk;
-    else if (group_size % 32 == 0 && group_size * n_groups == K) bpg = group_size / 32;
+/* One layer's static arguments, bound once (`CpuInt4Layer`), so that a decode call passes 9
+   arguments instead of 21: each ctypes argument conversion costs ~0.1-0.2 us. */
+typedef struct {
+    const int32_t *wq;
+    int64_t N, K, wq_stride;
+    const void *scale;
+    int64_t s_dt, n_groups, s_stride;
+    const int32_t *zp;
+    int64_t zp_stride, group_size;
+    const void *bias;
+    int64_t b_dt;
+} qk_w4_layer;
+
+/* Blocks per group and log2 of it (-1 when not a power of two); 1 for an unsupported layout. */
+static int group_layout(const qk_w4_layer *L, int64_t *bpg, int *gsh) {
+    int64_t nblk = (L->K + 31) / 32;
+    if (L->n_groups == 1) *bpg = nblk;
+    else if (L->group_size % 32 == 0 && L->group_size * L->n_groups == L->K)
+        *bpg = L->group_size / 32;
     else return 1;
-    int gsh = -1;  /* log2(blocks per group) when that is a power of two, else -1 */
-    for (int t = 0; n_groups > 1 && t < 30; t++)
-        if (bpg == ((int64_t)1 << t)) gsh = t;
-    float *xp = (float *)aligned_alloc(64, (size_t)(M * kp) * sizeof(float));
-    /* per row tile: s [RT][G] then c [RT][G] (the last tile's rows may be fewer) */
-    float *params = (float *)malloc((size_t)((N + RT) * 2 * n_groups) * sizeof(float));
-    if (!xp || !params) { free(xp); free(params); return 2; }
-    /* x -> fp32, each 32-element block permuted to the order the shifts produce, K padded with
-       zeros, rows of each chunk of 4 interleaved per block: [chunk][block][row][32]. */
+    *gsh = -1;
+    for (int t = 0; L->n_groups > 1 && t < 30; t++)
+        if (*bpg == ((int64_t)1 << t)) *gsh = t;
+    return 0;
+}
+
+/* Floats of scratch a GEMV over L needs: the permuted x (M rows) and the per-tile constants. */
+static int64_t gemv_scratch(const qk_w4_layer *L, int64_t M) {
+    return M * ((L->K + 31) / 32) * 32 + (L->N + RT) * 2 * L->n_groups + 16;
+}
+
+/* x -> fp32, each 32-element block permuted to the order the shifts produce, K padded with
+   zeros, rows of each chunk of 4 interleaved per block: [chunk][block][row][32]. */
+static void permute_x(const void *x, int x_dt, int64_t M, int64_t K, int64_t x_stride,
+                      float *xp) {
+    int64_t nblk = (K + 31) / 32, kp = nblk * 32;
     for (int64_t m = 0; m < M; m++) {
         int64_t m0 = m & ~(int64_t)3, mb = M - m0 < 4 ? M - m0 : 4;
         for (int64_t b = 0; b < nblk; b++)
@@ -318,13 +335,27 @@ int qk_w4a16_gemv(
                         k < K ? load_f(x, m * x_stride + k, x_dt) : 0.0f;
                 }
     }
+}
+
+/* out [M, N] = xp (permuted, see permute_x) @ dequant(W).T (+ bias). The row-tile loop is an
+   orphaned `omp for`: inside a parallel region the team shares it (and meets at its implicit
+   barrier), outside one it runs on the calling thread. `params` holds (N + RT) * 2 * G floats;
+   the caller has checked the group layout. */
+static void gemv_rows(const qk_w4_layer *L, const float *xp, int64_t M, float *params,
+                      void *out, int o_dt, int64_t o_stride) {
+    const int64_t K = L->K, N = L->N, n_groups = L->n_groups, wq_stride = L->wq_stride;
+    const int32_t *wq = L->wq;
+    int64_t nblk = (K + 31) / 32, kp = nblk * 32, words = (K + 7) / 8, bpg;
+    int gsh;
+    group_layout(L, &bpg, &gsh);
     /* Dynamic chunks: with other processes on the cores a static split waits for the
        descheduled thread (4 ms stalls per call measured on a loaded 2-core machine). */
-    #pragma omp parallel for num_threads(n_threads) schedule(dynamic, 1)
+    #pragma omp for schedule(dynamic, 1)
     for (int64_t n0 = 0; n0 < N; n0 += RT) {
         int64_t n1 = n0 + RT < N ? n0 + RT : N;
         float *s = params + n0 * 2 * n_groups, *c = s + RT * n_groups;
-        tile_params(scale, s_dt, s_stride, zp, zp_stride, n0, n1, n_groups, s, c);
+        tile_params(L->scale, (int)L->s_dt, L->s_stride, L->zp, L->zp_stride, n0, n1, n_groups,
+                    s, c);
         for (int64_t m0 = 0; m0 < M; m0 += 4) {
             int64_t mb = M - m0 < 4 ? M - m0 : 4;
             float res[RT][4] = {{0}};
@@ -352,36 +383,40 @@ int qk_w4a16_gemv(
                 }
             }
             for (int64_t n = n0; n < n1; n++) {
-                float bn = bias ? load_f(bias, n, b_dt) : 0.0f;
+                float bn = L->bias ? load_f(L->bias, n, (int)L->b_dt) : 0.0f;
                 for (int64_t t = 0; t < mb; t++)
                     store_f(out, (m0 + t) * o_stride + n, o_dt, res[n - n0][t] + bn);
             }
         }
     }
-    free(xp);
-    free(params);
-    return 0;
 }
-
-/* One layer's static arguments, bound once (`CpuInt4Layer`), so that a decode call passes 9
-   arguments instead of 21: each ctypes argument conversion costs ~0.1-0.2 us. */
-typedef struct {
-    const int32_t *wq;
-    int64_t N, K, wq_stride;
-    const void *scale;
-    int64_t s_dt, n_groups, s_stride;
-    const int32_t *zp;
-    int64_t zp_stride, group_size;
-    const void *bias;
-    int64_t b_dt;
-} qk_w4_layer;
 
 int qk_w4a16_gemv_layer(const qk_w4_layer *L, const void *x, int x_dt, int64_t M,
                         int64_t x_stride, void *out, int o_dt, int64_t o_stride, int n_threads)
 {
-    return qk_w4a16_gemv(x, x_dt, M, L->K, x_stride, L->wq, L->N, L->wq_stride, L->scale,
-                         (int)L->s_dt, L->n_groups, L->s_stride, L->zp, L->zp_stride,
-                         L->group_size, L->bias, (int)L->b_dt, out, o_dt, o_stride, n_threads);
+    int64_t bpg;
+    int gsh;
+    if (group_layout(L, &bpg, &gsh)) return 1;
+    float *work = (float *)aligned_alloc(64, (size_t)gemv_scratch(L, M) * sizeof(float));
+    if (!work) return 2;
+    float *params = work + M * ((L->K + 31) / 32) * 32;
+    permute_x(x, x_dt, M, L->K, x_stride, work);
+    #pragma omp parallel num_threads(n_threads)
+    gemv_rows(L, work, M, params, out, o_dt, o_stride);
+    free(work);
+    return 0;
+}
+
+int qk_w4a16_gemv(
+    const void *x, int x_dt, int64_t M, int64_t K, int64_t x_stride,
+    const int32_t *wq, int64_t N, int64_t wq_stride,
+    const void *scale, int s_dt, int64_t n_groups, int64_t s_stride,
+    const int32_t *zp, int64_t zp_stride, int64_t group_size,
+    const void *bias, int b_dt, void *out, int o_dt, int64_t o_stride, int n_threads)
+{
+    qk_w4_layer L = {wq, N, K, wq_stride, scale, s_dt, n_groups, s_stride, zp, zp_stride,
+                     group_size, bias, b_dt};
+    return qk_w4a16_gemv_layer(&L, x, x_dt, M, x_stride, out, o_dt, o_stride, n_threads);
 }
 
 int qk_w4_dequant(

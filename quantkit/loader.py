@@ -10,6 +10,8 @@ from typing import Any
 import torch
 
 from quantkit.checkpoint import load_checkpoint
+from quantkit.cpu_decode import enable_cpu_decode
+from quantkit.fusion import fuse_projections
 from quantkit.model import CausalLM, build_model
 from quantkit.quant_linear import QuantLinear
 from quantkit.scheme import QuantScheme
@@ -47,5 +49,9 @@ def load_model(
             modules[name] = QuantLinear.from_tensors(local, scheme=loaded.scheme, bias=bias)
     model = build_model(loaded.config, loaded.tensors, dtype=dtype, modules=modules)
     model = model.to(device)
+    # q/k/v and gate/up as one matmul each (row views, no extra memory; see quantkit.fusion).
+    fuse_projections(model)
+    # INT4 on CPU: one-token steps run every layer in one C call (quantkit.cpu_decode).
+    enable_cpu_decode(model)
     tok = load_tokenizer(path) if tokenizer else None
     return LoadedModel(model, tok, loaded.config, loaded.scheme, path, loaded.report)

@@ -79,6 +79,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one op, the same arithmetic as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 like the HF reference, so bf16 runs match it.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -96,10 +98,16 @@ class Rotary(nn.Module):
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, 1, T, D]."""
+        """positions [B, T] -> cos, sin [B, T, 1, D] (for q/k laid out [B, T, heads, D])."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(1)
+        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(2)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _eager_cpu(x: torch.Tensor) -> bool:
+    """True when a data-dependent fast path may read tensor values on the host: a CPU tensor,
+    outside torch.compile's tracing."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -132,12 +140,20 @@ class KVCache(nn.Module):
     def update(
         self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, Hkv, T, D] at positions [B, T]; return the whole cache."""
+        """Write k, v [B, T, Hkv, D] at positions [B, T]; return the whole cache."""
         rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
         # Index the (B, S) axes together: each row writes at its own positions.
-        self.k.permute(0, 2, 1, 3)[rows, positions] = k.permute(0, 2, 1, 3)
-        self.v.permute(0, 2, 1, 3)[rows, positions] = v.permute(0, 2, 1, 3)
+        self.k.permute(0, 2, 1, 3)[rows, positions] = k
+        self.v.permute(0, 2, 1, 3)[rows, positions] = v
         return self.k, self.v
+
+    def write_span(self, start: int, k: torch.Tensor, v: torch.Tensor) -> int:
+        """One row (B = 1) whose T new tokens sit at slots start..start+T-1: two slice copies
+        instead of two index_puts. Returns the end slot."""
+        end = start + k.shape[1]
+        self.k[0, :, start:end].copy_(k[0].transpose(0, 1))
+        self.v[0, :, start:end].copy_(v[0].transpose(0, 1))
+        return end
 
 
 class Attention(nn.Module):
@@ -154,6 +170,21 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
         self.cache: KVCache | None = None
+        self.fused_qkv: Any = None  # a `quantkit.fusion.FusedLinear`, set by fuse_projections
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [B, T, H] -> q [B, T, Hq, D] with RoPE not yet applied, k, v [B, T, Hkv, D]."""
+        b, t, _ = x.shape
+        fused = self.fused_qkv
+        if fused is not None and fused.valid():
+            heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
+            qkv = fused(x).view(b, t, sum(heads), self.head_dim)
+            q, k, v = qkv.split(heads, dim=2)
+            return q, k, v
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        return q, k, v
 
     def forward(
         self,
@@ -167,16 +198,27 @@ class Attention(nn.Module):
         """x [B, T, H]. Without a cache: causal attention over x alone. With one: k/v are
         written at `positions` and queries attend to the cache under `mask` [B, 1, T, S]."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = self._qkv(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.cache is None:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
+        elif b == 1 and positions is not None and _eager_cpu(x):
+            # One row: its tokens sit at consecutive slots, and the query attends to the
+            # slots up to its own only (not the whole cache under a mask).
+            start = int(positions[0, 0])
+            end = self.cache.write_span(start, k, v)
+            keys, values = self.cache.k[:, :, :end], self.cache.v[:, :, :end]
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, is_causal=t > 1 and start == 0,
+                attn_mask=None if t == 1 or start == 0 else mask[..., :end], enable_gqa=True,
+            )  # fmt: skip
         else:
             assert positions is not None and mask is not None
-            k, v = self.cache.update(positions, k, v)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+            keys, values = self.cache.update(positions, k, v)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True
+            )
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -187,8 +229,13 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
+        self.fused_gate_up: Any = None  # a `quantkit.fusion.FusedLinear`, see fuse_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = self.fused_gate_up
+        if fused is not None and fused.valid():
+            gate, up = fused(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -230,6 +277,9 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = Body(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # A `quantkit.cpu_decode.CpuDecodePath` (see enable_cpu_decode): every layer of a
+        # one-token, one-row step in one C call. Bound to each cache by setup_cache.
+        self.decode_path: Any = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -253,10 +303,14 @@ class CausalLM(nn.Module):
                 dtype=self.dtype,
                 device=self.device,
             )
+        if self.decode_path is not None:
+            self.decode_path.bind(self)
 
     def drop_cache(self) -> None:
         for layer in self.model.layers:
             layer.self_attn.cache = None
+        if self.decode_path is not None:
+            self.decode_path.bind(self)
 
     def forward(
         self,
@@ -275,10 +329,14 @@ class CausalLM(nn.Module):
         b, t = input_ids.shape
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
-        cos, sin = self.rope(positions)
-        x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, positions=positions, mask=mask)
+        x = None
+        if b == t == 1 and self.decode_path is not None and _eager_cpu(input_ids):
+            x = self.decode_path.run(self, input_ids, int(positions[0, 0]))
+        if x is None:
+            cos, sin = self.rope(positions)
+            x = self.model.embed_tokens(input_ids)
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, positions=positions, mask=mask)
         x = self.model.norm(x)
         if logits_at is not None:
             x = x[torch.arange(b, device=x.device), logits_at].unsqueeze(1)

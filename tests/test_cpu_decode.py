@@ -1,0 +1,158 @@
+"""Fused projections and the one-call CPU decode step compute what the PyTorch path computes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantkit.checkpoint import save_checkpoint
+from quantkit.fused_kernels.decode_cpu import CpuDecodeStep, DecoderDims
+from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
+from quantkit.fusion import fuse_projections
+from quantkit.generate import generate
+from quantkit.loader import load_model
+from quantkit.model import build_model
+from quantkit.quantize import quantize_model
+from quantkit.sampling import SamplingParams
+from quantkit.scheme import QuantScheme
+from tests.conftest import make_hf_model
+
+pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="needs gcc for the C kernel")
+
+PROMPTS = [[5, 17, 99, 3, 250, 31], [7, 8]]
+
+
+def _int4_checkpoint(src: Path, out: Path, *, group: int | str = "auto", sym: bool = False):
+    outcome = quantize_model(src, scheme=QuantScheme("rtn", 4, group, sym))
+    return save_checkpoint(
+        out,
+        source_dir=src,
+        config=outcome.config,
+        tensors=outcome.tensors,
+        scheme=outcome.scheme,
+        quantized_modules=outcome.quantized_modules,
+        report={},
+    )
+
+
+@pytest.fixture(scope="module")
+def llama_ckpt(tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _int4_checkpoint(tiny_llama_dir, tmp_path_factory.mktemp("ckpt") / "int4")
+
+
+def _greedy(model, prompt: list[int], n: int = 12):
+    return generate(model, [prompt], SamplingParams(max_new_tokens=n))
+
+
+def test_fast_path_binds_and_matches_torch(llama_ckpt: Path, monkeypatch) -> None:
+    model = load_model(llama_ckpt, tokenizer=False).model
+    model.setup_cache(batch=1, max_len=64)
+    assert model.decode_path.reason == "bound"
+    model.drop_cache()
+    calls = []
+    original = CpuDecodeStep.__call__
+    monkeypatch.setattr(
+        CpuDecodeStep, "__call__", lambda self, *a: calls.append(1) or original(self, *a)
+    )
+    for prompt in PROMPTS:
+        fast = _greedy(model, prompt)
+        assert len(calls) == 11  # every decode step after the prefill
+        calls.clear()
+        monkeypatch.setenv("QUANTKIT_CPU_DECODE", "0")
+        slow = _greedy(model, prompt)
+        monkeypatch.delenv("QUANTKIT_CPU_DECODE")
+        assert fast.tokens == slow.tokens
+
+
+def test_fast_step_logits_match(llama_ckpt: Path) -> None:
+    model = load_model(llama_ckpt, tokenizer=False).model
+    with torch.no_grad():
+        model.setup_cache(batch=1, max_len=32)
+        ids = torch.tensor([PROMPTS[0]])
+        pos = torch.arange(ids.shape[1]).unsqueeze(0)
+        model(ids, positions=pos, mask=(torch.arange(32) <= pos[0, :, None]).view(1, 1, -1, 32))
+        step = dict(positions=torch.tensor([[6]]), mask=(torch.arange(32) <= 6).view(1, 1, 1, 32))
+        fast = model(torch.tensor([[42]]), **step)
+        path, model.decode_path = model.decode_path, None
+        slow = model(torch.tensor([[42]]), **step)  # rewrites the same cache slot
+        model.decode_path = path
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+
+
+def test_qwen2_biases_and_symmetric_per_channel(tmp_path: Path) -> None:
+    src = make_hf_model(
+        tmp_path / "qwen2",
+        {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64},
+    )
+    ckpt = _int4_checkpoint(src, tmp_path / "ckpt", group=-1, sym=True)
+    model = load_model(ckpt, tokenizer=False).model
+    assert model.model.layers[0].self_attn.fused_qkv.fused.bias is not None
+    fast = _greedy(model, PROMPTS[0])
+    object.__setattr__(model, "decode_path", None)
+    assert fast.tokens == _greedy(model, PROMPTS[0]).tokens
+
+
+def test_not_bound_for_batches_dense_or_unfused(llama_ckpt: Path, tiny_llama_dir: Path) -> None:
+    model = load_model(llama_ckpt, tokenizer=False).model
+    model.setup_cache(batch=2, max_len=16)
+    assert model.decode_path.step is None and "batch 1" in model.decode_path.reason
+    # Replacing a part's tensor invalidates its fused group: the model falls back.
+    layer = model.model.layers[0].self_attn
+    layer.k_proj.weight_packed = layer.k_proj.weight_packed.clone()
+    assert not layer.fused_qkv.valid()
+    model.setup_cache(batch=1, max_len=16)
+    assert model.decode_path.step is None and "not fused" in model.decode_path.reason
+    dense = load_model(tiny_llama_dir, tokenizer=False).model
+    dense.setup_cache(batch=1, max_len=16)
+    assert dense.decode_path.step is None and "not INT4" in dense.decode_path.reason
+
+
+def test_fusion_keeps_state_dict_and_outputs(tiny_llama_dir: Path, llama_ckpt: Path) -> None:
+    for spec in (tiny_llama_dir, llama_ckpt):
+        model = load_model(spec, tokenizer=False).model  # fused by the loader
+        fused_state = {k: v.clone() for k, v in model.state_dict().items()}
+        ids = torch.randint(0, 512, (2, 9), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            fused_out = model(ids)
+            for layer in model.model.layers:
+                object.__setattr__(layer.self_attn, "fused_qkv", None)
+                object.__setattr__(layer.mlp, "fused_gate_up", None)
+            torch.testing.assert_close(fused_out, model(ids), rtol=1e-5, atol=1e-5)
+        assert fuse_projections(model) == 2 * len(model.model.layers)
+        assert fused_state.keys() == model.state_dict().keys()
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, fused_state[k]), k
+
+
+def test_dense_fusion_shares_memory(tiny_llama_dir: Path) -> None:
+    from quantkit.sources import load_state_dict, read_config
+
+    model = build_model(read_config(tiny_llama_dir), load_state_dict(tiny_llama_dir))
+    fuse_projections(model)
+    attn = model.model.layers[0].self_attn
+    fused = attn.fused_qkv.fused.weight
+    assert attn.q_proj.weight.data_ptr() == fused.data_ptr()
+    assert attn.k_proj.weight.data_ptr() == fused[attn.q_proj.out_features :].data_ptr()
+
+
+def test_decode_step_rejects_mismatched_layers(llama_ckpt: Path) -> None:
+    model = load_model(llama_ckpt, tokenizer=False).model
+    model.setup_cache(batch=1, max_len=16)
+    cfg = model.config
+    good = DecoderDims(
+        cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        cfg.intermediate_size, cfg.rms_norm_eps,
+    )  # fmt: skip
+    parts = model.decode_path.step._keep
+    wrong = DecoderDims(good.hidden, good.heads, good.kv_heads, good.head_dim, 999, good.eps)
+    with pytest.raises(ValueError, match=r"layer 0 gate_up \[N, K\]: expected \(1998"):
+        CpuDecodeStep(parts, wrong)
+    step = CpuDecodeStep(parts, good)
+    x = torch.zeros(cfg.hidden_size)
+    cos = sin = torch.zeros(cfg.head_dim)
+    with pytest.raises(ValueError, match="position: expected 0 to 15, got 16"):
+        step(x, 16, cos, sin)
+    with pytest.raises(ValueError, match="x: expected 128 contiguous float32"):
+        step(x.double(), 0, cos, sin)
