@@ -1,0 +1,321 @@
+"""CPU FP8 linear (W8A16 and dynamic per-token W8A8): a compiled C GEMV for decode, dequantize +
+MKL for prefill.
+
+y [..., N] = x [..., K] @ (w8 * s).T (+ bias), w8 float8_e4m3fn [N, K] and s [N, 1] as
+compressed-tensors stores them (`quantkit.packing`), read as stored: a call reads N*K bytes of
+weight plus the scales.
+
+- M <= `GEMV_MAX_M[variant]`: `qk_fp8_gemv` (see `fp8_cpu_source`) converts e4m3 -> fp32 in
+  registers (exactly) and streams each weight row once per 4 activation rows, fp32 accumulation,
+  OpenMP over output rows with torch's threads.
+- larger M: `qk_fp8_dequant` writes fp32 row chunks of w8 * s (bit-identical to
+  `quantkit.packing.dequantize_fp8`) and MKL multiplies them; with bf16 activations on CPUs with
+  bf16 matmul instructions the chunks are rounded to bf16 and oneDNN multiplies (as
+  `w4a16_cpu`).
+- W8A8 (`act_dynamic`): no CPU multiplies fp8, so W8A8 is emulated with the GPU kernel's
+  numerics: each activation row is rounded to fp8 with its own scale (bit-identical to
+  `quantkit.packing.quantize_fp8_per_token`, in C), the fp8 products are exact in fp32 and the
+  sum is scaled by sx * sw. It is as fast as W8A16 here, not faster: its use on CPU is to
+  measure what W8A8 costs in accuracy.
+
+The reference of the same function is `fp8_reference.fp8_linear_reference`; tests hold this
+launcher to it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from quantkit.errors import KernelUnavailableError
+from quantkit.fused_kernels.cpu_build import cpu_variant, load_library
+from quantkit.fused_kernels.fp8_checks import check_fp8_activations, check_fp8_weights
+from quantkit.fused_kernels.fp8_cpu_source import C_SOURCE
+from quantkit.fused_kernels.w4a16_cpu import has_bf16_matmul
+
+# Largest M that takes the GEMV; above it dequantize + MKL. Measured at 4096x4096 on one Zen 5
+# core (CPU time, GEMV vs dequantize + matmul, ms): avx512 fp32 M=64 13.8 vs 25.2, M=128 26.9
+# vs 45.5; avx512 bf16 M=64 14.0 vs 31.5, M=128 27.2 vs 24.1 (oneDNN bf16); avx2 fp32 M=32 12.1
+# vs 15.3; the plain-C loop loses already at M=2 (24.3 vs 5.0 ms): gcc does not vectorise its
+# code conversion, so the generic build always dequantizes.
+GEMV_MAX_M = {"avx512": 128, "avx2": 32, "generic": 0}
+# bf16 activations on a CPU with bf16 matmul instructions (oneDNN's bf16 matmul beats fp32 MKL).
+GEMV_MAX_M_BF16 = 64
+# fp32 rows dequantized per MKL call in the prefill path (as `w4a16_cpu`).
+_PREFILL_CHUNK_BYTES = 8 << 20
+
+_DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# One letter per C argument (p = pointer, i = int, l = int64), grouped as in the C source:
+# x, x dtype, M, K, x stride, act_quant | w, N, stride | scale, dtype, stride | bias, dtype |
+# out, dtype, stride | threads.
+_GEMV_SIGNATURE = "pilll i pll pil pi pil i"
+# w, n0, n1, K, stride | scale, dtype, stride | out, threads
+_DEQUANT_SIGNATURE = "pllll pil pi"
+
+
+class _Layer(ctypes.Structure):
+    """Mirror of the C struct `qk_fp8_layer` (all integers int64: no padding questions)."""
+
+    _fields_ = [
+        (name, ctypes.c_void_p if kind == "p" else ctypes.c_int64)
+        for name, kind in [
+            ("w", "p"), ("N", "l"), ("K", "l"), ("w_stride", "l"), ("scale", "p"),
+            ("s_dt", "l"), ("s_stride", "l"), ("bias", "p"), ("b_dt", "l"), ("act_quant", "l"),
+        ]
+    ]  # fmt: skip
+
+
+def _ctypes_of(signature: str) -> list[type]:
+    kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_int64}
+    return [kinds[c] for c in signature.replace(" ", "")]
+
+
+@functools.cache
+def _library(variant: str | None = None) -> ctypes.CDLL:
+    """The compiled kernels for `variant` (default: the best this CPU runs), built on first use
+    (one gcc call, cached on disk; functools.cache keeps the loaded handle, not tensors)."""
+    lib = load_library("qk_fp8_cpu", C_SOURCE, variant=variant)
+    lib.qk_fp8_gemv.argtypes = _ctypes_of(_GEMV_SIGNATURE)
+    lib.qk_fp8_gemv_layer.argtypes = [ctypes.POINTER(_Layer), *_ctypes_of("pillpili")]
+    lib.qk_fp8_dequant.argtypes = _ctypes_of(_DEQUANT_SIGNATURE)
+    lib.qk_fp8_quant_tokens.argtypes = _ctypes_of("pilll pp")
+    lib.qk_fp8_nan_rows.argtypes = _ctypes_of("plll p")
+    lib.qk_fp8_nan_rows.restype = ctypes.c_int64
+    for fn in ("qk_fp8_gemv", "qk_fp8_gemv_layer", "qk_fp8_dequant", "qk_fp8_quant_tokens"):
+        getattr(lib, fn).restype = ctypes.c_int
+    return lib
+
+
+def fp8_cpu_available() -> bool:
+    """True if the C kernel builds and loads here (builds it on first call)."""
+    try:
+        _library()
+    except KernelUnavailableError:
+        return False
+    return True
+
+
+def _check_status(status: int, what: str) -> None:
+    if status != 0:
+        raise MemoryError(f"{what}: expected a scratch buffer, got allocation failure ({status})")
+
+
+def _rows_stride(t: torch.Tensor) -> torch.Tensor:
+    """t with unit stride along its last dim (the kernels index rows by stride only)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _codes(weight: torch.Tensor) -> torch.Tensor:
+    return _rows_stride(weight).view(torch.uint8)
+
+
+def nan_safe_scale(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """weight_scale, or an fp32 copy with NaN in the rows of `weight` holding a NaN code.
+
+    The GEMV reads a NaN code as 480 (it does not test every weight, see `fp8_cpu_source`); a
+    NaN scale makes such a row's outputs NaN, as the reference's are.
+    """
+    w = _codes(weight)
+    n, k = w.shape
+    flags = torch.empty(n, dtype=torch.uint8)
+    if _library().qk_fp8_nan_rows(w.data_ptr(), n, k, w.stride(0), flags.data_ptr()) == 0:
+        return weight_scale
+    scale = weight_scale.reshape(n).float().clone()
+    scale[flags.bool()] = float("nan")
+    return scale.reshape(n, 1)
+
+
+def dequantize_fp8_cpu(
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None,
+    *,
+    rows: tuple[int, int] | None = None,
+    variant: str | None = None,
+) -> torch.Tensor:
+    """w8 * s as fp32 [N, K] (rows n0..n1 only with `rows`; s = 1 when weight_scale is None),
+    bit-identical to `quantkit.packing.dequantize_fp8`."""
+    w = _codes(weight)
+    n0, n1 = rows or (0, w.shape[0])
+    k = w.shape[1]
+    out = torch.empty(n1 - n0, k, dtype=torch.float32)
+    scale = None if weight_scale is None else _rows_stride(weight_scale.reshape(-1, 1))
+    status = _library(variant).qk_fp8_dequant(
+        w.data_ptr(), n0, n1, k, w.stride(0),
+        None if scale is None else scale.data_ptr(), _DT_CODE[scale.dtype] if scale is not None
+        else 0, 0 if scale is None else scale.stride(0), out.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    _check_status(status, "qk_fp8_dequant")
+    return out
+
+
+def quantize_per_token_cpu(
+    x: torch.Tensor, *, variant: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] -> (float8_e4m3fn [..., K], fp32 scale [..., 1]) in C, bit-identical to
+    `quantkit.packing.quantize_fp8_per_token`."""
+    if x.dtype not in _DT_CODE:
+        raise KernelUnavailableError(
+            f"cpu backend: expected activations in float32, bfloat16 or float16, got {x.dtype}"
+        )
+    k = x.shape[-1]
+    x2 = _rows_stride(x.reshape(-1, k))
+    m = x2.shape[0]
+    codes = torch.empty(m, k, dtype=torch.uint8)
+    scales = torch.empty(m, 1, dtype=torch.float32)
+    status = _library(variant).qk_fp8_quant_tokens(
+        x2.data_ptr(), _DT_CODE[x.dtype], m, k, x2.stride(0), codes.data_ptr(), scales.data_ptr()
+    )
+    _check_status(status, "qk_fp8_quant_tokens")
+    x8 = codes.view(torch.float8_e4m3fn).reshape(*x.shape)
+    return x8, scales.reshape(*x.shape[:-1], 1)
+
+
+def _prefill(
+    x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, act_dynamic: bool
+) -> torch.Tensor:
+    """y [M, N] for large M: fp32 (or bf16) matmuls on dequantized row chunks of W, in fp32."""
+    n, k = weight.shape
+    bf16 = x2.dtype == torch.bfloat16 and has_bf16_matmul()
+    if act_dynamic:
+        # (x8 @ w8.T) * sx * sw, as the reference: the fp8 values are exact in bf16 too
+        x8, sx = quantize_per_token_cpu(x2)
+        xm = x8.to(torch.bfloat16 if bf16 else torch.float32)
+    else:
+        xm = x2 if bf16 else x2.float()
+    out = torch.empty(x2.shape[0], n, dtype=xm.dtype)
+    rows = max(8, _PREFILL_CHUNK_BYTES // (4 * k))
+    for n0 in range(0, n, rows):
+        n1 = min(n, n0 + rows)
+        w = dequantize_fp8_cpu(weight, None if act_dynamic else scale, rows=(n0, n1))
+        torch.matmul(xm, (w.to(torch.bfloat16) if bf16 else w).T, out=out[:, n0:n1])
+    y = out.float()
+    if act_dynamic:
+        y = y * sx * scale.float().reshape(1, n)
+    return y
+
+
+def fp8_linear_cpu(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    *,
+    act_dynamic: bool,
+    bias: torch.Tensor | None = None,
+    check: bool = True,
+    variant: str | None = None,
+) -> torch.Tensor:
+    """y [..., N] = x [..., K] @ (w8 * s).T (+ bias), fp32 accumulation, in x.dtype.
+
+    `act_dynamic`: W8A8 numerics (activations rounded to fp8 per token, see the module
+    docstring). `check=False` skips the operand checks and the NaN-code scan for callers that
+    ran them once (`CpuFp8Layer`). `variant` picks the instruction set (tests, benches).
+    """
+    if check:
+        check_fp8_weights(weight, weight_scale, bias=bias)
+        check_fp8_activations(x, weight, backend="cpu")
+        if x.device.type != "cpu":
+            raise KernelUnavailableError(f"cpu backend: expected CPU tensors, got {x.device}")
+        weight_scale = nan_safe_scale(weight, weight_scale)
+    n, k = weight.shape
+    lead = x.shape[:-1]
+    x2 = _rows_stride(x.reshape(-1, k))
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty(*lead, n)
+    max_m = GEMV_MAX_M[variant or cpu_variant()]
+    if x.dtype == torch.bfloat16 and has_bf16_matmul():
+        max_m = min(max_m, GEMV_MAX_M_BF16)
+    scale = _rows_stride(weight_scale.reshape(n, 1))
+    if m > max_m:
+        y = _prefill(x2, weight, scale, act_dynamic=act_dynamic)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*lead, n)
+    w = _codes(weight)
+    b = None if bias is None else bias.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype)
+    status = _library(variant).qk_fp8_gemv(
+        x2.data_ptr(), _DT_CODE[x.dtype], m, k, x2.stride(0), int(act_dynamic),
+        w.data_ptr(), n, w.stride(0), scale.data_ptr(), _DT_CODE[scale.dtype], scale.stride(0),
+        None if b is None else b.data_ptr(), 0 if b is None else _DT_CODE[b.dtype],
+        out.data_ptr(), _DT_CODE[x.dtype], n, torch.get_num_threads(),
+    )  # fmt: skip
+    _check_status(status, "qk_fp8_gemv")
+    return out.reshape(*lead, n)
+
+
+class CpuFp8Layer:
+    """One FP8 linear bound to the C GEMV once; a call passes only x and the output.
+
+    As `w4a16_cpu.CpuInt4Layer`: at SmolLM2 sizes decode is dominated by per-call overhead, so
+    the checks, the NaN-code scan, contiguity fixes and the static kernel arguments are settled
+    here, at load time. Holds references to the tensors it was built from; build a new one if
+    the layer's tensors are replaced.
+    """
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        weight_scale: torch.Tensor,
+        *,
+        act_dynamic: bool,
+        bias: torch.Tensor | None = None,
+        variant: str | None = None,
+    ) -> None:
+        n, k = check_fp8_weights(weight, weight_scale, bias=bias)
+        if weight.device.type != "cpu":
+            raise KernelUnavailableError(f"cpu backend: expected CPU tensors, got {weight.device}")
+        w = weight.contiguous()
+        scale = nan_safe_scale(w, weight_scale).reshape(n, 1).contiguous()
+        b = None if bias is None else bias.contiguous()
+        self.tensors = (w, scale)
+        self.bias, self.act_dynamic, self.variant = b, act_dynamic, variant
+        self.in_features, self.out_features = k, n
+        self._max_m = GEMV_MAX_M[variant or cpu_variant()]
+        self._max_m_bf16 = min(self._max_m, GEMV_MAX_M_BF16) if has_bf16_matmul() else self._max_m
+        self._layer = _Layer(
+            w.data_ptr(), n, k, w.stride(0), scale.data_ptr(), _DT_CODE[scale.dtype],
+            scale.stride(0), None if b is None else b.data_ptr(),
+            0 if b is None else _DT_CODE[b.dtype], int(act_dynamic),
+        )  # fmt: skip
+        self._fn = _library(variant).qk_fp8_gemv_layer
+
+    def __reduce__(self) -> tuple:
+        # The ctypes struct holds raw pointers, which neither pickle nor deepcopy can copy:
+        # rebuild from the (copied) tensors instead, so a module holding this still copies.
+        w, scale = self.tensors
+        return (_rebuild, (w, scale, self.act_dynamic, self.bias, self.variant))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if not x.is_cpu:
+            raise KernelUnavailableError(f"cpu backend: expected CPU tensors, got {x.device}")
+        n = self.out_features
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        m = x2.shape[0]
+        max_m = self._max_m_bf16 if x.dtype == torch.bfloat16 else self._max_m
+        if m > max_m or m == 0 or x2.stride(-1) != 1:
+            return fp8_linear_cpu(
+                x, *self.tensors, act_dynamic=self.act_dynamic, bias=self.bias, check=False,
+                variant=self.variant,
+            )  # fmt: skip
+        out = torch.empty(m, n, dtype=x.dtype)
+        code = _DT_CODE[x.dtype]
+        status = self._fn(
+            self._layer, x2.data_ptr(), code, m, x2.stride(0), out.data_ptr(), code, n,
+            torch.get_num_threads(),
+        )  # fmt: skip
+        if status:
+            _check_status(status, "qk_fp8_gemv")
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
+
+
+def _rebuild(
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    act_dynamic: bool,
+    bias: torch.Tensor | None,
+    variant: str | None,
+) -> CpuFp8Layer:
+    return CpuFp8Layer(weight, weight_scale, act_dynamic=act_dynamic, bias=bias, variant=variant)
