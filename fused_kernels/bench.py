@@ -4,7 +4,8 @@ For each layer shape (N x K) and row count M it times the INT4 linear as `QuantL
 (`prepare_int4` + call: the backend dispatch picks, cpu or triton), dense `torch.matmul` in
 bf16 (and fp16 on CUDA), and the pure-torch reference, and reports the median and 20%/80%
 times, the weight bytes moved per second, MBU against a copy bandwidth measured in the same
-run, and TFLOPS. Decode (M = 1, 4, 16) is bandwidth-bound, prefill (M = 512, 2048)
+run, and TFLOPS. `--impls` adds the FP8 rows (`fp8`, `fp8-w8a8`, `scaled-mm`: see
+`bench_fp8`). Decode (M = 1, 4, 16) is bandwidth-bound, prefill (M = 512, 2048)
 compute-bound. It runs unchanged on CPU and CUDA.
 
 Timing reads weights from memory, not cache: each timed sweep calls the op on enough copies of
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from quantkit.fused_kernels.bench_fp8 import FP8_IMPLS, fp8_op
 from quantkit.fused_kernels.dispatch import prepare_int4
 from quantkit.fused_kernels.w4a16_reference import w4a16_linear_reference
 from quantkit.scheme import QuantScheme
@@ -188,7 +190,7 @@ def bench_shape(
     scheme = QuantScheme(method="rtn", group_size=group)
     layers = [_random_int4(n, k, group, device, dtype) for _ in range(copies)]
     prepared = [prepare_int4(*t, scheme=scheme, in_features=k) for t in layers]
-    dense: dict[str, list[torch.Tensor]] = {}  # dense weights per impl, made on first use
+    dense: dict[str, list] = {}  # dense (and fp8) weights per impl, made on first use
     rows: list[Row] = []
     for m in ms:
         gflop = 2 * m * n * k / 1e9
@@ -202,7 +204,9 @@ def bench_shape(
                 continue
             if impl == "reference" and m > 16:
                 continue  # the reference's prefill is dense fp32 matmul plus the dequantize
-            fn, nbytes, label = _op(impl, x, prepared, layers, dense, group=group)
+            fn, nbytes, label = _op(
+                impl, x, prepared, layers, dense, group=group, sweep_bytes=sweep_bytes
+            )
             # the reference takes milliseconds per call: cache residency does not matter there
             sweep = min(copies, 2) if impl == "reference" else copies
             samples = sorted(time_calls(fn, sweep, device, budget_s=budget_s, clock=clock))
@@ -237,12 +241,15 @@ def _op(
     x: torch.Tensor,
     prepared: list,
     layers: list[tuple],
-    dense: dict[str, list[torch.Tensor]],
+    dense: dict[str, list],
     *,
     group: int,
+    sweep_bytes: int,
 ) -> tuple[Callable[[int], object], int, str]:
     """(call on copy c, weight bytes a call reads, label) for one implementation."""
     n, k = prepared[0].out_features, prepared[0].in_features
+    if impl in FP8_IMPLS:  # fp8 layers: their own copies, kept in `dense` across M
+        return fp8_op(impl, x, n, k, cache=dense, sweep_bytes=sweep_bytes)
     if impl == "int4":
         return (lambda c: prepared[c](x)), prepared[0].nbytes, f"int4 {prepared[0].backend}"
     if impl == "reference":
@@ -252,7 +259,10 @@ def _op(
             "int4 reference",
         )
     if impl.removeprefix("dense-") not in _DTYPES:
-        raise SystemExit(f"--impls: expected int4, reference or dense-<dtype>, got {impl!r}")
+        raise SystemExit(
+            f"--impls: expected int4, reference, {', '.join(FP8_IMPLS)} or dense-<dtype>, "
+            f"got {impl!r}"
+        )
     ddt = _DTYPES[impl.removeprefix("dense-")]
     if impl not in dense:
         dense[impl] = [torch.randn(n, k, device=x.device, dtype=ddt) for _ in layers]
@@ -293,7 +303,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--m", default=",".join(map(str, DECODE_M + PREFILL_M)), help="row counts")
     p.add_argument("--dtype", default="bf16", choices=list(_DTYPES))
     p.add_argument("--group-size", type=int, default=0, help="0: 128, or 64 where 128 fails")
-    p.add_argument("--impls", default="", help="int4,reference,dense-bf16,dense-fp16,dense-fp32")
+    p.add_argument(
+        "--impls",
+        default="",
+        help="int4,reference,fp8,fp8-w8a8,scaled-mm (CUDA),dense-bf16,dense-fp16,dense-fp32 "
+        "(default: int4,reference,dense-bf16 [,dense-fp16 on CUDA])",
+    )
     p.add_argument("--max-prefill-gflop", type=float, default=None)
     p.add_argument("--budget", type=float, default=0.5, help="seconds per measurement")
     p.add_argument(

@@ -269,6 +269,12 @@ class CpuInt4Layer:
                 f"group_size: expected a multiple of 32 or per-channel, got {group_size}"
             )
 
+    def __reduce__(self) -> tuple:
+        # The ctypes struct holds raw pointers, which neither pickle nor deepcopy can copy:
+        # rebuild from the (copied) tensors, so a module caching this layer still copies.
+        kwargs = dict(in_features=self.in_features, group_size=self.group_size, bias=self.bias)
+        return (_rebuild_layer, (self.tensors, kwargs, self.variant))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if not x.is_cpu:
             raise KernelUnavailableError(f"cpu backend: expected CPU tensors, got {x.device}")
@@ -290,3 +296,7 @@ class CpuInt4Layer:
         if status:
             _check_status(status, "qk_w4a16_gemv")
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
+
+
+def _rebuild_layer(tensors: tuple, kwargs: dict, variant: str | None) -> CpuInt4Layer:
+    return CpuInt4Layer(*tensors, **kwargs, variant=variant)

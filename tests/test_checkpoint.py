@@ -363,6 +363,12 @@ TENSOR_ERRORS = [
         f"tensor {P}.weight_scale: expected dtype float16 or bfloat16 or float32, got int32",
     ),
     ("fp8-w8a16", lambda t: t.pop(f"{P}.weight"), f"missing tensor {P}.weight "),
+    ("fp8-w8a8", lambda t: t.pop(f"{P}.weight_scale"), f"missing tensor {P}.weight_scale"),
+    (
+        "fp8-w8a8",
+        lambda t: t.update({f"{P}.weight_scale": torch.ones(N, 2)}),
+        f"tensor {P}.weight_scale: expected shape [20, 1], got [20, 2]",
+    ),
     (
         "int4-sym-g64",
         lambda t: [t.pop(k) for k in list(t) if k.startswith(P)],

@@ -156,3 +156,14 @@ def test_decode_step_rejects_mismatched_layers(llama_ckpt: Path) -> None:
         step(x, 16, cos, sin)
     with pytest.raises(ValueError, match="x: expected 128 contiguous float32"):
         step(x.double(), 0, cos, sin)
+
+
+def test_int4_modules_deepcopy_after_use(llama_ckpt: Path) -> None:
+    import copy
+
+    model = load_model(llama_ckpt, tokenizer=False).model
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        out = model(ids)
+        twin = copy.deepcopy(model)
+        torch.testing.assert_close(twin(ids), out)

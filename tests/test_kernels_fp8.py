@@ -324,3 +324,21 @@ def test_quant_linear_runs_the_cpu_kernel_once_prepared() -> None:
         assert q._prepared_fp8() is not prepared
         assert q._prepared_fp8().weight_scale.dtype == torch.float16
         torch.testing.assert_close(copy.deepcopy(q)(x.half()), q(x.half()), rtol=0, atol=0)
+
+
+def test_bench_fp8_rows(capsys) -> None:
+    from quantkit.fused_kernels import bench
+
+    args = ["--device", "cpu", "--shapes", "64x256,72x128", "--m", "1,40", "--budget", "0"]
+    rows = bench.main([*args, "--impls", "fp8,fp8-w8a8,dense-bf16", "--sweep-mb", "0.05"])
+    assert "copy bandwidth" in capsys.readouterr().out
+    labels = {r.impl for r in rows}
+    assert labels == {"fp8 cpu", "fp8-w8a8 cpu", "dense-bf16"}
+    assert len(rows) == 2 * 2 * 3
+    for r in rows:
+        assert 0 < r.p20_ms <= r.median_ms <= r.p80_ms and r.weight_gbps > 0
+    fp8 = [r for r in rows if r.impl.startswith("fp8")]
+    # one byte per weight + one bf16 scale per row, against two bytes per weight
+    assert all(r.weight_bytes == r.n * r.k + 2 * r.n for r in fp8)
+    with pytest.raises(SystemExit, match="expected a CUDA device"):
+        bench.main([*args, "--impls", "scaled-mm"])
