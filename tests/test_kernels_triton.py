@@ -13,8 +13,8 @@ there the tests marked `interpreted` run, here they are skipped.
 The sweep covers M {1, 3, 16, 33} x N {64, 200, 576} x K {128, 384, 1536} x group {32, 64, 128,
 per-channel} x {symmetric, asymmetric} x {fp16, fp32} with a pairwise covering subset (every
 pair of values of every two axes occurs in some case; `test_sweep_is_pairwise_covering` checks
-it) plus odd-shaped extras. Every case runs the path `auto` picks (GEMV for M <= 16, GEMM above)
-and, for M <= 16, the GEMM too. `test_kernels_compile_for_hopper` lowers the kernels to sm_90
+it) plus odd-shaped extras; QUANTKIT_FULL_SWEEP=1 runs all 576 combinations. Every case runs
+the path `auto` picks (GEMV for M <= 16, GEMM above) and, for M <= 16, the GEMM too. `test_kernels_compile_for_hopper` lowers the kernels to sm_90
 code without a GPU; the GPU test (marked `gpu`) runs them compiled, in a subprocess.
 """
 
@@ -88,7 +88,11 @@ EXTRA_CASES = [
     dict(m=2, n=13, k=64, group=32, symmetric=True, dtype=torch.float16),
     dict(m=17, n=9, k=96, group=32, symmetric=False, dtype=torch.float32),
 ]
-CASES = pairwise_cases(AXES) + EXTRA_CASES
+# QUANTKIT_FULL_SWEEP=1 runs the whole product (576 cases, ~minutes) instead of the covering
+# subset, for a one-off check: QUANTKIT_FULL_SWEEP=1 pytest tests/test_kernels_triton.py
+FULL_SWEEP = os.environ.get("QUANTKIT_FULL_SWEEP") == "1"
+ALL_CASES = [dict(zip(AXES, v, strict=True)) for v in itertools.product(*AXES.values())]
+CASES = (ALL_CASES if FULL_SWEEP else pairwise_cases(AXES)) + EXTRA_CASES
 
 
 def _case_id(c: dict) -> str:
@@ -109,7 +113,8 @@ def test_interpreter_suite() -> None:
     """Run this file's `interpreted` tests in a process that set TRITON_INTERPRET=1 first."""
     env = dict(os.environ, TRITON_INTERPRET="1", OPENBLAS_NUM_THREADS="1", **{CHILD_ENV: "1"})
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    limit = 7200 if FULL_SWEEP else 600
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=limit)
     assert proc.returncode == 0, proc.stdout[-10000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout
 
