@@ -14,8 +14,9 @@ The sweep covers M {1, 3, 16, 33} x N {64, 200, 576} x K {128, 384, 1536} x grou
 per-channel} x {symmetric, asymmetric} x {fp16, fp32} with a pairwise covering subset (every
 pair of values of every two axes occurs in some case; `test_sweep_is_pairwise_covering` checks
 it) plus odd-shaped extras; QUANTKIT_FULL_SWEEP=1 runs all 576 combinations. Every case runs
-the path `auto` picks (GEMV for M <= 16, GEMM above) and, for M <= 16, the GEMM too. `test_kernels_compile_for_hopper` lowers the kernels to sm_90
-code without a GPU; the GPU test (marked `gpu`) runs them compiled, in a subprocess.
+the path `auto` picks (GEMV for M <= 16, GEMM above) and, for M <= 16, the GEMM too.
+`test_kernels_compile_for_hopper` lowers the kernels to sm_90 code without a GPU; the GPU test
+(marked `gpu`) runs them compiled, in a subprocess.
 """
 
 from __future__ import annotations
