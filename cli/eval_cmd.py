@@ -70,6 +70,14 @@ from quantkit.sources import quantkit_home
     default=None,
     help="CPU threads for torch [default: torch's choice; 1 wastes least on a busy machine].",
 )
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "bfloat16"]),
+    default="auto",
+    show_default=True,
+    help="Activations and dense weights of every model; auto = bfloat16 on a CPU with bf16 "
+    "matmul instructions (3-4x faster prefill here), else float32.",
+)
 @click.option("--no-progress", is_flag=True, help="No progress bars.")
 def eval_cmd(
     checkpoints: tuple[str, ...],
@@ -85,6 +93,7 @@ def eval_cmd(
     data_dir: Path | None,
     cache: bool,
     threads: int | None,
+    dtype: str,
     no_progress: bool,
 ) -> None:
     """Compare quantized CHECKPOINTS with --reference on lm-eval tasks (offline), held-out
@@ -109,8 +118,20 @@ def eval_cmd(
         cache_dir=quantkit_home() / "eval-cache" if cache else None,
         progress=not no_progress,
         log=lambda msg: click.echo(msg, err=True),
+        dtype=_eval_dtype(dtype),
     )
     click.echo(format_table(comparison))
     if json_path is not None:
         write_json(comparison, json_path)
         click.echo(f"wrote {json_path}")
+
+
+def _eval_dtype(name: str) -> torch.dtype:
+    if name != "auto":
+        return getattr(torch, name)
+    from quantkit.lm_head import cpu_has_bf16
+
+    # Models are evaluated on the CPU. Measured on SmolLM2-135M, 4 x 256 tokens, 2 threads:
+    # 1495 ms fp32 vs 468 ms bf16 (dense), 1927 vs 510 ms (INT4). Without bf16 instructions
+    # bf16 matmuls are emulated and slower than fp32.
+    return torch.bfloat16 if cpu_has_bf16() else torch.float32

@@ -136,11 +136,14 @@ def compare_models(
     cache_dir: str | Path | None = None,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Comparison:
     """Evaluate `reference` and every checkpoint; see the module docstring.
 
     tasks: short names (arc_easy, piqa, lambada, ...) or quantkit_* task names.
     ppl_tokens: held-out tokens for perplexity and the logit comparison (0 skips both).
+    dtype: activations and dense weights of every model (the same for all, so the comparison
+        is like for like).
     cache_dir: keep each model's lm-eval answers there (lm-eval's sqlite response cache, one
         file per model fingerprint), so a re-run with one more checkpoint only evaluates it.
     """
@@ -183,12 +186,12 @@ def compare_models(
     for i, (spec, name) in enumerate(zip(specs, names, strict=True)):
         say(f"[{i + 1}/{len(specs)}] {name}: {spec}")
         start = time.perf_counter()
-        loaded = load_model(spec)
+        loaded = load_model(spec, dtype=dtype)
         lm = QuantkitLM(pretrained=loaded, **lm_options)
         cache = None
         if cache_dir is not None:
             Path(cache_dir).mkdir(parents=True, exist_ok=True)
-            key = _fingerprint(loaded, {"add_bos_token": add_bos_token})
+            key = _fingerprint(loaded, {"add_bos_token": add_bos_token, "dtype": str(dtype)})
             cache = str(Path(cache_dir) / f"{Path(loaded.path).name}-{key}")
         raw = simple_evaluate(
             lm,
@@ -239,6 +242,7 @@ def compare_models(
         "ppl_tokens": 0 if held is None else int(held.numel()),
         "window": window,
         "add_bos_token": add_bos_token,
+        "dtype": str(dtype).removeprefix("torch."),
     }
     return Comparison(results[0], results[1:], _rows(task_names, results[0], results[1:]), settings)
 
