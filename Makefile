@@ -28,6 +28,11 @@ demo: setup
 	$(BIN)/quantkit inspect $(DEMO_OUT)
 	$(BIN)/quantkit generate $(DEMO_OUT) --max-new-tokens 96 \
 		--prompt "Explain in three sentences why INT4 weights make decoding faster."
+# JSON-schema-constrained generation (default prompt: the schema's title and description) on
+# the checkpoint just made, the recipe `quantkit generate --schema FILE` uses without MODEL
+# (which would quantize a second copy on first use); the output is checked again by jsonschema.
+	$(BIN)/quantkit generate $(DEMO_OUT) --schema examples/person.json --output out/person.json
+	$(BIN)/python examples/validate_json.py examples/person.json out/person.json
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -6,6 +6,7 @@ import json
 import os
 import re
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,14 +41,23 @@ class BenchSchema:
 
 
 def sample_schemas(
-    folder: Path, *, per_category: int = 15, limit: int | None = None
+    folder: Path,
+    *,
+    per_category: int = 15,
+    limit: int | None = None,
+    categories: Sequence[str] | None = None,
 ) -> list[BenchSchema]:
-    """A fixed sample: per category, `per_category` files evenly spaced in sorted name order
-    (the same files on every run), interleaved across categories; the first `limit` of them."""
+    """A fixed sample: per category (all, or those in `categories`), `per_category` files evenly
+    spaced in sorted name order (the same files on every run), interleaved across categories;
+    the first `limit` of them."""
     files = sorted((folder / "maskbench" / "data").glob("*.json"))
     by_category: dict[str, list[Path]] = defaultdict(list)
     for path in files:
-        by_category[category_of(path.name)].append(path)
+        category = category_of(path.name)
+        if categories is None or category in categories:
+            by_category[category].append(path)
+    if not by_category:
+        return []
     picked: list[list[Path]] = []
     for category in sorted(by_category):
         paths = by_category[category]

@@ -21,12 +21,14 @@ import json
 import os
 import sys
 import time
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from quantkit.errors import GrammarError
 from quantkit.grammar.acceptance import accepts_text
+from quantkit.grammar.bench_data import classify_error
 from quantkit.grammar.constraints import json_schema_grammar
 
 __all__ = ["KeywordReport", "default_suite_dir", "main", "run_suite"]
@@ -110,6 +112,13 @@ def print_reports(reports: list[KeywordReport]) -> None:
     print("\nkeywords with groups that raise GrammarError (first message each):")
     for r in unsupported:
         print(f"  {r.keyword} ({len(r.errors)}/{r.groups}): {r.errors[0][:160]}")
+    causes: dict[str, list[str]] = defaultdict(list)
+    for r in unsupported:
+        for error in r.errors:
+            causes[classify_error(error.split(": ", 1)[-1])].append(error)
+    print("\nGrammarError causes over all groups (what is unsupported, and one message):")
+    for cause, errors in sorted(causes.items(), key=lambda kv: -len(kv[1])):
+        print(f"  {cause:<32} {len(errors):>3}  {errors[0].split(': ', 1)[-1][:110]}")
     unsound = [u for r in reports for u in r.unsound]
     print(f"\nunsound acceptances (invalid instance accepted): {len(unsound)}")
     for u in unsound[:20]:

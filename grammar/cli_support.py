@@ -174,7 +174,11 @@ class GrammarRun:
 
     def summary_lines(self, summary: dict[str, Any]) -> list[str]:
         """The lines the command adds to its summary block."""
-        cached = {"memory": " (cached)", "disk": " (from cache)"}.get(summary["compile_source"], "")
+        cached = {
+            "memory": " (from the in-process cache)",
+            "disk": " (from the disk cache, not recompiled)",
+            "compiled": " (compiled now; cached for the next run)",
+        }.get(summary["compile_source"], "")
         lines = [
             f"grammar    {summary['constraint']}: index in {summary['compile_s']:.2f} s{cached}"
         ]

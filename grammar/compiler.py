@@ -94,7 +94,20 @@ def _cache_key(regex: str, vocabulary: TokenVocabulary) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 
 
+# A `*.tmp-PID` file older than this is a leftover of a killed writer (writing one takes seconds).
+_STALE_TMP_S = 600.0
+
+
 def _trim(cache_dir: Path) -> None:
+    # Leftovers first: a compile killed at its limit while writing its index leaves a temporary
+    # file (measured: 340 and 620 MB ones) that no key points to and the size limit never saw.
+    now = time.time()
+    for tmp in cache_dir.glob("*.tmp-*"):
+        try:
+            if now - tmp.stat().st_mtime > _STALE_TMP_S:
+                tmp.unlink()
+        except OSError:  # another process removed or renamed it meanwhile
+            pass
     limit = float(os.environ.get("QUANTKIT_GRAMMAR_CACHE_MB", "2048")) * 2**20
     files = [p for p in cache_dir.glob("*.index") if p.is_file()]
     stats = {p: p.stat() for p in files}
@@ -187,6 +200,8 @@ def _run_worker(
         answer = worker.request(payload, timeout_s)
     finally:
         regex_path.unlink(missing_ok=True)
+        if not out.is_file():  # killed or failed while writing: drop its half-written index
+            out.with_name(f"{out.name}.tmp-{worker.proc.pid}").unlink(missing_ok=True)
     if answer is None:
         raise GrammarError(
             f"{label}: compiling the grammar took longer than the limit of {timeout_s:g} s "

@@ -15,6 +15,7 @@ from quantkit.grammar.bench_data import (
     default_bench_dir,
     sample_schemas,
 )
+from quantkit.grammar.bench_report import print_report, recompile_summary, totals
 from quantkit.grammar.constraints import json_schema_grammar
 
 DATA = default_bench_dir()
@@ -42,6 +43,54 @@ def test_sample_is_fixed_and_spans_the_categories() -> None:
     assert len({s.name for s in first}) == len(first)
     # Interleaved: the first schemas already cover many categories (--limit stays diverse).
     assert len({s.category for s in first[:15]}) == 15
+
+
+@pytest.mark.skipif(not HAVE_DATA, reason="JSONSchemaBench data not found")
+def test_sample_of_chosen_categories() -> None:
+    items = sample_schemas(DATA, per_category=40, categories=["Glaiveai2K", "BFCL"])
+    assert {s.category for s in items} == {"Glaiveai2K", "BFCL"} and len(items) == 80
+    assert sample_schemas(DATA, categories=["NoSuchCategory"]) == []
+
+
+def _row(name: str, category: str, **fields: object) -> dict[str, object]:
+    row: dict[str, object] = {
+        "name": name, "category": category, "compiled": True, "error": None,
+        "error_kind": None, "compile_s": 0.1, "compile_source": "compiled",
+        "recompile_s": 0.01, "valid_tests": 2, "valid_accepted": 2, "invalid_tests": 2,
+        "invalid_rejected": 2, "finish": "stop", "output_ok": True, "output_error": None,
+        "output": "{}", "new_tokens": 5, "steered": False,
+    }  # fmt: skip
+    row.update(fields)
+    return row
+
+
+def test_report_counts_every_rate_the_issue_asks_for(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [
+        _row("g1", "Glaiveai2K"),
+        _row("g2", "Glaiveai2K", finish="length", output_ok=None, steered=True),
+        _row("g3", "Glaiveai2K", compiled=False, error="#: keyword 'not': ...",
+             error_kind="unsupported: not", finish=None, output_ok=None, recompile_s=None,
+             valid_tests=0, valid_accepted=0, invalid_tests=0, invalid_rejected=0),
+        _row("b1", "BFCL", invalid_rejected=1, valid_accepted=1, recompile_s=0.2),
+        _row("b2", "BFCL", output_ok=False, output_error="invalid at (root): boom"),
+    ]  # fmt: skip
+    t = totals(rows)
+    assert (t["compiled"], t["generated"], t["finished"], t["finished_valid"]) == (4, 4, 3, 2)
+    assert (t["hit_limit"], t["steered"], t["invalid_rejected"], t["invalid_tests"]) == (1, 1, 7, 8)
+    assert recompile_summary(rows)["under_100ms"] == 3
+    report = {"model": "m", "max_new_tokens": 512, "batch": 1, "compile_timeout_s": 30.0,
+              "results": rows, "recompile": recompile_summary(rows), "mask": {}}  # fmt: skip
+    print_report(report)
+    out = capsys.readouterr().out
+    assert "declared coverage     4/5 (80.0%)" in out
+    assert "GrammarError: unsupported: not" in out and "e.g. g3" in out
+    assert "invalid instances rejected 7/8 (87.5%)" in out and "UNSOUND b1" in out
+    assert "agreement           14/16 (87.5%)" in out
+    assert "parse and validate 2/3 (66.7%)" in out and "INVALID b2: invalid at (root)" in out
+    assert "hit the token limit   1/4 (25.0%)" in out
+    assert "compliance            2/4 (50.0%)" in out and "empirical coverage    2/5" in out
+    assert "GlaiveAI (3 schemas): declared coverage 0.67, compliance 0.50" in out
+    assert "Outlines 0.96" in out and "3/4 under 0.1 s" in out
 
 
 @pytest.mark.skipif(not HAVE_DATA, reason="JSONSchemaBench data not found")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -131,6 +132,7 @@ def test_token_limit_before_the_grammar_is_complete(tiny_model_dir: Path, capsys
     [
         ({"s.json": "{not json"}, ["--schema", "s.json"], ["expected a JSON file", "line 1"]),
         ({"s.json": '{"type": 12}'}, ["--schema", "s.json"], ["expected a valid JSON Schema"]),
+        ({}, ["--schema", "missing.json"], ["--schema missing.json: cannot read it"]),
         ({}, ["--regex", "(ab"], ["--regex '(ab': expected a valid regex"]),
         ({"s.json": '{"not": {"minimum": 3}}'}, ["--schema", "s.json"], ["keyword 'not'"]),
         ({"s.json": "{}"}, ["--schema", "s.json", "--regex", "a"],
@@ -140,7 +142,7 @@ def test_token_limit_before_the_grammar_is_complete(tiny_model_dir: Path, capsys
         ({"s.json": "{}"}, ["--schema", "s.json", "--compile-timeout", "-1"],
          ["--compile-timeout: expected a number of seconds > 0"]),
     ],
-    ids=["not-json", "not-a-schema", "bad-regex", "unsupported", "two-constraints",
+    ids=["not-json", "not-a-schema", "missing-file", "bad-regex", "unsupported", "two-constraints",
          "duplicate-choice", "regex-without-prompt", "bad-timeout"],
 )  # fmt: skip
 def test_bad_input_one_line_each(
@@ -161,6 +163,66 @@ def test_compile_past_the_limit(tiny_model_dir: Path, capsys) -> None:
         "--compile-timeout", "0.5",
     )  # fmt: skip
     last_line_error(code, err, "longer than the limit of 0.5 s (--compile-timeout)")
+
+
+def test_schema_compile_past_the_limit(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
+    # Many bounded string properties in objects in an array: seconds to index (measured 4 s).
+    item = {
+        "type": "object",
+        "properties": {f"p{i}": {"type": "string", "maxLength": 30} for i in range(24)},
+    }
+    (tmp_path / "slow.json").write_text(json.dumps({"type": "array", "items": item}))
+    code, _, err = run(
+        capsys, "generate", str(tiny_model_dir), "--schema", str(tmp_path / "slow.json"),
+        "--compile-timeout", "0.3",
+    )  # fmt: skip
+    last_line_error(code, err, "schema slow.json: compiling the grammar took longer than the "
+                    "limit of 0.3 s (--compile-timeout)")  # fmt: skip
+
+
+@pytest.fixture()
+def embedded_stand_in(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Path:
+    """The tiny model with room for the default prompt plus 128 new tokens (its RoPE is
+    computed, so a longer context is a config change), standing in for the embedded model."""
+    import shutil
+
+    import quantkit.embedded
+
+    model = tmp_path / "embedded"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
+    monkeypatch.setattr(quantkit.embedded, "ensure_embedded_int4", lambda: model)
+    return model
+
+
+def test_the_users_command_exactly_as_typed(
+    embedded_stand_in: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`quantkit generate --schema out.json`: no model, no prompt, no other option."""
+    import quantkit.cli.generate_cmd as generate_cmd
+
+    prompts: list[str] = []
+    real_encode = generate_cmd.encode_prompt
+
+    def encode(tokenizer: Any, prompt: str, **kwargs: Any) -> list[int]:
+        prompts.append(prompt)
+        return real_encode(tokenizer, prompt, **kwargs)
+
+    monkeypatch.setattr(generate_cmd, "encode_prompt", encode)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out.json").write_text(json.dumps(SMALL))
+    code, out, err = run(capsys, "generate", "--schema", "out.json")
+    assert code == 0, err
+    assert prompts == [default_schema_prompt(SMALL)]  # title and description included
+    text = out.split("\n---\n")[0]
+    assert validate_json(text, SMALL) is None, text
+    assert "grammar    schema out.json: index in" in out and "(compiled now" in out
+    assert "mask       mean" in out and "of the decode step" in out
+    assert "output     JSON, matches the schema" in out
+    assert json.loads((tmp_path / "out.json").read_text()) == SMALL  # the schema is untouched
 
 
 def test_default_prompt_names_the_schema() -> None:

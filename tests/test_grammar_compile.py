@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import sys
 import time
 from pathlib import Path
@@ -76,6 +77,32 @@ def test_compile_past_the_limit_is_a_grammar_error(vocab: TokenVocabulary) -> No
     assert time.perf_counter() - started < 60  # the worker was killed, not waited for
     # The next compile gets a fresh worker.
     assert compile_grammar(regex_grammar("a+"), vocab, timeout_s=60).source == "compiled"
+
+
+def test_a_compile_killed_while_writing_leaves_no_temporary_index(
+    vocab: TokenVocabulary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def killed_mid_write(self: compiler._Worker, payload: dict[str, str], timeout_s: float) -> None:
+        out = Path(payload["out"])  # what the worker writes before its rename, then the kill
+        out.with_name(f"{out.name}.tmp-{self.proc.pid}").write_bytes(b"half an index")
+        self.close()
+
+    monkeypatch.setattr(compiler._Worker, "request", killed_mid_write)
+    with pytest.raises(GrammarError, match="longer than the limit"):
+        compile_grammar(regex_grammar("ab*"), vocab, timeout_s=5.0, plan=False)
+    assert not list(grammar_cache_dir().glob("*.tmp-*"))
+
+
+def test_trim_sweeps_stale_temporary_files(vocab: TokenVocabulary) -> None:
+    folder = grammar_cache_dir()
+    folder.mkdir(parents=True)
+    stale, fresh = folder / "a.index.tmp-1", folder / "b.index.tmp-2"
+    for path in (stale, fresh):
+        path.write_bytes(b"x")
+    old = time.time() - 2 * compiler._STALE_TMP_S
+    os.utime(stale, (old, old))
+    compile_grammar(regex_grammar("a+b"), vocab, timeout_s=60, plan=False)  # trims the cache
+    assert not stale.exists() and fresh.exists()  # a fresh one may be another process's write
 
 
 def test_regex_errors(vocab: TokenVocabulary) -> None:
