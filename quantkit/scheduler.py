@@ -1,0 +1,417 @@
+"""Continuous batching over `CausalLM`: requests join and leave the running batch at every step.
+
+The engine owns a static KV cache of `batch_cap` slots x `max_len` positions (one slot per
+running request; a slot is reused once its request finishes). Each step:
+
+1. requests whose arrival time has passed join the waiting queue (or are rejected when the
+   system already holds `admission_limit` requests);
+2. free slots take waiting requests, first come first served (static batching: only when the
+   whole previous batch has finished, as a server without continuous batching does);
+3. prefill: each admitted request's prompt runs into its slot, one forward per request. With
+   chunked prefill (`chunk`), at most `chunk` prompt tokens are prefilled per step, so a long
+   prompt is split over several steps instead of stalling every running request for its whole
+   prefill; a request's first token is sampled when its last chunk is in;
+4. decode: one batched forward of every request that has a token to feed, each row at its own
+   cache position (rows of different lengths share the step). A request leaves when it hits
+   its token limit or an EOS.
+
+Slots, positions and masks. The decode forward covers slots [0, hi), hi = 1 + the highest slot
+being decoded (new requests take the lowest free slot, so the window stays tight). A slot in
+that window with nothing to decode (free, still prefilling, or finished but riding along in a
+static batch) is fed a dummy token at a position where the write is harmless: its next prefill
+position (overwritten by the real K/V before anything reads it) or 0. Every query attends to its
+own row's slots <= its position, so a row computes exactly what it would alone (tested: greedy
+tokens equal `generate` on each request alone). The attention width is cut to the longest
+position in the window (rounded up to `_WIDTH_ROUND`), not the whole cache, so a step's
+attention cost follows the context actually held.
+
+The cache is the engine's own `_SlotKV`, a `KVCache` whose `k`/`v` are pointed, before each
+forward, at views of the window of an all-slots store; it is installed into each attention layer
+for the duration of a run, so the decoder runs unchanged through `CausalLM.forward`. A step with
+a single request decodes through the model's one-row path when it has one (`decode_path`, the
+CPU one-call step), bound once per slot, so cap 1 runs as fast as `generate` at batch 1.
+
+Time: a virtual clock (`VirtualClock`) that runs with the wall clock while the engine works and
+jumps over idle gaps to the next arrival. A request "arrives" when that clock passes its arrival
+time, so its TTFT includes the time it queued behind others, and no run waits through idle
+seconds. `VirtualClock(step_s=...)` instead advances a fixed amount per forward pass, which makes
+the schedule deterministic for tests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from quantkit.errors import GenerationError
+from quantkit.model import CausalLM, KVCache
+from quantkit.sampling import SamplingParams, make_generator, sample
+from quantkit.serving_run import (
+    DecodeStep,
+    EngineConfig,
+    PrefillChunk,
+    RequestResult,
+    RunResult,
+    VirtualClock,
+)
+from quantkit.workload import Request
+
+__all__ = [
+    "DecodeStep",
+    "EngineConfig",
+    "PrefillChunk",
+    "RequestResult",
+    "RunResult",
+    "VirtualClock",
+    "run_engine",
+]
+
+# The attention window is rounded up to this many positions: fewer distinct shapes, and a
+# masked position costs one dot product.
+_WIDTH_ROUND = 32
+
+# --------------------------------------------------------------------------- the KV cache
+
+
+class _SlotKV(KVCache):
+    """One layer's K/V for every slot, [slots, Hkv, max_len, D], kept in `store_k`/`store_v`.
+
+    Before each forward, `select` points the model's `KVCache.k`/`.v` at a window of it (rows
+    [start, stop), positions [0, width)) as views, not copies: the model's own `update` (or its
+    one-row fast path) then writes into the slots' storage and attends to the window only.
+    """
+
+    def __init__(
+        self, slots: int, max_len: int, *, kv_heads: int, head_dim: int, like: torch.Tensor
+    ) -> None:
+        super().__init__(slots, max_len, kv_heads, head_dim, dtype=like.dtype, device=like.device)
+        self.store_k, self.store_v = self.k, self.v
+        # One lasting [1, Hkv, max_len, D] view per slot: a one-row decode path bound to a
+        # slot's cache (the model's `decode_path`) recognizes it by these tensors' identity.
+        self.slot_k = [self.store_k[j : j + 1] for j in range(slots)]
+        self.slot_v = [self.store_v[j : j + 1] for j in range(slots)]
+
+    def select(self, start: int, stop: int, width: int) -> None:
+        self.k = self.store_k[start:stop, :, :width]
+        self.v = self.store_v[start:stop, :, :width]
+
+    def select_slot(self, slot: int) -> None:
+        self.k, self.v = self.slot_k[slot], self.slot_v[slot]
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+class _Active:
+    """A request holding a slot."""
+
+    def __init__(self, request: Request, result: RequestResult, slot: int, order: int) -> None:
+        self.request, self.result, self.slot, self.order = request, result, slot, order
+        self.prefilled = 0  # prompt tokens in the cache
+        self.next_pos = 0  # where the next fed token goes once decoding
+        self.done = False
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.result.tokens) and not self.done
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.request.prompt)
+
+
+def _round_width(needed: int, max_len: int) -> int:
+    return min(max_len, -(-needed // _WIDTH_ROUND) * _WIDTH_ROUND)
+
+
+def _check_requests(requests: Sequence[Request], vocab: int, context: int) -> None:
+    if not requests:
+        raise GenerationError("requests: expected at least one request, got none")
+    for r in requests:
+        if not r.prompt:
+            raise GenerationError(f"request {r.id}: expected a prompt of >= 1 token, got none")
+        if r.max_new_tokens < 1:
+            raise GenerationError(
+                f"request {r.id}: expected max_new_tokens >= 1, got {r.max_new_tokens}"
+            )
+        if len(r.prompt) + r.max_new_tokens > context:
+            raise GenerationError(
+                f"request {r.id}: expected prompt + max_new_tokens <= {context} (the context "
+                f"window), got {len(r.prompt)} + {r.max_new_tokens}"
+            )
+        if not all(0 <= t < vocab for t in r.prompt):
+            raise GenerationError(f"request {r.id}: expected token ids in [0, {vocab})")
+        if not (r.arrival_s >= 0 and math.isfinite(r.arrival_s)):
+            raise GenerationError(
+                f"request {r.id}: expected an arrival time >= 0 s, got {r.arrival_s}"
+            )
+
+
+class _Engine:
+    def __init__(
+        self,
+        model: CausalLM,
+        config: EngineConfig,
+        *,
+        max_len: int,
+        params: SamplingParams,
+        eos: set[int],
+        clock: VirtualClock,
+    ) -> None:
+        self.model, self.config, self.max_len = model, config, max_len
+        self.params, self.eos, self.clock = params, eos, clock
+        self.device = model.device
+        self.generator = make_generator(params, self.device)
+        self.caches: list[_SlotKV] = []
+        self.slot_paths: list[Any] | None = None  # see _bind_one_row_paths
+        self.slots: list[_Active | None] = [None] * config.batch_cap
+        self.waiting: deque[tuple[Request, RequestResult]] = deque()
+        self.decode_steps: list[DecodeStep] = []
+        self.prefill_chunks: list[PrefillChunk] = []
+        self._order = 0
+        self.positions = torch.arange(max_len, device=self.device)
+
+    # -- cache
+    def install(self) -> None:
+        cfg = self.model.config
+        like = self.model.model.embed_tokens.weight
+        self.caches = []
+        for layer in self.model.model.layers:
+            cache = _SlotKV(
+                self.config.batch_cap,
+                self.max_len,
+                kv_heads=cfg.num_kv_heads,
+                head_dim=cfg.head_dim,
+                like=like,
+            )
+            layer.self_attn.cache = cache
+            self.caches.append(cache)
+        self.slot_paths = self._bind_one_row_paths()
+
+    def select(self, start: int, stop: int, width: int) -> None:
+        for cache in self.caches:
+            cache.select(start, stop, width)
+
+    def select_slot(self, slot: int) -> None:
+        for cache in self.caches:
+            cache.select_slot(slot)
+
+    def _bind_one_row_paths(self) -> list[Any] | None:
+        """The model's one-row decode path (`CausalLM.decode_path`: on a CPU, every layer of a
+        one-token step in one C call), bound once to each slot's cache, so that a step with a
+        single request decodes as fast as `generate` at batch 1. None when the model has no
+        such path or it does not apply here (then every step takes the PyTorch layers)."""
+        path = getattr(self.model, "decode_path", None)
+        if path is None:
+            return None
+        paths = []
+        for slot in range(self.config.batch_cap):
+            self.select_slot(slot)
+            bound = type(path)()
+            bound.bind(self.model)
+            if bound.step is None:
+                return None
+            paths.append(bound)
+        return paths
+
+    # -- token bookkeeping
+    def _emit(self, active: _Active, token: int, now: float) -> None:
+        res = active.result
+        if token in self.eos:
+            active.done, res.finish_reason, res.finish_s = True, "stop", now
+            return
+        res.tokens.append(token)
+        res.token_times_s.append(now)
+        if len(res.tokens) >= active.request.max_new_tokens:
+            active.done, res.finish_reason, res.finish_s = True, "length", now
+
+    def _sample(self, logits: torch.Tensor) -> list[int]:
+        return sample(logits, self.params, generator=self.generator).tolist()
+
+    # -- scheduling
+    def occupied(self) -> list[_Active]:
+        return [a for a in self.slots if a is not None]
+
+    def admit(self, now: float) -> None:
+        if self.config.mode == "static" and self.occupied():
+            return
+        for i, holder in enumerate(self.slots):
+            if holder is None and self.waiting:
+                request, result = self.waiting.popleft()
+                result.admitted_s = now
+                self.slots[i] = _Active(request, result, i, self._order)
+                self._order += 1
+
+    def release(self) -> None:
+        if self.config.mode == "static":
+            if all(a.done for a in self.occupied()):
+                self.slots = [None] * self.config.batch_cap
+            return
+        self.slots = [None if a is not None and a.done else a for a in self.slots]
+
+    # -- forwards
+    def prefill(self) -> None:
+        budget = self.config.chunk or math.inf
+        for active in sorted((a for a in self.occupied() if a.prefilling), key=lambda a: a.order):
+            if budget <= 0:
+                break
+            prompt = active.request.prompt
+            start = active.prefilled
+            n = int(min(len(prompt) - start, budget))
+            budget -= n
+            began = self.clock.now()
+            end = start + n
+            width = _round_width(end, self.max_len)
+            self.select(active.slot, active.slot + 1, width)
+            ids = torch.tensor([prompt[start:end]], device=self.device)
+            pos = torch.arange(start, end, device=self.device).unsqueeze(0)
+            mask = (self.positions[:width] <= pos[0, :, None]).view(1, 1, n, width)
+            at = torch.tensor([n - 1], device=self.device)
+            logits = self.model(ids, positions=pos, mask=mask, logits_at=at)[:, -1]
+            active.prefilled = end
+            if end == len(prompt):
+                token = self._sample(logits)[0]
+                self.clock.forward_done()
+                active.next_pos = end
+                self._emit(active, token, self.clock.now())
+            else:
+                self.clock.forward_done()
+            self.prefill_chunks.append(PrefillChunk(n, end, self.clock.now() - began))
+
+    def _decode_one_row(self, active: _Active) -> torch.Tensor:
+        """One request alone in the step: its slot's whole cache, through the bound path."""
+        self.select_slot(active.slot)
+        fed = torch.tensor([[active.result.tokens[-1]]], device=self.device)
+        pos = torch.tensor([[active.next_pos]], device=self.device)
+        mask = (self.positions <= pos).view(1, 1, 1, self.max_len)
+        saved = self.model.decode_path
+        object.__setattr__(self.model, "decode_path", self.slot_paths[active.slot])
+        try:
+            return self.model(fed, positions=pos, mask=mask)[:, -1]
+        finally:
+            object.__setattr__(self.model, "decode_path", saved)
+
+    def decode(self) -> None:
+        rows = [a for a in self.occupied() if a.decoding]
+        if not rows:
+            return
+        span = self.occupied() if self.config.mode == "static" else rows
+        if len(span) == 1 and self.slot_paths is not None:
+            began = self.clock.now()
+            (active,) = span
+            token = self._sample(self._decode_one_row(active))[0]
+            self.clock.forward_done()
+            now = self.clock.now()
+            context = active.next_pos + 1
+            active.next_pos += 1
+            self._emit(active, token, now)
+            self.decode_steps.append(DecodeStep(1, 1, context, now - began))
+            return
+        hi = 1 + max(a.slot for a in span)
+        by_slot = {a.slot: a for a in self.occupied()}
+        tokens, positions = [0] * hi, [0] * hi
+        for slot in range(hi):
+            a = by_slot.get(slot)
+            if a is None or a.done:
+                continue  # free or finished: token 0 at position 0, a harmless write
+            if a.decoding:
+                tokens[slot], positions[slot] = a.result.tokens[-1], a.next_pos
+            else:  # prefilling: its next chunk overwrites this position before reading it
+                positions[slot] = a.prefilled
+        began = self.clock.now()
+        width = _round_width(max(positions) + 1, self.max_len)
+        self.select(0, hi, width)
+        pos = torch.tensor(positions, device=self.device).unsqueeze(1)
+        fed = torch.tensor(tokens, device=self.device).unsqueeze(1)
+        mask = (self.positions[:width] <= pos).view(hi, 1, 1, width)
+        logits = self.model(fed, positions=pos, mask=mask)[:, -1]
+        sampled = self._sample(logits)
+        self.clock.forward_done()
+        now = self.clock.now()
+        context = sum(a.next_pos + 1 for a in rows)
+        for a in rows:
+            a.next_pos += 1
+            self._emit(a, sampled[a.slot], now)
+        self.decode_steps.append(DecodeStep(len(rows), hi, context, now - began))
+
+
+@torch.inference_mode()
+def run_engine(
+    model: CausalLM,
+    requests: Sequence[Request],
+    config: EngineConfig,
+    *,
+    params: SamplingParams | None = None,
+    eos_ids: Iterable[int] = (),
+    clock: VirtualClock | None = None,
+    max_len: int | None = None,
+) -> RunResult:
+    """Serve `requests` (each arriving at its own time) and return what happened to each.
+
+    params: sampling (default greedy). Its max_new_tokens is ignored (each request has its
+        own); repetition penalty and stop strings are not supported here.
+    eos_ids: tokens that end a request early (a serving benchmark passes none, so that every
+        request produces exactly its max_new_tokens).
+    clock: default `VirtualClock(model.device)`, started now.
+    max_len: cache positions per slot (default: the longest request, rounded up).
+    """
+    params = params or SamplingParams()
+    if params.repetition_penalty != 1.0 or params.stop:
+        raise GenerationError(
+            "sampling: expected no repetition penalty and no stop strings (the engine does not "
+            f"keep per-request history), got repetition_penalty={params.repetition_penalty}, "
+            f"stop={params.stop!r}"
+        )
+    cfg = model.config
+    _check_requests(requests, cfg.vocab_size, cfg.max_position_embeddings)
+    longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    if max_len is None:
+        max_len = _round_width(longest, cfg.max_position_embeddings)
+    if not longest <= max_len:
+        raise GenerationError(
+            f"max_len: expected >= {longest} positions for these requests, got {max_len}"
+        )
+    clock = clock or VirtualClock(model.device)
+    engine = _Engine(model, config, max_len=max_len, params=params, eos=set(eos_ids), clock=clock)
+    pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.id)))
+    results = {r.id: RequestResult(r.id, r.arrival_s, len(r.prompt)) for r in requests}
+    if len(results) != len(requests):
+        raise GenerationError("requests: expected unique ids, got duplicates")
+    clock.skip_to(pending[0].arrival_s)
+    engine.install()
+    try:
+        while pending or engine.waiting or engine.occupied():
+            now = clock.now()
+            while pending and pending[0].arrival_s <= now:
+                request = pending.popleft()
+                result = results[request.id]
+                in_system = len(engine.waiting) + len(engine.occupied())
+                limit = config.admission_limit
+                if limit is not None and in_system >= limit:
+                    result.finish_reason, result.finish_s = "rejected", now
+                    continue
+                engine.waiting.append((request, result))
+            if not engine.waiting and not engine.occupied():
+                if pending:
+                    clock.skip_to(pending[0].arrival_s)
+                continue
+            engine.admit(now)
+            engine.prefill()
+            engine.decode()
+            engine.release()
+    finally:
+        model.drop_cache()
+    done = [r for r in results.values() if r.token_times_s]
+    end = max((r.token_times_s[-1] for r in done), default=clock.now())
+    return RunResult(
+        requests=[results[r.id] for r in requests],
+        decode_steps=engine.decode_steps,
+        prefill_chunks=engine.prefill_chunks,
+        config=config,
+        start_s=min(r.arrival_s for r in requests),
+        end_s=end,
+    )

@@ -1,0 +1,241 @@
+"""The continuous-batching engine on a tiny random model: every request gets the greedy tokens it
+gets alone (staggered arrivals, different lengths, chunked prefill, static batching), TTFT counts
+queueing, idle gaps are skipped, the admission limit rejects, and bad input is refused."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantkit.errors import GenerationError
+from quantkit.generate import generate
+from quantkit.loader import LoadedModel, load_model
+from quantkit.sampling import SamplingParams
+from quantkit.scheduler import EngineConfig, RunResult, VirtualClock, run_engine
+from quantkit.workload import Request
+
+# (prompt tokens, max new tokens, arrival in engine steps): arrivals staggered so that requests
+# join while others decode, more requests than slots, prompts longer than the chunks below.
+STAGGERED = [
+    (5, 7, 0.0),
+    (23, 4, 0.0),
+    (3, 12, 2.5),
+    (17, 9, 4.0),
+    (40, 6, 9.0),
+    (9, 10, 9.5),
+    (31, 5, 10.0),
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # Tiny matmuls gain nothing from a second thread (see test_generate).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_llama_dir: Path) -> LoadedModel:
+    return load_model(tiny_llama_dir, tokenizer=False)
+
+
+def _requests(spec: list[tuple[int, int, float]], seed: int = 0) -> list[Request]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        # Ids from 3 up: 0-2 are special in the fixtures (2 is the config's eos).
+        Request(i, tuple(torch.randint(3, 512, (n,), generator=g).tolist()), k, arrival)
+        for i, (n, k, arrival) in enumerate(spec)
+    ]
+
+
+@pytest.fixture(scope="module")
+def staggered(tiny: LoadedModel) -> tuple[list[Request], list[list[int]]]:
+    requests = _requests(STAGGERED)
+    alone = [
+        generate(tiny.model, [r.prompt], SamplingParams(max_new_tokens=r.max_new_tokens)).tokens[0]
+        for r in requests
+    ]
+    return requests, alone
+
+
+def _run(tiny: LoadedModel, requests: list[Request], config: EngineConfig, **kw) -> RunResult:
+    # One virtual second per forward: the same schedule on every machine.
+    return run_engine(tiny.model, requests, config, clock=VirtualClock(step_s=1.0), **kw)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        EngineConfig(batch_cap=3),
+        EngineConfig(batch_cap=8),
+        EngineConfig(batch_cap=1),
+        EngineConfig(batch_cap=3, chunk=4),
+        EngineConfig(batch_cap=2, chunk=7),
+        EngineConfig(batch_cap=3, mode="static"),
+    ],
+    ids=["cont-3", "cont-8", "cont-1", "chunk-4", "chunk-7", "static-3"],
+)
+def test_same_greedy_tokens_as_each_request_alone(
+    tiny: LoadedModel, staggered: tuple[list[Request], list[list[int]]], config: EngineConfig
+) -> None:
+    requests, alone = staggered
+    result = _run(tiny, requests, config)
+    assert [r.tokens for r in result.requests] == alone
+    assert all(r.finish_reason == "length" for r in result.requests)
+    assert max(s.rows for s in result.decode_steps) <= config.batch_cap
+    # The cache is handed back: the model is as it was.
+    assert all(layer.self_attn.cache is None for layer in tiny.model.model.layers)
+
+
+def test_requests_join_and_leave_a_running_batch(
+    tiny: LoadedModel, staggered: tuple[list[Request], list[list[int]]]
+) -> None:
+    requests, _ = staggered
+    result = _run(tiny, requests, EngineConfig(batch_cap=3))
+    first, late = result.requests[0], result.requests[2]
+    # Request 2 arrives at 2.5 and gets its first token while request 0 is still decoding.
+    assert first.token_times_s[0] < late.token_times_s[0] < first.token_times_s[-1]
+    assert max(s.rows for s in result.decode_steps) == 3  # the cap is reached, then slots reused
+    assert len({s.rows for s in result.decode_steps}) >= 3  # the batch grows and shrinks
+
+
+def test_chunked_prefill_interleaves_with_decoding(
+    tiny: LoadedModel, staggered: tuple[list[Request], list[list[int]]]
+) -> None:
+    requests, _ = staggered
+    result = _run(tiny, requests, EngineConfig(batch_cap=3, chunk=4))
+    assert max(c.tokens for c in result.prefill_chunks) == 4
+    assert sum(c.tokens for c in result.prefill_chunks) == sum(len(r.prompt) for r in requests)
+    # Request 4's 40-token prompt takes 10 chunks; request 3 keeps decoding meanwhile.
+    long, running = result.requests[4], result.requests[3]
+    during = [t for t in running.token_times_s if long.admitted_s < t < long.token_times_s[0]]
+    assert len(during) >= 5
+    whole = _run(tiny, requests, EngineConfig(batch_cap=3))
+    assert all(c.tokens == c.end for c in whole.prefill_chunks)  # one forward per prompt
+
+
+def test_static_batches_start_only_when_the_previous_one_is_done(
+    tiny: LoadedModel, staggered: tuple[list[Request], list[list[int]]]
+) -> None:
+    requests, _ = staggered
+    result = _run(tiny, requests, EngineConfig(batch_cap=3, mode="static"))
+    for r in result.requests:
+        earlier = [o for o in result.requests if o.admitted_s < r.admitted_s]
+        assert all(o.finish_s <= r.admitted_s for o in earlier)
+    # Finished rows ride along: some steps ran more rows than they decoded.
+    assert any(s.window > s.rows for s in result.decode_steps)
+
+
+def test_ttft_includes_queueing(tiny: LoadedModel) -> None:
+    requests = _requests([(6, 4, 0.0), (6, 3, 0.0)])
+    result = _run(tiny, requests, EngineConfig(batch_cap=1))
+    one, two = result.requests
+    # Step clock: prefill at t=1 (token 1), decodes at 2, 3, 4; the second waits for the slot.
+    assert one.token_times_s == [1.0, 2.0, 3.0, 4.0]
+    assert two.ttft_s == 5.0 and two.gaps_s == [1.0, 1.0]
+
+
+def test_idle_time_is_skipped_on_the_wall_clock(tiny: LoadedModel) -> None:
+    requests = _requests([(6, 3, 0.0), (6, 3, 3600.0)])
+    start = time.perf_counter()
+    result = run_engine(tiny.model, requests, EngineConfig(batch_cap=2))
+    assert time.perf_counter() - start < 60  # an hour of nothing to do is not waited through
+    late = result.requests[1]
+    assert 0 < late.ttft_s < 30 and late.token_times_s[0] >= 3600.0
+
+
+def test_admission_limit_rejects_beyond_it(tiny: LoadedModel) -> None:
+    requests = _requests([(6, 3, 0.0)] * 4)
+    result = _run(tiny, requests, EngineConfig(batch_cap=1, admission_limit=2))
+    reasons = [r.finish_reason for r in result.requests]
+    assert reasons == ["length", "length", "rejected", "rejected"]
+    assert result.requests[2].tokens == [] and result.requests[3].token_times_s == []
+
+
+def test_eos_ends_a_request_early(
+    tiny: LoadedModel, staggered: tuple[list[Request], list[list[int]]]
+) -> None:
+    requests, alone = staggered
+    eos = alone[2][5]
+    result = _run(tiny, requests, EngineConfig(batch_cap=3), eos_ids={eos})
+    for r, want in zip(result.requests, alone, strict=True):
+        cut = want.index(eos) if eos in want else len(want)
+        assert r.tokens == want[:cut]
+        assert r.finish_reason == ("stop" if eos in want else "length")
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"batch_cap": 0}, "batch cap: expected an integer >= 1, got 0"),
+        ({"batch_cap": -2}, "batch cap: expected an integer >= 1, got -2"),
+        ({"chunk": 0}, "prefill chunk: expected an integer >= 1"),
+        ({"mode": "static", "chunk": 8}, "prefill chunk: expected continuous batching"),
+        ({"admission_limit": 0}, "admission limit: expected an integer >= 1"),
+        ({"mode": "orca"}, "mode: expected continuous or static, got 'orca'"),
+    ],
+)
+def test_bad_engine_config(kwargs: dict, message: str) -> None:
+    with pytest.raises(GenerationError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_bad_requests(tiny: LoadedModel) -> None:
+    config = EngineConfig(batch_cap=2)
+    too_long = _requests([(250, 10, 0.0)])
+    with pytest.raises(GenerationError, match=r"prompt \+ max_new_tokens <= 256"):
+        run_engine(tiny.model, too_long, config)
+    with pytest.raises(GenerationError, match="expected a prompt of >= 1 token"):
+        run_engine(tiny.model, [Request(0, (), 3, 0.0)], config)
+    with pytest.raises(GenerationError, match=r"expected token ids in \[0, 512\)"):
+        run_engine(tiny.model, [Request(0, (5, 900), 3, 0.0)], config)
+    with pytest.raises(GenerationError, match="at least one request"):
+        run_engine(tiny.model, [], config)
+    with pytest.raises(GenerationError, match="no repetition penalty"):
+        run_engine(
+            tiny.model,
+            _requests([(4, 2, 0.0)]),
+            config,
+            params=SamplingParams(repetition_penalty=1.2),
+        )
+
+
+def test_single_request_steps_take_the_models_one_row_path(
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from quantkit.checkpoint import save_checkpoint
+    from quantkit.fused_kernels.decode_cpu import CpuDecodeStep
+    from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
+    from quantkit.quantize import quantize_model
+    from quantkit.scheme import QuantScheme
+
+    if not cpu_kernel_available():
+        pytest.skip("needs gcc for the C kernel (as tests/test_cpu_decode.py)")
+    outcome = quantize_model(tiny_llama_dir, scheme=QuantScheme("rtn", 4, "auto", False))
+    ckpt = save_checkpoint(
+        tmp_path / "int4", source_dir=tiny_llama_dir, config=outcome.config,
+        tensors=outcome.tensors, scheme=outcome.scheme,
+        quantized_modules=outcome.quantized_modules, report={},
+    )  # fmt: skip
+    model = load_model(ckpt, tokenizer=False).model
+    requests = _requests([(7, 9, 0.0), (12, 6, 0.0), (4, 8, 20.0)])
+    alone = [
+        generate(model, [r.prompt], SamplingParams(max_new_tokens=r.max_new_tokens)).tokens[0]
+        for r in requests
+    ]
+    calls = []
+    original = CpuDecodeStep.__call__
+    monkeypatch.setattr(
+        CpuDecodeStep, "__call__", lambda self, *a: calls.append(1) or original(self, *a)
+    )
+    result = run_engine(model, requests, EngineConfig(batch_cap=2), clock=VirtualClock(step_s=1))
+    assert [r.tokens for r in result.requests] == alone
+    one_row = [s for s in result.decode_steps if s.window == 1]
+    assert len(calls) == len(one_row) > 0  # request 2 decodes alone, after the others finished
+    assert any(s.rows == 2 for s in result.decode_steps)  # the others shared steps
