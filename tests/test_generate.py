@@ -299,11 +299,23 @@ def test_embedded_model_greedy_matches_transformers(monkeypatch: pytest.MonkeyPa
     loaded = load_model("smollm2-135m")
     ref = transformers.AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32)
     eos = eos_token_ids(tokenizer=loaded.tokenizer, config=loaded.config, model_dir=loaded.path)
-    params = SamplingParams(max_new_tokens=16)
-    for text in ("What is the capital of France?", "Write a haiku about the sea."):
+    params = SamplingParams(max_new_tokens=64)
+    prompts = (
+        "What is the capital of France?",
+        "Write a haiku about the sea.",
+        "Explain photosynthesis to a child.",
+        "List three uses of a paperclip.",
+        "Translate 'good morning' into Spanish and German.",
+    )
+    ids = encode_prompt(loaded.tokenizer, prompts[0])
+    with torch.no_grad():  # logits, fp32: the bound is 1e-4 relative
+        ours = loaded.model(torch.tensor([ids]))
+        theirs = ref.eval()(torch.tensor([ids])).logits
+    assert ((ours - theirs).abs().max() / theirs.abs().max()).item() < 1e-4
+    for text in prompts:
         ids = encode_prompt(loaded.tokenizer, text)
         got = generate(loaded.model, [ids], params, eos_ids=eos, tokenizer=loaded.tokenizer)
-        out = ref.eval().generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)
+        out = ref.eval().generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False)
         want = out[0, len(ids) :].tolist()
         if got.finish_reasons[0] == "stop":  # transformers keeps the EOS in its output
             assert want[-1] in eos
