@@ -169,7 +169,11 @@ def quantize_cmd(
             bar.close()
     t0 = time.perf_counter()
     if held is not None:
-        quantized = build_model(outcome.config, outcome.dense_state())
+        if outcome.scheme.activations == "dynamic":
+            # W8A8: the activations are quantized only at run time, so run the real modules.
+            quantized = outcome.runtime_model()
+        else:
+            quantized = build_model(outcome.config, outcome.dense_state())
         ppl["quantized"] = perplexity(quantized, held, window=512, progress=True).ppl
         ppl["tokens"] = held.numel()
         ppl["window"] = 512

@@ -19,7 +19,7 @@ from quantkit.awq import AwqConfig, LayerReport, awq_quantize
 from quantkit.checkpoint import LoadedCheckpoint, dequantize_checkpoint_tensors
 from quantkit.model import CausalLM, build_model
 from quantkit.packing import int4_dequantize, int4_quantize, quantize_fp8
-from quantkit.quant_linear import fp8_tensors, int4_tensors
+from quantkit.quant_linear import QuantLinear, fp8_tensors, int4_tensors
 from quantkit.rtn import Int4Weights, group_size_for, rtn_quantize_weight
 from quantkit.scheme import QuantScheme
 from quantkit.sources import load_state_dict, read_config
@@ -62,6 +62,19 @@ class QuantizeOutcome:
         )
         dense = dequantize_checkpoint_tensors(loaded, dtype=torch.float32)
         return {k: v.float() if v.is_floating_point() else v for k, v in dense.items()}
+
+    def runtime_model(self) -> CausalLM:
+        """The model as the checkpoint runs it: `QuantLinear`s on the stored tensors, so what
+        only happens at run time (W8A8's per-token activation quantization) is included."""
+        loaded = LoadedCheckpoint(
+            Path("."), self.config, self.scheme, self.tensors, self.quantized_modules, None
+        )
+        modules: dict[str, torch.nn.Module] = {}
+        for name in self.quantized_modules:
+            local = loaded.module_tensors(name)
+            bias = local.pop("bias", None)
+            modules[name] = QuantLinear.from_tensors(local, scheme=self.scheme, bias=bias)
+        return build_model(self.config, self.tensors, modules=modules)
 
 
 def storage_dtype(config: dict[str, Any]) -> torch.dtype:

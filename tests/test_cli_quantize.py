@@ -221,6 +221,24 @@ def test_fp8_quantize_and_run(tmp_path: Path, tiny_model_dir: Path, capsys, extr
     assert isinstance(layer, QuantLinear) and layer.weight.dtype == torch.float8_e4m3fn
 
 
+def test_w8a8_perplexity_includes_activation_quantization(tiny_model_dir: Path) -> None:
+    """The W8A8 report runs the real modules: its logits differ from the weight-only model's
+    (the activations are rounded to fp8 per token only at run time)."""
+    import torch
+
+    from quantkit.model import build_model
+    from quantkit.quantize import quantize_model
+    from quantkit.scheme import QuantScheme
+
+    outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("fp8", 8, activations="dynamic"))
+    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        runtime = outcome.runtime_model()(ids)
+        weight_only = build_model(outcome.config, outcome.dense_state())(ids)
+    assert not torch.allclose(runtime, weight_only, rtol=1e-4, atol=1e-4)
+    assert torch.allclose(runtime, weight_only, rtol=0.1, atol=0.1)  # and only rounding apart
+
+
 def test_fp8_rejects_int4_only_options(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
     code, _, err = run(
         capsys,
