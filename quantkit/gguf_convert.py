@@ -8,6 +8,7 @@ temporary folder and renamed into place, so a crash never leaves a directory tha
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -23,10 +24,24 @@ from quantkit.errors import ModelSourceError
 
 
 def source_key(gguf_path: Path) -> str:
-    """Identifies one version of a GGUF file and of this converter (the cache key)."""
-    # Size + mtime instead of a content hash: hashing a multi-GB GGUF on every call costs seconds.
-    st = gguf_path.stat()
-    return f"size={st.st_size}:mtime_ns={st.st_mtime_ns}:converter={CONVERTER_VERSION}"
+    """Identifies one version of a GGUF file and of this converter (the cache key).
+
+    Size + a hash of the first and last MiB, not the whole file (hashing a multi-GB GGUF on
+    every call costs seconds) and not the mtime: the same wheel installed in two virtual
+    environments has two mtimes, and keying on it made each environment reconvert the model
+    that the other had cached. The header (tensor names, shapes, offsets) sits in the first MiB.
+    """
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256()
+    with gguf_path.open("rb") as f:
+        digest.update(f.read(_KEY_SPAN))
+        if size > 2 * _KEY_SPAN:
+            f.seek(-_KEY_SPAN, os.SEEK_END)
+            digest.update(f.read(_KEY_SPAN))
+    return f"size={size}:ends={digest.hexdigest()[:16]}:converter={CONVERTER_VERSION}"
+
+
+_KEY_SPAN = 1 << 20
 
 
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama",)

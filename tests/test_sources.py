@@ -456,3 +456,20 @@ def test_embedded_model_is_sane_and_matches_transformers_gguf(shared_home: Path)
     ref_state = ref.state_dict()
     for name, p in model.state_dict().items():
         assert torch.equal(p, ref_state[name].to(torch.bfloat16).float()), name
+
+
+def test_source_key_is_the_content_not_the_install(tmp_path: Path) -> None:
+    """Two copies of one GGUF (the same wheel in two virtual environments) share a cache key;
+    a changed byte in the header does not."""
+    import os
+
+    from quantkit.gguf_convert import source_key
+
+    data = bytes(range(256)) * (3 * 4096 + 7)  # ~3 MiB: first and last MiB both hashed
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(data)
+    b.write_bytes(data)
+    os.utime(b, ns=(1, 1))
+    assert source_key(a) == source_key(b)
+    b.write_bytes(b"X" + data[1:])
+    assert source_key(a) != source_key(b)
