@@ -366,10 +366,11 @@ static void gemv_rows(const qk_w4_layer *L, const float *xp, int64_t M, float *p
             int64_t kt = (KT_BLOCKS / mb) & ~(int64_t)3;  /* any group layout: handled per block */
             /* Prefetch distance. One K tile per row: the row tile is one contiguous run, and the
                same spot of the next row tile is fetched. Several K tiles: each row is visited in
-               4 KB runs, and the next-but-one row of the same K tile is fetched. At 4096x14336,
-               M = 1, 2 threads that took the packed-weight rate from 20.8 to 26-30 GB/s (1 row
-               ahead: 21, 3 rows: 24, the next row tile: 21). */
-            int64_t pf = (nblk > kt ? 2 : RT) * wq_stride * 4;
+               4 KB runs, and the row 4 ahead in the same K tile is fetched. At 4096x14336,
+               M = 1, 2 threads, static split, alternated in one session: 2 rows ahead 18.7-20.5
+               GB/s, 4 rows 24.3-26.9, 6-12 rows 24.5-27.6 (and 20.8 before any K-tile prefetch;
+               with dynamic chunks 2 rows had measured best). */
+            int64_t pf = (nblk > kt ? 4 : RT) * wq_stride * 4;
             for (int64_t b0 = 0; b0 < nblk; b0 += kt) {
                 int64_t b1 = b0 + kt < nblk ? b0 + kt : nblk, g0 = b0 / bpg;
                 for (int64_t n = n0; n < n1; n++) {
