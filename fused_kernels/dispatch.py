@@ -29,6 +29,7 @@ Two ways to call:
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 import warnings
 from collections.abc import Callable
@@ -76,10 +77,26 @@ def _triton_blocker(device: torch.device) -> str | None:
     return None
 
 
-def _import_triton_kernels(*, required: bool) -> str | None:
-    """Import the Triton kernels; None if they can run, else why not (or raise if required)."""
+# Per kernel family: the Triton module (it defines `is_interpreted`), and the CPU module and its
+# "did the C kernel build" function. Imported lazily: resolving never imports what cannot run.
+_FAMILIES = {
+    "w4a16": (
+        "quantkit.fused_kernels.w4a16_triton",
+        "quantkit.fused_kernels.w4a16_cpu",
+        "cpu_kernel_available",
+    ),
+    "fp8": (
+        "quantkit.fused_kernels.fp8_triton",
+        "quantkit.fused_kernels.fp8_cpu",
+        "fp8_cpu_available",
+    ),
+}
+
+
+def _import_triton_kernels(module: str, *, required: bool) -> str | None:
+    """Import a Triton kernel module; None if it can run, else why not (or raise if required)."""
     try:
-        from quantkit.fused_kernels.w4a16_triton import is_interpreted
+        kernels = importlib.import_module(module)
     except ImportError as exc:
         if required:
             raise KernelUnavailableError(
@@ -87,19 +104,23 @@ def _import_triton_kernels(*, required: bool) -> str | None:
                 "install it with: pip install 'quantkit[kernels]'"
             ) from exc
         return "the triton package is not installed (pip install 'quantkit[kernels]')"
-    if os.environ.get("TRITON_INTERPRET") == "1" and not is_interpreted():
+    if os.environ.get("TRITON_INTERPRET") == "1" and not kernels.is_interpreted():
         return "TRITON_INTERPRET=1 was set after the Triton kernels were imported"
     return None
 
 
-def resolve_backend(device: torch.device, *, override: str | None = None) -> str:
-    """The backend that will actually run on `device`, after fallbacks (each warns once)."""
+def resolve_backend(
+    device: torch.device, *, override: str | None = None, family: str = "w4a16"
+) -> str:
+    """The backend that will actually run on `device` for a kernel `family` (w4a16 or fp8),
+    after fallbacks (each warns once)."""
+    triton_module, cpu_module, cpu_check = _FAMILIES[family]
     device = torch.device(device)
     explicit = bool(override or os.environ.get("QUANTKIT_BACKEND"))
     backend = choose_backend(device, override=override)
     if backend == "triton":
         # Check the device first: a CPU run without the interpreter never imports Triton.
-        reason = _triton_blocker(device) or _import_triton_kernels(required=explicit)
+        reason = _triton_blocker(device) or _import_triton_kernels(triton_module, required=explicit)
         if reason is None:
             return "triton"
         backend = "cpu" if device.type == "cpu" else "reference"
@@ -109,9 +130,7 @@ def resolve_backend(device: torch.device, *, override: str | None = None) -> str
             raise KernelUnavailableError(
                 f"cpu backend: expected CPU tensors, got {device} (unset QUANTKIT_BACKEND=cpu)"
             )
-        from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
-
-        if cpu_kernel_available():
+        if getattr(importlib.import_module(cpu_module), cpu_check)():
             return "cpu"
         _warn_fallback("cpu", "reference", "the C kernel did not build (is gcc installed?)")
         return "reference"

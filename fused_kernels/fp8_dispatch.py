@@ -19,7 +19,6 @@ call.
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quantkit.errors import KernelUnavailableError, SchemeError
-from quantkit.fused_kernels.dispatch import _triton_blocker, choose_backend
+from quantkit.fused_kernels.dispatch import resolve_backend
 from quantkit.fused_kernels.fp8_checks import check_fp8_weights
 from quantkit.fused_kernels.fp8_reference import fp8_linear_reference
 from quantkit.fused_kernels.w4a16_checks import ACT_DTYPES
@@ -40,46 +39,10 @@ def _warn(message: str) -> None:
     warnings.warn(f"quantkit: {message}", RuntimeWarning, stacklevel=2)
 
 
-def _import_triton_kernels(*, required: bool) -> str | None:
-    """Import the Triton FP8 kernels; None if they can run, else why not (or raise)."""
-    try:
-        from quantkit.fused_kernels.fp8_triton import is_interpreted
-    except ImportError as exc:
-        if required:
-            raise KernelUnavailableError(
-                f"triton backend: expected the triton package, got ImportError ({exc}); "
-                "install it with: pip install 'quantkit[kernels]'"
-            ) from exc
-        return "the triton package is not installed (pip install 'quantkit[kernels]')"
-    if os.environ.get("TRITON_INTERPRET") == "1" and not is_interpreted():
-        return "TRITON_INTERPRET=1 was set after the Triton kernels were imported"
-    return None
-
-
 def resolve_fp8_backend(device: torch.device, *, override: str | None = None) -> str:
-    """The FP8 backend that will run on `device`, after fallbacks (each warns once)."""
-    device = torch.device(device)
-    explicit = bool(override or os.environ.get("QUANTKIT_BACKEND"))
-    backend = choose_backend(device, override=override)
-    if backend == "triton":
-        reason = _triton_blocker(device) or _import_triton_kernels(required=explicit)
-        if reason is None:
-            return "triton"
-        backend = "cpu" if device.type == "cpu" else "reference"
-        _warn(f"triton backend unavailable ({reason}); using {backend}")
-    if backend == "cpu":
-        if device.type != "cpu":
-            raise KernelUnavailableError(
-                f"cpu backend: expected CPU tensors, got {device} (unset QUANTKIT_BACKEND=cpu)"
-            )
-        from quantkit.fused_kernels.fp8_cpu import fp8_cpu_available
-
-        if fp8_cpu_available():
-            return "cpu"
-        _warn("cpu backend unavailable (the C kernel did not build (is gcc installed?)); "
-              "using reference")  # fmt: skip
-        return "reference"
-    return backend
+    """The FP8 backend that will run on `device`, after fallbacks (each warns once): the INT4
+    dispatch's rules (`dispatch.resolve_backend`) applied to the FP8 kernels."""
+    return resolve_backend(device, override=override, family="fp8")
 
 
 def w8a8_supported(backend: str, device: torch.device) -> bool:
