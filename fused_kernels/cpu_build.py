@@ -22,6 +22,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from quantkit.errors import KernelUnavailableError
 
 # Instruction-set variants, best first, with the CPU flags each needs. AVX-512 moves 1.5x the
@@ -115,3 +117,20 @@ def build_library(name: str, source: str, *, variant: str | None = None) -> Path
 def load_library(name: str, source: str, *, variant: str | None = None) -> ctypes.CDLL:
     """Build (if needed) and dlopen the library for `source`."""
     return ctypes.CDLL(str(build_library(name, source, variant=variant)))
+
+
+# ----------------------------------------------------------------- ctypes helpers for launchers
+
+# dtype codes the C kernels take for activations, scales, bias and output.
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_KINDS = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_int64}
+
+
+def ctypes_of(signature: str) -> list[type]:
+    """C argument types from one letter each (p = pointer, i = int, l = int64; spaces ignored)."""
+    return [_KINDS[c] for c in signature.replace(" ", "")]
+
+
+def struct_fields(fields: list[tuple[str, str]]) -> list[tuple[str, type]]:
+    """`_fields_` of a ctypes.Structure from (name, kind) pairs, kinds as in `ctypes_of`."""
+    return [(name, _KINDS[kind]) for name, kind in fields]

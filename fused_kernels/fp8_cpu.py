@@ -30,7 +30,13 @@ import functools
 import torch
 
 from quantkit.errors import KernelUnavailableError
-from quantkit.fused_kernels.cpu_build import cpu_variant, load_library
+from quantkit.fused_kernels.cpu_build import (
+    DTYPE_CODES,
+    cpu_variant,
+    ctypes_of,
+    load_library,
+    struct_fields,
+)
 from quantkit.fused_kernels.fp8_checks import check_fp8_activations, check_fp8_weights
 from quantkit.fused_kernels.fp8_cpu_source import C_SOURCE
 from quantkit.fused_kernels.w4a16_cpu import has_bf16_matmul
@@ -46,7 +52,6 @@ GEMV_MAX_M_BF16 = 64
 # fp32 rows dequantized per MKL call in the prefill path (as `w4a16_cpu`).
 _PREFILL_CHUNK_BYTES = 8 << 20
 
-_DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # One letter per C argument (p = pointer, i = int, l = int64), grouped as in the C source:
 # x, x dtype, M, K, x stride, act_quant | w, N, stride | scale, dtype, stride | bias, dtype |
 # out, dtype, stride | threads.
@@ -58,18 +63,12 @@ _DEQUANT_SIGNATURE = "pllll pil pi"
 class _Layer(ctypes.Structure):
     """Mirror of the C struct `qk_fp8_layer` (all integers int64: no padding questions)."""
 
-    _fields_ = [
-        (name, ctypes.c_void_p if kind == "p" else ctypes.c_int64)
-        for name, kind in [
+    _fields_ = struct_fields(
+        [
             ("w", "p"), ("N", "l"), ("K", "l"), ("w_stride", "l"), ("scale", "p"),
             ("s_dt", "l"), ("s_stride", "l"), ("bias", "p"), ("b_dt", "l"), ("act_quant", "l"),
         ]
-    ]  # fmt: skip
-
-
-def _ctypes_of(signature: str) -> list[type]:
-    kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_int64}
-    return [kinds[c] for c in signature.replace(" ", "")]
+    )  # fmt: skip
 
 
 @functools.cache
@@ -77,11 +76,11 @@ def _library(variant: str | None = None) -> ctypes.CDLL:
     """The compiled kernels for `variant` (default: the best this CPU runs), built on first use
     (one gcc call, cached on disk; functools.cache keeps the loaded handle, not tensors)."""
     lib = load_library("qk_fp8_cpu", C_SOURCE, variant=variant)
-    lib.qk_fp8_gemv.argtypes = _ctypes_of(_GEMV_SIGNATURE)
-    lib.qk_fp8_gemv_layer.argtypes = [ctypes.POINTER(_Layer), *_ctypes_of("pillpili")]
-    lib.qk_fp8_dequant.argtypes = _ctypes_of(_DEQUANT_SIGNATURE)
-    lib.qk_fp8_quant_tokens.argtypes = _ctypes_of("pilll pp")
-    lib.qk_fp8_nan_rows.argtypes = _ctypes_of("plll p")
+    lib.qk_fp8_gemv.argtypes = ctypes_of(_GEMV_SIGNATURE)
+    lib.qk_fp8_gemv_layer.argtypes = [ctypes.POINTER(_Layer), *ctypes_of("pillpili")]
+    lib.qk_fp8_dequant.argtypes = ctypes_of(_DEQUANT_SIGNATURE)
+    lib.qk_fp8_quant_tokens.argtypes = ctypes_of("pilll pp")
+    lib.qk_fp8_nan_rows.argtypes = ctypes_of("plll p")
     lib.qk_fp8_nan_rows.restype = ctypes.c_int64
     for fn in ("qk_fp8_gemv", "qk_fp8_gemv_layer", "qk_fp8_dequant", "qk_fp8_quant_tokens"):
         getattr(lib, fn).restype = ctypes.c_int
@@ -143,7 +142,7 @@ def dequantize_fp8_cpu(
     scale = None if weight_scale is None else _rows_stride(weight_scale.reshape(-1, 1))
     status = _library(variant).qk_fp8_dequant(
         w.data_ptr(), n0, n1, k, w.stride(0),
-        None if scale is None else scale.data_ptr(), _DT_CODE[scale.dtype] if scale is not None
+        None if scale is None else scale.data_ptr(), DTYPE_CODES[scale.dtype] if scale is not None
         else 0, 0 if scale is None else scale.stride(0), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
     _check_status(status, "qk_fp8_dequant")
@@ -155,7 +154,7 @@ def quantize_per_token_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (float8_e4m3fn [..., K], fp32 scale [..., 1]) in C, bit-identical to
     `quantkit.packing.quantize_fp8_per_token`."""
-    if x.dtype not in _DT_CODE:
+    if x.dtype not in DTYPE_CODES:
         raise KernelUnavailableError(
             f"cpu backend: expected activations in float32, bfloat16 or float16, got {x.dtype}"
         )
@@ -165,7 +164,7 @@ def quantize_per_token_cpu(
     codes = torch.empty(m, k, dtype=torch.uint8)
     scales = torch.empty(m, 1, dtype=torch.float32)
     status = _library(variant).qk_fp8_quant_tokens(
-        x2.data_ptr(), _DT_CODE[x.dtype], m, k, x2.stride(0), codes.data_ptr(), scales.data_ptr()
+        x2.data_ptr(), DTYPE_CODES[x.dtype], m, k, x2.stride(0), codes.data_ptr(), scales.data_ptr()
     )
     _check_status(status, "qk_fp8_quant_tokens")
     x8 = codes.view(torch.float8_e4m3fn).reshape(*x.shape)
@@ -237,10 +236,10 @@ def fp8_linear_cpu(
     b = None if bias is None else bias.contiguous()
     out = torch.empty(m, n, dtype=x.dtype)
     status = _library(variant).qk_fp8_gemv(
-        x2.data_ptr(), _DT_CODE[x.dtype], m, k, x2.stride(0), int(act_dynamic),
-        w.data_ptr(), n, w.stride(0), scale.data_ptr(), _DT_CODE[scale.dtype], scale.stride(0),
-        None if b is None else b.data_ptr(), 0 if b is None else _DT_CODE[b.dtype],
-        out.data_ptr(), _DT_CODE[x.dtype], n, torch.get_num_threads(),
+        x2.data_ptr(), DTYPE_CODES[x.dtype], m, k, x2.stride(0), int(act_dynamic),
+        w.data_ptr(), n, w.stride(0), scale.data_ptr(), DTYPE_CODES[scale.dtype], scale.stride(0),
+        None if b is None else b.data_ptr(), 0 if b is None else DTYPE_CODES[b.dtype],
+        out.data_ptr(), DTYPE_CODES[x.dtype], n, torch.get_num_threads(),
     )  # fmt: skip
     _check_status(status, "qk_fp8_gemv")
     return out.reshape(*lead, n)
@@ -276,9 +275,9 @@ class CpuFp8Layer:
         self._max_m = GEMV_MAX_M[variant or cpu_variant()]
         self._max_m_bf16 = min(self._max_m, GEMV_MAX_M_BF16) if has_bf16_matmul() else self._max_m
         self._layer = _Layer(
-            w.data_ptr(), n, k, w.stride(0), scale.data_ptr(), _DT_CODE[scale.dtype],
+            w.data_ptr(), n, k, w.stride(0), scale.data_ptr(), DTYPE_CODES[scale.dtype],
             scale.stride(0), None if b is None else b.data_ptr(),
-            0 if b is None else _DT_CODE[b.dtype], int(act_dynamic),
+            0 if b is None else DTYPE_CODES[b.dtype], int(act_dynamic),
         )  # fmt: skip
         self._fn = _library(variant).qk_fp8_gemv_layer
 
@@ -301,7 +300,7 @@ class CpuFp8Layer:
                 variant=self.variant,
             )  # fmt: skip
         out = torch.empty(m, n, dtype=x.dtype)
-        code = _DT_CODE[x.dtype]
+        code = DTYPE_CODES[x.dtype]
         status = self._fn(
             self._layer, x2.data_ptr(), code, m, x2.stride(0), out.data_ptr(), code, n,
             torch.get_num_threads(),

@@ -22,7 +22,14 @@ import functools
 import torch
 
 from quantkit.errors import KernelUnavailableError
-from quantkit.fused_kernels.cpu_build import cpu_flags, cpu_variant, load_library
+from quantkit.fused_kernels.cpu_build import (
+    DTYPE_CODES,
+    cpu_flags,
+    cpu_variant,
+    ctypes_of,
+    load_library,
+    struct_fields,
+)
 from quantkit.fused_kernels.decode_cpu_source import DECODE_SOURCE
 from quantkit.fused_kernels.w4a16_checks import check_int4_operands
 from quantkit.fused_kernels.w4a16_cpu_source import C_SOURCE
@@ -40,7 +47,6 @@ GEMV_MAX_M_BF16 = 16
 # reads them, and bound the temporary memory for 14336x4096 layers.
 _PREFILL_CHUNK_BYTES = 8 << 20
 
-_DT_CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # C signatures, one letter per argument (p = pointer, i = int, l = int64), grouped as in the C
 # source: x, x dtype, M, K, x stride | weights, N, stride | scale, dtype, groups, stride |
 # zero points, stride, group size | bias, dtype | out, dtype, stride | threads.
@@ -52,19 +58,13 @@ _DEQUANT_SIGNATURE = "pllll pill pl pi"
 class _Layer(ctypes.Structure):
     """Mirror of the C struct `qk_w4_layer` (all integers int64, so no padding questions)."""
 
-    _fields_ = [
-        (name, ctypes.c_void_p if kind == "p" else ctypes.c_int64)
-        for name, kind in [
+    _fields_ = struct_fields(
+        [
             ("wq", "p"), ("N", "l"), ("K", "l"), ("wq_stride", "l"), ("scale", "p"),
             ("s_dt", "l"), ("n_groups", "l"), ("s_stride", "l"), ("zp", "p"),
             ("zp_stride", "l"), ("group_size", "l"), ("bias", "p"), ("b_dt", "l"),
         ]
-    ]  # fmt: skip
-
-
-def _ctypes_of(signature: str) -> list[type]:
-    kinds = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_int64}
-    return [kinds[c] for c in signature.replace(" ", "")]
+    )  # fmt: skip
 
 
 @functools.cache
@@ -78,10 +78,10 @@ def _library(variant: str | None = None) -> ctypes.CDLL:
     (one gcc call, cached on disk; functools.cache keeps the loaded handle, not tensors)."""
     # One library: the decode step (`decode_cpu`) calls the GEMV's static functions.
     lib = load_library("qk_w4a16_cpu", C_SOURCE + DECODE_SOURCE, variant=variant)
-    lib.qk_w4a16_gemv.argtypes = _ctypes_of(_GEMV_SIGNATURE)
+    lib.qk_w4a16_gemv.argtypes = ctypes_of(_GEMV_SIGNATURE)
     lib.qk_w4a16_gemv.restype = ctypes.c_int
-    lib.qk_w4_dequant.argtypes = _ctypes_of(_DEQUANT_SIGNATURE)
-    lib.qk_w4a16_gemv_layer.argtypes = [ctypes.POINTER(_Layer), *_ctypes_of("pillpili")]
+    lib.qk_w4_dequant.argtypes = ctypes_of(_DEQUANT_SIGNATURE)
+    lib.qk_w4a16_gemv_layer.argtypes = [ctypes.POINTER(_Layer), *ctypes_of("pillpili")]
     lib.qk_w4a16_gemv_layer.restype = ctypes.c_int
     lib.qk_w4_dequant.restype = ctypes.c_int
     return lib
@@ -116,7 +116,7 @@ def _dequant_rows(
     out = torch.empty(n1 - n0, k, dtype=torch.float32)
     status = lib.qk_w4_dequant(
         wp.data_ptr(), n0, n1, k, wp.stride(0),
-        scale.data_ptr(), _DT_CODE[scale.dtype], scale.shape[1], scale.stride(0),
+        scale.data_ptr(), DTYPE_CODES[scale.dtype], scale.shape[1], scale.stride(0),
         None if zp is None else zp.data_ptr(), 0 if zp is None else zp.stride(0),
         out.data_ptr(), threads,
     )  # fmt: skip
@@ -192,12 +192,12 @@ def w4a16_linear_cpu(
         b = None if bias is None else bias.contiguous()
         out = torch.empty(m, n, dtype=x.dtype)
         status = lib.qk_w4a16_gemv(
-            x2.data_ptr(), _DT_CODE[x.dtype], m, k, x2.stride(0),
+            x2.data_ptr(), DTYPE_CODES[x.dtype], m, k, x2.stride(0),
             wp.data_ptr(), n, wp.stride(0),
-            scale.data_ptr(), _DT_CODE[scale.dtype], scale.shape[1], scale.stride(0),
+            scale.data_ptr(), DTYPE_CODES[scale.dtype], scale.shape[1], scale.stride(0),
             None if zp is None else zp.data_ptr(), 0 if zp is None else zp.stride(0), group_size,
-            None if b is None else b.data_ptr(), 0 if b is None else _DT_CODE[b.dtype],
-            out.data_ptr(), _DT_CODE[x.dtype], n, threads,
+            None if b is None else b.data_ptr(), 0 if b is None else DTYPE_CODES[b.dtype],
+            out.data_ptr(), DTYPE_CODES[x.dtype], n, threads,
         )  # fmt: skip
         _check_status(status, "qk_w4a16_gemv")
         return out.reshape(*lead, n)
@@ -259,9 +259,9 @@ class CpuInt4Layer:
         self._max_m_bf16 = min(self._max_m, GEMV_MAX_M_BF16) if has_bf16_matmul() else self._max_m
         self._layer = _Layer(
             wp.data_ptr(), wp.shape[0], in_features, wp.stride(0),
-            scale.data_ptr(), _DT_CODE[scale.dtype], scale.shape[1], scale.stride(0),
+            scale.data_ptr(), DTYPE_CODES[scale.dtype], scale.shape[1], scale.stride(0),
             None if zp is None else zp.data_ptr(), 0 if zp is None else zp.stride(0), group_size,
-            None if b is None else b.data_ptr(), 0 if b is None else _DT_CODE[b.dtype],
+            None if b is None else b.data_ptr(), 0 if b is None else DTYPE_CODES[b.dtype],
         )  # fmt: skip
         self._fn = _library(variant).qk_w4a16_gemv_layer
         if group_size != in_features and group_size % 32:
@@ -288,7 +288,7 @@ class CpuInt4Layer:
                 bias=self.bias, check=False, variant=self.variant,
             )  # fmt: skip
         out = torch.empty(m, n, dtype=x.dtype)
-        code = _DT_CODE[x.dtype]
+        code = DTYPE_CODES[x.dtype]
         status = self._fn(
             self._layer, x2.data_ptr(), code, m, x2.stride(0), out.data_ptr(), code, n,
             torch.get_num_threads(),
