@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from quantkit.fused_kernels.bench import git_commit
+
 PROMPT = (
     "The printing press changed how knowledge moved through Europe. Before it, books were "
     "copied by hand, and a single volume could take a scribe months to finish."
@@ -164,20 +166,6 @@ def profile_decode(model: Any, ids: list[int], *, steps: int = 32, top: int = 15
 # --------------------------------------------------------------------------- report
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=False,
-            cwd=Path(__file__).parent,
-        )
-    except OSError:
-        return "unknown"
-    return out.stdout.strip() or "unknown"
-
-
 def format_table(rows: list[Row], *, bandwidth: float) -> str:
     header = (
         f"{'engine':<30} {'weights':<36} {'batch':>5} {'tok/s p50':>9} {'[p20, p80]':>15} "
@@ -300,7 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"device: CPU {cpu_name()}, peak {hardware.bandwidth / 1e9:.1f} GB/s ({hardware.source})")
     print(
         f"versions: torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"python {platform.python_version()}, commit {_commit()}"
+        f"python {platform.python_version()}, commit {git_commit()}"
     )
     print(format_table(rows, bandwidth=hardware.bandwidth))
     if args.json:
@@ -310,7 +298,7 @@ def main(argv: list[str] | None = None) -> None:
             "bandwidth": hardware.bandwidth,
             "torch": torch.__version__,
             "transformers": transformers.__version__,
-            "commit": _commit(),
+            "commit": git_commit(),
             "new_tokens": args.new_tokens,
             "prompt_tokens": len(ids),
         }

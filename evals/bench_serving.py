@@ -22,7 +22,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +32,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import GenerationError, HardwareError
+from quantkit.fused_kernels.bench import git_commit
 from quantkit.hardware import local_hardware
 from quantkit.model import CausalLM
 from quantkit.scheduler import EngineConfig, RunResult, run_engine
@@ -194,20 +194,6 @@ def _machine(model: CausalLM) -> dict[str, Any]:
     return info
 
 
-def _commit() -> str:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=False,
-            cwd=Path(__file__).parent,
-        )
-    except OSError:
-        return "unknown"
-    return out.stdout.strip() or "unknown"
-
-
 # --------------------------------------------------------------------------- running
 
 
@@ -283,7 +269,7 @@ def run_bench(
             **(meta or {}),
             "torch": torch.__version__,
             "python": platform.python_version(),
-            "commit": _commit(),
+            "commit": git_commit(),
             "weight_bytes_per_step": cost.weight_bytes,
             "kv_bytes_per_token": cost.kv_bytes_per_token,
             "flops_per_token": cost.flops_per_token,
