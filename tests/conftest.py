@@ -90,3 +90,16 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny random Llama + a real BPE tokenizer: a complete local HF model directory."""
     path = make_hf_model(tmp_path_factory.mktemp("tiny-model"), {"hidden_size": 64})
     return make_tokenizer(path)
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """Run `quantkit ARGS...` in-process: (exit code, stdout, stderr)."""
+    from quantkit.cli.main import main
+
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.cli.main import main
+from tests.conftest import run_cli as run
 
 REQUIRED = {
     "mode", "batch_cap", "rate", "chunked_prefill", "throughput_tok_s", "ttft_ms_p50",
@@ -20,16 +20,6 @@ REQUIRED = {
 @pytest.fixture(autouse=True)
 def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QUANTKIT_HOME", str(tmp_path / "home"))
-
-
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 SMALL = (

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit.cli.main import main
+from tests.conftest import run_cli as run
 
 pytest.importorskip("lm_eval")
 
@@ -61,16 +61,6 @@ def _env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data_root: Path) -> It
         if h not in handlers:
             logger.removeHandler(h)
     logger.propagate = propagate
-
-
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _one_error_line(code: int, err: str, *needles: str) -> None:

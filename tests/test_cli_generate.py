@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit.cli.main import main
+from tests.conftest import run_cli as run
 
 KEYS = (
     "text finish_reason prompt_tokens generated_tokens ttft_ms tpot_ms_p50 tpot_ms_p99 "
@@ -25,16 +25,6 @@ def _env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _one_line_error(code: int, err: str, *needles: str) -> None:

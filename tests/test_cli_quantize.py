@@ -7,17 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.cli.main import main
-
-
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+from tests.conftest import run_cli as run
 
 
 def _one_line_error(code: int, err: str, *needles: str) -> None:

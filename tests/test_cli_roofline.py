@@ -8,24 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.cli.main import main
 from quantkit.planning import KNOWN_MODELS, resolve_shape
 from quantkit.roofline import ModelShape
+from tests.conftest import run_cli as run
 
 
 @pytest.fixture(autouse=True)
 def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QUANTKIT_HOME", str(tmp_path / "home"))
-
-
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _row(text: str, label: str) -> str:

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from quantkit.cli.main import main
 from quantkit.grammar import compiler
 from quantkit.grammar.constraints import validate_json
 from quantkit.grammar.prompting import default_schema_prompt
+from tests.conftest import run_cli as run
 
 SMALL = {
     "title": "Switch",
@@ -34,16 +34,6 @@ def _env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch.set_num_threads(1)  # tiny decode steps: one thread is fastest on a busy machine
     yield
     torch.set_num_threads(threads)
-
-
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = int(e.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def last_line_error(code: int, err: str, *needles: str) -> str:
