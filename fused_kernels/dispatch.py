@@ -39,9 +39,9 @@ import torch
 
 from quantkit.errors import KernelUnavailableError, SchemeError
 from quantkit.fused_kernels.w4a16_checks import (
-    ACT_DTYPES,
     check_int4_operands,
     check_int4_weights,
+    check_prepared_input,
     resolve_group_size,
 )
 from quantkit.fused_kernels.w4a16_reference import w4a16_linear_reference
@@ -199,15 +199,7 @@ class PreparedInt4:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"x: expected shape [..., {self.in_features}] (in_features), got {tuple(x.shape)}"
-            )
-        if x.dtype not in ACT_DTYPES:
-            raise KernelUnavailableError(
-                f"{self.backend} backend: expected float32/bfloat16/float16 activations, "
-                f"got {x.dtype}"
-            )
+        check_prepared_input(x, in_features=self.in_features, backend=self.backend)
         return self.run(x)
 
 

@@ -29,7 +29,7 @@ from quantkit.errors import KernelUnavailableError, SchemeError
 from quantkit.fused_kernels.dispatch import resolve_backend
 from quantkit.fused_kernels.fp8_checks import check_fp8_weights
 from quantkit.fused_kernels.fp8_reference import fp8_linear_reference
-from quantkit.fused_kernels.w4a16_checks import ACT_DTYPES
+from quantkit.fused_kernels.w4a16_checks import check_prepared_input
 from quantkit.scheme import QuantScheme
 
 
@@ -91,15 +91,7 @@ class PreparedFp8:
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"x: expected shape [..., {self.in_features}] (in_features), got {tuple(x.shape)}"
-            )
-        if x.dtype not in ACT_DTYPES:
-            raise KernelUnavailableError(
-                f"{self.backend} backend: expected float32/bfloat16/float16 activations, "
-                f"got {x.dtype}"
-            )
+        check_prepared_input(x, in_features=self.in_features, backend=self.backend)
         return self.run(x)
 
 

@@ -14,6 +14,19 @@ ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def check_prepared_input(x: torch.Tensor, *, in_features: int, backend: str) -> None:
+    """The per-call check of a prepared layer (INT4 or FP8): x [..., in_features], a float
+    activation dtype the kernels take."""
+    if x.shape[-1] != in_features:
+        raise ValueError(
+            f"x: expected shape [..., {in_features}] (in_features), got {tuple(x.shape)}"
+        )
+    if x.dtype not in ACT_DTYPES:
+        raise KernelUnavailableError(
+            f"{backend} backend: expected float32/bfloat16/float16 activations, got {x.dtype}"
+        )
+
+
 def resolve_group_size(group_size: int, in_features: int) -> int:
     """-1 (per channel) -> in_features; otherwise group_size, which must divide in_features."""
     if group_size == -1:
