@@ -1,9 +1,13 @@
-"""The CPU decode step (`decode_cpu_source`): all decoder layers for one token, one C call.
+"""The CPU decode step (`decode_cpu_source`): all decoder layers for one new token of each of
+R sequences, one C call.
 
 `CpuDecodeStep` binds a model's layers once (weights through their `CpuInt4Layer`s, norms and
-this generation's KV cache); calling it runs every layer on the residual stream x [H] in place.
-It covers batch 1, one new token, fp32 activations and INT4 q/k/v (fused), o, gate/up (fused)
-and down projections; the caller keeps the PyTorch path for everything else.
+a KV cache of any number of rows); calling it runs every layer on the residual streams x [R, H]
+in place, row r at cache row `slots[r]` and position `positions[r]`: one new token of each of R
+sequences (a batched decode step), or R consecutive tokens of one sequence (a causal prefill:
+every row writes its K/V before any row attends). It covers fp32 activations and INT4 q/k/v
+(fused), o, gate/up (fused) and down projections; the caller keeps the PyTorch path for
+everything else.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class _Dims(ctypes.Structure):
     _fields_ = [
         *[(n, ctypes.c_int64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter")],
         ("slots", ctypes.c_int64),
+        ("cache_rows", ctypes.c_int64),
         ("eps", ctypes.c_double),
     ]
 
@@ -52,7 +57,7 @@ class DecoderDims:
 @dataclass(frozen=True)
 class DecoderLayerParts:
     """One layer's operands: INT4 layers bound to the C kernel, fp32 norm weights [H], and the
-    layer's KV cache tensors [1, Hkv, slots, D] (fp32, contiguous)."""
+    layer's KV cache tensors [rows, Hkv, slots, D] (fp32, contiguous)."""
 
     qkv: CpuInt4Layer
     o: CpuInt4Layer
@@ -82,17 +87,17 @@ def _check_layer(i: int, p: DecoderLayerParts, d: DecoderDims) -> None:
             raise ValueError(f"layer {i} {name}: expected the default kernel variant")
     for name, t in (("in_norm", p.in_norm), ("post_norm", p.post_norm)):
         _expect(f"layer {i} {name}", (t.dtype, tuple(t.shape)), (torch.float32, (d.hidden,)))
-    slots = p.k_cache.shape[2] if p.k_cache.dim() == 4 else -1
+    rows, slots = p.k_cache.shape[:3:2] if p.k_cache.dim() == 4 else (-1, -1)
     for name, t in (("k_cache", p.k_cache), ("v_cache", p.v_cache)):
         _expect(
             f"layer {i} {name}",
             (t.dtype, tuple(t.shape), t.is_contiguous()),
-            (torch.float32, (1, d.kv_heads, slots, d.head_dim), True),
+            (torch.float32, (rows, d.kv_heads, slots, d.head_dim), True),
         )
 
 
 class CpuDecodeStep:
-    """Every layer of one model for one token at a time; see the module docstring."""
+    """Every layer of one model for one new token per row; see the module docstring."""
 
     def __init__(self, layers: Sequence[DecoderLayerParts], dims: DecoderDims) -> None:
         if not layers:
@@ -103,7 +108,10 @@ class CpuDecodeStep:
             )
         for i, p in enumerate(layers):
             _check_layer(i, p, dims)
-        self.slots = layers[0].k_cache.shape[2]
+        shape = tuple(layers[0].k_cache.shape)
+        for i, p in enumerate(layers):
+            _expect(f"layer {i} cache shape", tuple(p.k_cache.shape), shape)
+        self.cache_rows, self.slots = shape[0], shape[2]
         self._keep = list(layers)  # the tensors behind the pointers stay alive
         self._layers = (_DecoderLayer * len(layers))()
         for dst, p in zip(self._layers, layers, strict=True):
@@ -114,41 +122,73 @@ class CpuDecodeStep:
             dst.k_cache, dst.v_cache = p.k_cache.data_ptr(), p.v_cache.data_ptr()
         self._dims = _Dims(
             dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.inter, self.slots,
-            dims.eps,
+            self.cache_rows, dims.eps,
         )  # fmt: skip
         self.hidden, self.head_dim = dims.hidden, dims.head_dim
         lib = _library()
         lib.qk_decode_work.restype = ctypes.c_int64
-        lib.qk_decode_work.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+        lib.qk_decode_work.argtypes = [
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+        ]  # fmt: skip
         lib.qk_decode_step.restype = ctypes.c_int
         lib.qk_decode_step.argtypes = [
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
         ]  # fmt: skip
-        self._fn = lib.qk_decode_step
-        n = lib.qk_decode_work(
-            ctypes.addressof(self._layers), len(layers), ctypes.addressof(self._dims)
-        )
-        self._work = torch.empty(int(n), dtype=torch.float32)
+        self._fn, self._work_fn = lib.qk_decode_step, lib.qk_decode_work
         self._args = (ctypes.addressof(self._layers), len(layers), ctypes.addressof(self._dims))
+        self._work = torch.empty(0, dtype=torch.float32)  # grown to the most rows seen
+
+    def _work_for(self, rows: int) -> torch.Tensor:
+        need = int(self._work_fn(*self._args, rows))
+        if self._work.numel() < need:
+            self._work = torch.empty(need, dtype=torch.float32)
+        return self._work
 
     def __call__(
-        self, x: torch.Tensor, position: int, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        x: torch.Tensor,
+        positions: Sequence[int],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        slots: Sequence[int] | None = None,
     ) -> torch.Tensor:
-        """Run every layer on x (fp32, H contiguous values), updated in place and returned;
-        the token sits at cache slot `position`; cos/sin: its D rotary values each."""
-        for name, t, n in (("x", x, self.hidden), ("cos", cos, self.head_dim), ("sin", sin, None)):
-            want = n or self.head_dim
-            if t.dtype != torch.float32 or t.numel() != want or not t.is_contiguous():
+        """Run every layer on x [R, H] (fp32, contiguous), updated in place and returned. Row r's
+        token sits at cache row `slots[r]` (default r) and position `positions[r]`, and attends
+        to that cache row's positions <= its own, including those other rows of this call
+        write (rows sharing a cache row: a prompt's tokens, prefilled causally); cos/sin
+        [R, D]: each row's rotary values."""
+        rows = len(positions)
+        if rows < 1:
+            raise ValueError("positions: expected at least one row, got none")
+        slots = range(rows) if slots is None else slots
+        for name, t, n in (("x", x, self.hidden), ("cos", cos, self.head_dim), ("sin", sin, 0)):
+            want = (rows, n or self.head_dim)
+            shape_ok = t.numel() == want[0] * want[1] and t.is_contiguous()
+            if t.dtype != torch.float32 or not shape_ok:
                 raise ValueError(
-                    f"{name}: expected {want} contiguous float32 values, got {t.dtype} "
-                    f"{tuple(t.shape)}"
+                    f"{name}: expected {want[0]} x {want[1]} contiguous float32 values, got "
+                    f"{t.dtype} {tuple(t.shape)}"
                 )
-        if not 0 <= position < self.slots:
-            raise ValueError(f"position: expected 0 to {self.slots - 1}, got {position}")
+        if len(slots) != rows or len(set(zip(slots, positions, strict=True))) != rows:
+            raise ValueError(
+                "slots: expected one per position, no (slot, position) twice, got "
+                f"{list(slots)} for positions {list(positions)}"
+            )
+        for what, values, bound in (("position", positions, self.slots),
+                                    ("slot", slots, self.cache_rows)):  # fmt: skip
+            bad = [v for v in values if not 0 <= v < bound]
+            if bad:
+                raise ValueError(f"{what}: expected 0 to {bound - 1}, got {bad[0]}")
+        pos_t = torch.tensor(positions, dtype=torch.int64)
+        slot_t = torch.tensor(slots, dtype=torch.int64)
+        work = self._work_for(rows)
         status = self._fn(
-            *self._args, x.data_ptr(), position, cos.data_ptr(), sin.data_ptr(),
-            self._work.data_ptr(), self._work.numel(), torch.get_num_threads(),
+            *self._args, x.data_ptr(), rows, slot_t.data_ptr(), pos_t.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), work.data_ptr(), work.numel(),
+            torch.get_num_threads(),
         )  # fmt: skip
         _check_status(status, "qk_decode_step")
         return x

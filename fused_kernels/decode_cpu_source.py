@@ -1,21 +1,28 @@
 """C source of the CPU decode step: every decoder layer of an INT4 Llama-family model for one
-token of one sequence, in one call and one OpenMP parallel region.
+new token of each of R sequences, in one call and one OpenMP parallel region.
 
 Why. At SmolLM2-135M sizes a decode step moves ~57 MB of INT4 weights, ~2 ms at this machine's
 bandwidth, but ran 14 ms as PyTorch ops and 120 kernel calls: each op and each call pays Python,
 dispatch and thread wake-up costs, and there are ~40 of them a layer. Here the whole body is one
 ctypes call; the two threads stay in one parallel region and meet at barriers (~1 us) between
 phases. The GEMVs are `gemv_rows` of `w4a16_cpu_source` (appended to that source, so they share
-its kernels); the rest (RMSNorm, RoPE, the KV write, attention over the cache, SiLU) is plain C
-on a few KB of activations.
+its kernels) over all R rows at once, so each weight is read once per step and dequantized once
+per chunk of rows; the rest (RMSNorm, RoPE, the KV write, attention over the cache, SiLU) is
+plain C on a few KB of activations.
 
-Layer, with x the residual stream [H] (fp32, updated in place):
-  h = rmsnorm(x) ; qkv = W_qkv h ; rope(q), rope(k) ; cache[pos] = k, v
-  a = softmax(q k^T / sqrt(D)) v over slots 0..pos (GQA: q head h reads kv head h / (Hq/Hkv))
+Layer, with x the residual stream [R][H] (fp32, updated in place), row r at cache row slot[r],
+position pos[r]:
+  h = rmsnorm(x) ; qkv = W_qkv h ; rope(q), rope(k) ; cache[slot][pos] = k, v
+  a = softmax(q k^T / sqrt(D)) v over positions 0..pos of its own cache row (GQA: q head h reads
+      kv head h / (Hq/Hkv))
   x += W_o a ; h = rmsnorm(x) ; g, u = W_gate_up h ; x += W_down (silu(g) * u)
-RoPE takes the cos/sin rows torch computed for this position (the HF rotate-half layout), so
-the rotation is exactly the PyTorch path's. Return value: 0, 1 = unsupported group layout,
-2 = the work buffer is too small.
+Each row attends to its own cache row's positions <= pos only, so it computes what it would
+alone (the causal mask of a right-padded or continuous batch). Rows may share a cache row at
+distinct positions: every row's K/V is written before any row attends, so R consecutive tokens
+of one sequence are a causal prefill. RoPE takes the cos/sin rows torch computed
+for each row's position (the HF rotate-half layout), so the rotation is exactly the PyTorch
+path's. Return value: 0, 1 = unsupported group layout, 2 = the work buffer is too small, 3 = a
+slot or position outside the cache.
 """
 
 from __future__ import annotations
@@ -26,30 +33,35 @@ DECODE_SOURCE = r"""
 typedef struct {
     qk_w4_layer qkv, o, gate_up, down;
     const float *in_norm, *post_norm;  /* [H] */
-    float *k_cache, *v_cache;          /* this layer's cache, row 0: [Hkv][slots][D] */
+    float *k_cache, *v_cache;          /* this layer's cache: [cache_rows][Hkv][slots][D] */
 } qk_decoder_layer;
 
 typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, inter, slots;
+    int64_t hidden, heads, kv_heads, head_dim, inter, slots, cache_rows;
     double eps;
 } qk_decoder_dims;
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
-/* Floats of work buffer `qk_decode_step` needs for these layers. */
-int64_t qk_decode_work(const qk_decoder_layer *layers, int64_t n_layers,
-                       const qk_decoder_dims *d) {
+static int64_t decode_gemv_scratch(const qk_decoder_layer *layers, int64_t n_layers, int64_t R) {
     int64_t gemv = 0;
     for (int64_t l = 0; l < n_layers; l++) {
         const qk_decoder_layer *L = layers + l;
-        gemv = max64(gemv, gemv_scratch(&L->qkv, 1));
-        gemv = max64(gemv, gemv_scratch(&L->o, 1));
-        gemv = max64(gemv, gemv_scratch(&L->gate_up, 1));
-        gemv = max64(gemv, gemv_scratch(&L->down, 1));
+        gemv = max64(gemv, gemv_scratch(&L->qkv, R));
+        gemv = max64(gemv, gemv_scratch(&L->o, R));
+        gemv = max64(gemv, gemv_scratch(&L->gate_up, R));
+        gemv = max64(gemv, gemv_scratch(&L->down, R));
     }
+    return gemv;
+}
+
+/* Floats of work buffer `qk_decode_step` needs for these layers and R rows. */
+int64_t qk_decode_work(const qk_decoder_layer *layers, int64_t n_layers,
+                       const qk_decoder_dims *d, int64_t R) {
     int64_t qkv = (d->heads + 2 * d->kv_heads) * d->head_dim;
-    return gemv + d->hidden * 2 + qkv + d->heads * d->head_dim + d->heads * d->slots
-           + 2 * d->inter + 64;
+    return decode_gemv_scratch(layers, n_layers, R)
+           + R * (d->hidden * 2 + qkv + d->heads * d->head_dim + d->heads * d->slots
+                  + 2 * d->inter) + 64;
 }
 
 static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *out) {
@@ -57,6 +69,38 @@ static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float 
     for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
     float r = 1.0f / sqrtf(ss / (float)n + eps);
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+/* a . b with 16 independent partial sums: gcc vectorises the lane loop (a plain running sum
+   is one dependent chain of n FMAs, ~4 cycles each: the attention scores took ~7 ms of a
+   batch-8 SmolLM2 step that way). */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float acc[16] = {0};
+    int64_t e = 0;
+    for (; e + 16 <= n; e += 16)
+        for (int l = 0; l < 16; l++) acc[l] += a[e + l] * b[e + l];
+    for (int l = 0; e < n; e++, l++) acc[l] += a[e] * b[e];
+    for (int w = 8; w; w >>= 1)
+        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+    return acc[0];
+}
+
+/* permute_x for fp32 rows (see w4a16_cpu_source) as an orphaned `omp for` over (row, block):
+   the team shares it instead of one thread doing it while the other waits at a barrier. */
+static void permute_rows(const float *x, int64_t M, int64_t K, int64_t x_stride, float *xp) {
+    const int64_t nblk = (K + 31) / 32, kp = nblk * 32;
+    #pragma omp for schedule(static)
+    for (int64_t mb_i = 0; mb_i < M * nblk; mb_i++) {
+        int64_t m = mb_i / nblk, b = mb_i % nblk, m0, mb;
+        row_chunk(m, M, &m0, &mb);
+        float *dst = xp + m0 * kp + (b * mb + (m - m0)) * 32;
+        const float *src = x + m * x_stride + b * 32;
+        for (int j = 0; j < NV; j++)
+            for (int l = 0; l < VEC; l++) {
+                int64_t k = b * 32 + perm_src(j, l);
+                dst[j * VEC + l] = k < K ? src[perm_src(j, l)] : 0.0f;
+            }
+    }
 }
 
 static void rope(float *v, const float *cos_, const float *sin_, int64_t D) {
@@ -68,13 +112,18 @@ static void rope(float *v, const float *cos_, const float *sin_, int64_t D) {
     }
 }
 
+/* Row r: x [r][H], its token at cache row slot[r] and position pos[r], cos/sin [r][D]. */
 int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_decoder_dims *d,
-                   float *x, int64_t pos, const float *cos_, const float *sin_, float *work,
-                   int64_t work_floats, int n_threads) {
+                   float *x, int64_t R, const int64_t *slot, const int64_t *pos,
+                   const float *cos_, const float *sin_, float *work, int64_t work_floats,
+                   int n_threads) {
     const int64_t H = d->hidden, Hq = d->heads, Hkv = d->kv_heads, D = d->head_dim;
-    const int64_t I = d->inter, S = d->slots, group = Hq / Hkv;
+    const int64_t I = d->inter, S = d->slots, group = Hq / Hkv, QKV = (Hq + 2 * Hkv) * D;
+    const int64_t row_stride = Hkv * S * D;  /* floats between cache rows */
     const float eps = (float)d->eps, scale = 1.0f / sqrtf((float)D);
-    if (work_floats < qk_decode_work(layers, n_layers, d) || pos >= S) return 2;
+    if (work_floats < qk_decode_work(layers, n_layers, d, R)) return 2;
+    for (int64_t r = 0; r < R; r++)
+        if (pos[r] < 0 || pos[r] >= S || slot[r] < 0 || slot[r] >= d->cache_rows) return 3;
     for (int64_t l = 0; l < n_layers; l++) {
         int64_t bpg;
         int gsh;
@@ -83,82 +132,71 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
             group_layout(&L->gate_up, &bpg, &gsh) || group_layout(&L->down, &bpg, &gsh))
             return 1;
     }
-    int64_t gemv = 0;
-    for (int64_t l = 0; l < n_layers; l++) {
-        gemv = max64(gemv, gemv_scratch(&layers[l].qkv, 1));
-        gemv = max64(gemv, gemv_scratch(&layers[l].o, 1));
-        gemv = max64(gemv, gemv_scratch(&layers[l].gate_up, 1));
-        gemv = max64(gemv, gemv_scratch(&layers[l].down, 1));
-    }
-    /* work: xp + params (the GEMV scratch; xp first) | h [H] | t [H] | qkv | att | scores | gu */
-    float *xp = work, *h = work + gemv, *t = h + H, *qkv = t + H;
-    float *att = qkv + (Hq + 2 * Hkv) * D, *scores = att + Hq * D, *gu = scores + Hq * S;
-    const int64_t npos = pos + 1;
+    /* work: xp + params (the GEMV scratch; xp first) | h [R][H] | t [R][H] | qkv [R][QKV] |
+       att [R][Hq * D] | scores [R * Hq][S] | gu [R][2I] */
+    float *xp = work, *h = work + decode_gemv_scratch(layers, n_layers, R), *t = h + R * H;
+    float *qkv = t + R * H, *att = qkv + R * QKV, *scores = att + R * Hq * D;
+    float *gu = scores + R * Hq * S;
+    const int64_t n_chunks = (I + 255) / 256;
 
     #pragma omp parallel num_threads(n_threads)
     for (int64_t l = 0; l < n_layers; l++) {
         const qk_decoder_layer *L = layers + l;
-        float *params;
-        #pragma omp single
-        {
-            rmsnorm(x, L->in_norm, H, eps, h);
-            permute_x(h, DT_F32, 1, H, H, xp);
-        }
-        params = xp + ((L->qkv.K + 31) / 32) * 32;
-        gemv_rows(&L->qkv, xp, 1, params, qkv, DT_F32, L->qkv.N);
-        #pragma omp single
-        {
-            float *q = qkv, *k = qkv + Hq * D, *v = k + Hkv * D;
-            for (int64_t i = 0; i < Hq; i++) rope(q + i * D, cos_, sin_, D);
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++) rmsnorm(x + r * H, L->in_norm, H, eps, h + r * H);
+        permute_rows(h, R, H, H, xp);
+        gemv_rows(&L->qkv, xp, R, xp + R * ((L->qkv.K + 31) / 32) * 32, qkv, DT_F32, QKV);
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++) {
+            float *q = qkv + r * QKV, *k = q + Hq * D, *v = k + Hkv * D;
+            const float *c = cos_ + r * D, *sn = sin_ + r * D;
+            float *kc = L->k_cache + slot[r] * row_stride, *vc = L->v_cache + slot[r] * row_stride;
+            for (int64_t i = 0; i < Hq; i++) rope(q + i * D, c, sn, D);
             for (int64_t i = 0; i < Hkv; i++) {
-                rope(k + i * D, cos_, sin_, D);
-                memcpy(L->k_cache + (i * S + pos) * D, k + i * D, (size_t)D * sizeof(float));
-                memcpy(L->v_cache + (i * S + pos) * D, v + i * D, (size_t)D * sizeof(float));
+                rope(k + i * D, c, sn, D);
+                memcpy(kc + (i * S + pos[r]) * D, k + i * D, (size_t)D * sizeof(float));
+                memcpy(vc + (i * S + pos[r]) * D, v + i * D, (size_t)D * sizeof(float));
             }
         }
-        #pragma omp for schedule(static)
-        for (int64_t i = 0; i < Hq; i++) {
-            const float *q = qkv + i * D;
-            const float *kc = L->k_cache + (i / group) * S * D;
-            const float *vc = L->v_cache + (i / group) * S * D;
-            float *sc = scores + i * S, *o = att + i * D, mx = -INFINITY, sum = 0.0f;
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t ri = 0; ri < R * Hq; ri++) {
+            const int64_t r = ri / Hq, i = ri % Hq, npos = pos[r] + 1;
+            const float *q = qkv + r * QKV + i * D;
+            const float *kc = L->k_cache + slot[r] * row_stride + (i / group) * S * D;
+            const float *vc = L->v_cache + slot[r] * row_stride + (i / group) * S * D;
+            float *sc = scores + ri * S, *o = att + ri * D, mx = -INFINITY, sum = 0.0f;
             for (int64_t j = 0; j < npos; j++) {
-                float dot = 0.0f;
-                for (int64_t e = 0; e < D; e++) dot += q[e] * kc[j * D + e];
-                sc[j] = dot * scale;
+                sc[j] = dot(q, kc + j * D, D) * scale;
                 mx = sc[j] > mx ? sc[j] : mx;
             }
-            for (int64_t j = 0; j < npos; j++) { sc[j] = expf(sc[j] - mx); sum += sc[j]; }
+            for (int64_t j = 0; j < npos; j++) sc[j] = expf(sc[j] - mx);
+            for (int64_t j = 0; j < npos; j++) sum += sc[j];
             for (int64_t e = 0; e < D; e++) o[e] = 0.0f;
             for (int64_t j = 0; j < npos; j++) {
                 float p = sc[j] / sum;
                 for (int64_t e = 0; e < D; e++) o[e] += p * vc[j * D + e];
             }
         }
-        #pragma omp single
-        permute_x(att, DT_F32, 1, Hq * D, Hq * D, xp);
-        params = xp + ((L->o.K + 31) / 32) * 32;
-        gemv_rows(&L->o, xp, 1, params, t, DT_F32, H);
-        #pragma omp single
-        {
-            for (int64_t i = 0; i < H; i++) x[i] += t[i];
-            rmsnorm(x, L->post_norm, H, eps, h);
-            permute_x(h, DT_F32, 1, H, H, xp);
+        permute_rows(att, R, Hq * D, Hq * D, xp);
+        gemv_rows(&L->o, xp, R, xp + R * ((L->o.K + 31) / 32) * 32, t, DT_F32, H);
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++) {
+            for (int64_t i = r * H; i < (r + 1) * H; i++) x[i] += t[i];
+            rmsnorm(x + r * H, L->post_norm, H, eps, h + r * H);
         }
-        params = xp + ((L->gate_up.K + 31) / 32) * 32;
-        gemv_rows(&L->gate_up, xp, 1, params, gu, DT_F32, 2 * I);
-        #pragma omp single
-        {
-            for (int64_t i = 0; i < I; i++) {
-                float g = gu[i];
-                gu[i] = g / (1.0f + expf(-g)) * gu[I + i];
-            }
-            permute_x(gu, DT_F32, 1, I, I, xp);
+        permute_rows(h, R, H, H, xp);
+        gemv_rows(&L->gate_up, xp, R, xp + R * ((L->gate_up.K + 31) / 32) * 32, gu, DT_F32,
+                  2 * I);
+        #pragma omp for schedule(static)
+        for (int64_t rc = 0; rc < R * n_chunks; rc++) {  /* 256-wide chunks: a vector loop */
+            float *g = gu + (rc / n_chunks) * 2 * I;
+            int64_t i0 = (rc % n_chunks) * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
+            for (int64_t i = i0; i < i1; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
         }
-        params = xp + ((L->down.K + 31) / 32) * 32;
-        gemv_rows(&L->down, xp, 1, params, t, DT_F32, H);
-        #pragma omp single
-        for (int64_t i = 0; i < H; i++) x[i] += t[i];
+        permute_rows(gu, R, I, 2 * I, xp);
+        gemv_rows(&L->down, xp, R, xp + R * ((L->down.K + 31) / 32) * 32, t, DT_F32, H);
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < R * H; i++) x[i] += t[i];
     }
     return 0;
 }

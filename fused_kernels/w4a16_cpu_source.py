@@ -4,7 +4,8 @@ It lives in a .py module (not a .c file) so that it ships with the package witho
 rules. The kernels read the compressed-tensors tensors exactly as stored (no repack):
 
 - `qk_w4a16_gemv`: y [M, N] = x [M, K] @ dequant(W).T (+ bias), for small M (decode). Streams
-  each packed row once per chunk of <= 4 activation rows; OpenMP over output rows.
+  each packed row once per chunk of activation rows (8 with AVX-512, else <= 4, see
+  `row_chunk`); OpenMP over output rows.
 - `qk_w4a16_gemv_layer`: the same with the layer's arguments in a struct bound once.
 - `qk_w4_dequant`: rows [n0, n1) of dequant(W) as fp32 [n1 - n0, K], bit-identical to
   `quantkit.packing.int4_dequantize`; the prefill path hands these to MKL.
@@ -110,8 +111,9 @@ typedef __m512i vi;
 #define VI_BCAST4(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p)))
 #define VI_NIBBLE(w, sh) \
     _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(0xF)))
-/* 32 zmm registers: 4 accumulators per activation row at every MB */
-#define ACC_PER_ROW(MB) 4
+/* 32 zmm registers: 4 accumulators per activation row up to MB = 4, 2 at MB = 8 (16 chains) */
+#define ACC_PER_ROW(MB) ((MB) <= 4 ? 4 : 2)
+#define MAX_MB 8
 #define VI_SHIFTS(j) _mm512_setr_epi32(16 * (j), 16 * (j), 16 * (j), 16 * (j), \
     16 * (j) + 4, 16 * (j) + 4, 16 * (j) + 4, 16 * (j) + 4, \
     16 * (j) + 8, 16 * (j) + 8, 16 * (j) + 8, 16 * (j) + 8, \
@@ -136,12 +138,29 @@ static inline float VF_HSUM(__m256 a) {
     _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32(0xF)))
 /* 16 ymm registers: 4 accumulators at MB = 1, 2 per activation row above */
 #define ACC_PER_ROW(MB) ((MB) == 1 ? 4 : 2)
+#define MAX_MB 4
 #define VI_SHIFTS(j) _mm256_setr_epi32(8 * (j), 8 * (j), 8 * (j), 8 * (j), \
     8 * (j) + 4, 8 * (j) + 4, 8 * (j) + 4, 8 * (j) + 4)
 #else
 #define VEC 8
+#define MAX_MB 4
 #endif
 #define NV (32 / VEC)
+
+/* Activation rows are processed in chunks that share each dequantized weight: chunks of
+   MAX_MB rows while that many remain, then chunks of <= 4. A chunk of 8 (AVX-512) dequantizes
+   each weight once for 8 rows instead of twice: at batch 8 the dequantization, not the memory,
+   bounds the GEMV. `row_chunk` gives the first row and the size of the chunk holding row m. */
+static inline void row_chunk(int64_t m, int64_t M, int64_t *m0, int64_t *mb) {
+    int64_t big = MAX_MB > 4 ? (M / MAX_MB) * MAX_MB : 0;
+    if (m < big) {
+        *m0 = m - m % MAX_MB;
+        *mb = MAX_MB;
+    } else {
+        *m0 = big + ((m - big) & ~(int64_t)3);
+        *mb = M - *m0 < 4 ? M - *m0 : 4;
+    }
+}
 
 static inline int perm_src(int j, int l) { return 8 * (l & 3) + (VEC / 4) * j + (l >> 2); }
 
@@ -195,7 +214,7 @@ static void tile_params(const void *scale, int s_dt, int64_t s_stride, const int
    per weight row) halved the bytes/s at M = 1, the prefetchers want long runs. */
 #define KT_BLOCKS 256
 
-/* res[m] += sum over blocks [b0, b1) of x[m, block] . W[n, block] for MB (1..4) activation
+/* res[m] += sum over blocks [b0, b1) of x[m, block] . W[n, block] for MB (1..8) activation
    rows and one weight row. xc holds the chunk's activations as [block][MB][32] (permuted).
    Each nibble u is dequantized once, w = u * s + c (one FMA), then used for every row.
    Accumulator indices are compile-time constants (a runtime index spills them to memory) and
@@ -209,7 +228,7 @@ static inline __attribute__((always_inline)) void gemv_tile(
     const int32_t *wrow, int64_t words, const float *s, const float *c, int64_t pf, float *res)
 {
 #ifdef VI_NIBBLE
-    vf acc[4][4];
+    vf acc[MAX_MB][4];
     const int nacc = ACC_PER_ROW(MB);
     for (int m = 0; m < MB; m++)
         for (int a = 0; a < 4; a++) acc[m][a] = VF_ZERO();
@@ -220,7 +239,7 @@ static inline __attribute__((always_inline)) void gemv_tile(
         _Pragma("GCC unroll 4") for (int j = 0; j < NV; j++) {                    \
             vf w = VF_FMA(VI_NIBBLE(wv, VI_SHIFTS(j)), sv, cv);                   \
             int a = (j + NV * (alt)) % nacc;                                      \
-            _Pragma("GCC unroll 4") for (int m = 0; m < MB; m++)                  \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++)                  \
                 acc[m][a] = VF_FMA(w, VF_LOAD(xb + m * 32 + j * VEC), acc[m][a]); \
         }                                                                         \
     } while (0)
@@ -269,7 +288,7 @@ static inline __attribute__((always_inline)) void gemv_tile(
         res[m] += VF_HSUM(t);
     }
 #else
-    float acc[4] = {0, 0, 0, 0};
+    float acc[MAX_MB] = {0};
     for (int64_t blk = b0; blk < b1; blk++) {
         float sg = s[blk / bpg], cg = c[blk / bpg];
         for (int j = 0; j < NV; j++)
@@ -321,17 +340,18 @@ static int64_t gemv_scratch(const qk_w4_layer *L, int64_t M) {
 }
 
 /* x -> fp32, each 32-element block permuted to the order the shifts produce, K padded with
-   zeros, rows of each chunk of 4 interleaved per block: [chunk][block][row][32]. */
+   zeros, the rows of each chunk (`row_chunk`) interleaved per block: [chunk][block][row][32]. */
 static void permute_x(const void *x, int x_dt, int64_t M, int64_t K, int64_t x_stride,
                       float *xp) {
     int64_t nblk = (K + 31) / 32, kp = nblk * 32;
     for (int64_t m = 0; m < M; m++) {
-        int64_t m0 = m & ~(int64_t)3, mb = M - m0 < 4 ? M - m0 : 4;
+        int64_t m0, mb;
+        row_chunk(m, M, &m0, &mb);
         for (int64_t b = 0; b < nblk; b++)
             for (int j = 0; j < NV; j++)
                 for (int l = 0; l < VEC; l++) {
                     int64_t k = b * 32 + perm_src(j, l);
-                    xp[m0 * kp + (b * mb + (m & 3)) * 32 + j * VEC + l] =
+                    xp[m0 * kp + (b * mb + (m - m0)) * 32 + j * VEC + l] =
                         k < K ? load_f(x, m * x_stride + k, x_dt) : 0.0f;
                 }
     }
@@ -360,9 +380,9 @@ static void gemv_rows(const qk_w4_layer *L, const float *xp, int64_t M, float *p
         float *s = params + n0 * 2 * n_groups, *c = s + RT * n_groups;
         tile_params(L->scale, (int)L->s_dt, L->s_stride, L->zp, L->zp_stride, n0, n1, n_groups,
                     s, c);
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            int64_t mb = M - m0 < 4 ? M - m0 : 4;
-            float res[RT][4] = {{0}};
+        for (int64_t m0 = 0, mb; m0 < M; m0 += mb) {
+            row_chunk(m0, M, &m0, &mb);
+            float res[RT][MAX_MB] = {{0}};
             int64_t kt = (KT_BLOCKS / mb) & ~(int64_t)3;  /* any group layout: handled per block */
             /* Prefetch distance. One K tile per row: the row tile is one contiguous run, and the
                same spot of the next row tile is fetched. Several K tiles: each row is visited in
@@ -383,7 +403,10 @@ static void gemv_rows(const qk_w4_layer *L, const float *xp, int64_t M, float *p
                     if (mb == 1) TILE(1);
                     else if (mb == 2) TILE(2);
                     else if (mb == 3) TILE(3);
-                    else TILE(4);
+                    else if (mb == 4) TILE(4);
+#if MAX_MB > 4
+                    else TILE(MAX_MB);
+#endif
 #undef TILE
                 }
             }

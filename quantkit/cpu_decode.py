@@ -2,9 +2,13 @@
 
 `enable_cpu_decode(model)` attaches a `CpuDecodePath`. Each `setup_cache` binds it to the new
 cache when the model qualifies (CPU, fp32 activations, every Linear INT4 on the C kernel, q/k/v
-and gate/up fused, a batch of one); a forward pass of one token of one sequence then runs all
-layers in one C call, and everything else takes the PyTorch path. QUANTKIT_CPU_DECODE=0 turns
-it off (for comparisons). Measured on SmolLM2-135M INT4, 2 threads: see DESIGN.md / the
+and gate/up fused); a forward pass of one new token per row (any batch), or of one row's T
+tokens (a prefill), then runs all layers in one C call, and everything else takes the PyTorch
+path. Row b sits at cache row b and each token attends to its row's positions <= its own: the
+mask every caller here builds (`generate`'s right padding and causal prefill, the serving
+engine's slots and prompt chunks). Prefills longer than the GEMV's measured crossover
+(`GEMV_MAX_M`, where dequantize + MKL wins) stay on the PyTorch path. QUANTKIT_CPU_DECODE=0
+turns it off (for comparisons). Measured on SmolLM2-135M INT4, 2 threads: see DESIGN.md / the
 decode benchmark.
 """
 
@@ -32,6 +36,10 @@ class CpuDecodePath:
     """Binds `fused_kernels.decode_cpu.CpuDecodeStep` to a model's current KV cache."""
 
     def __init__(self) -> None:
+        from quantkit.fused_kernels.cpu_build import cpu_variant
+        from quantkit.fused_kernels.w4a16_cpu import GEMV_MAX_M
+
+        self.max_rows = GEMV_MAX_M.get(cpu_variant(), 1)  # a longer prefill: PyTorch + MKL
         self.step = None
         self._caches: list[torch.Tensor] = []
         self.reason = "no cache set up yet"
@@ -63,8 +71,8 @@ class CpuDecodePath:
             if any(k is None for k in kernels):
                 return f"layer {i}: a Linear is not INT4 on the cpu backend"
             cache = attn.cache
-            if cache is None or cache.k.shape[0] != 1:
-                return "needs a cache of batch 1"
+            if cache is None:
+                return "needs a KV cache"
             parts.append(
                 DecoderLayerParts(
                     *kernels,  # type: ignore[arg-type]
@@ -86,9 +94,12 @@ class CpuDecodePath:
         self._caches = [p.k_cache for p in parts]
         return "bound"
 
-    def run(self, model: CausalLM, input_ids: torch.Tensor, position: int) -> torch.Tensor | None:
-        """The final hidden state [1, 1, H] after every layer for one token, or None when the
-        bound step does not apply (no step, or the cache was replaced since binding)."""
+    def run(
+        self, model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The final hidden states [B, 1, H] after every layer for one new token per row
+        (input_ids, positions [B, 1]; row b at cache row b), or None when the bound step does
+        not apply (no step, or the cache was replaced since binding)."""
         step = self.step
         if step is None:
             return None
@@ -97,10 +108,32 @@ class CpuDecodePath:
             layer.self_attn.cache.k is not k for layer, k in zip(layers, self._caches, strict=True)
         ):
             return None
-        cos, sin = model.rope(torch.tensor([[position]]))
-        x = model.model.embed_tokens(input_ids).contiguous()
-        step(x.view(-1), position, cos.contiguous().view(-1), sin.contiguous().view(-1))
-        return x
+        b, t = input_ids.shape
+        if b > step.cache_rows or (t > 1 and (b > 1 or t > self.max_rows)):
+            return None
+        return self.run_rows(
+            model,
+            input_ids.view(-1).tolist(),
+            positions.reshape(-1).tolist(),
+            [0] * t if t > 1 else None,
+        ).view(b, t, -1)
+
+    def run_rows(
+        self,
+        model: CausalLM,
+        tokens: list[int],
+        positions: list[int],
+        slots: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [R, 1, H] after every layer: token r fed at cache row slots[r]
+        (default r) and position positions[r] (see `CpuDecodeStep`), of the cache bound last
+        (the caller vouches that it is still the model's)."""
+        assert self.step is not None
+        pos = torch.tensor(positions).unsqueeze(1)
+        cos, sin = model.rope(pos)
+        x = model.model.embed_tokens(torch.tensor(tokens)).contiguous()
+        self.step(x, positions, cos.contiguous(), sin.contiguous(), slots=slots)
+        return x.unsqueeze(1)
 
 
 def enable_cpu_decode(model: CausalLM) -> CpuDecodePath:

@@ -278,7 +278,7 @@ class CausalLM(nn.Module):
         self.model = Body(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # A `quantkit.cpu_decode.CpuDecodePath` (see enable_cpu_decode): every layer of a
-        # one-token, one-row step in one C call. Bound to each cache by setup_cache.
+        # one-token-per-row step in one C call. Bound to each cache by setup_cache.
         self.decode_path: Any = None
 
     @property
@@ -330,19 +330,22 @@ class CausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
         x = None
-        if b == t == 1 and self.decode_path is not None and _eager_cpu(input_ids):
-            x = self.decode_path.run(self, input_ids, int(positions[0, 0]))
+        if (t == 1 or b == 1) and self.decode_path is not None and _eager_cpu(input_ids):
+            x = self.decode_path.run(self, input_ids, positions)
         if x is None:
             cos, sin = self.rope(positions)
             x = self.model.embed_tokens(input_ids)
             for layer in self.model.layers:
                 x = layer(x, cos, sin, positions=positions, mask=mask)
-        x = self.model.norm(x)
         if logits_at is not None:
             x = x[torch.arange(b, device=x.device), logits_at].unsqueeze(1)
         elif last_only:
             x = x[:, -1:]
-        return self.lm_head(x).float()
+        return self.logits(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and lm_head: hidden states [B, T, H] after the last layer -> fp32 logits."""
+        return self.lm_head(self.model.norm(hidden)).float()
 
 
 def build_model(

@@ -27,9 +27,11 @@ attention cost follows the context actually held.
 
 The cache is the engine's own `_SlotKV`, a `KVCache` whose `k`/`v` are pointed, before each
 forward, at views of the window of an all-slots store; it is installed into each attention layer
-for the duration of a run, so the decoder runs unchanged through `CausalLM.forward`. A step with
-a single request decodes through the model's one-row path when it has one (`decode_path`, the
-CPU one-call step), bound once per slot, so cap 1 runs as fast as `generate` at batch 1.
+for the duration of a run, so the decoder runs unchanged through `CausalLM.forward`. When the
+model has a one-call decode path (`decode_path`: on a CPU, every layer of a step in one C call)
+it is bound once to the whole store, and each decode step hands it exactly the rows decoding,
+each at its own slot and position: no dummy rows, and cap 1 runs as fast as `generate` at
+batch 1. Prefill chunks go through it too, a chunk's tokens as rows at one slot.
 
 Time: a virtual clock (`VirtualClock`) that runs with the wall clock while the engine works and
 jumps over idle gaps to the next arrival. A request "arrives" when that clock passes its arrival
@@ -90,17 +92,13 @@ class _SlotKV(KVCache):
     ) -> None:
         super().__init__(slots, max_len, kv_heads, head_dim, dtype=like.dtype, device=like.device)
         self.store_k, self.store_v = self.k, self.v
-        # One lasting [1, Hkv, max_len, D] view per slot: a one-row decode path bound to a
-        # slot's cache (the model's `decode_path`) recognizes it by these tensors' identity.
-        self.slot_k = [self.store_k[j : j + 1] for j in range(slots)]
-        self.slot_v = [self.store_v[j : j + 1] for j in range(slots)]
 
     def select(self, start: int, stop: int, width: int) -> None:
         self.k = self.store_k[start:stop, :, :width]
         self.v = self.store_v[start:stop, :, :width]
 
-    def select_slot(self, slot: int) -> None:
-        self.k, self.v = self.slot_k[slot], self.slot_v[slot]
+    def select_all(self) -> None:
+        self.k, self.v = self.store_k, self.store_v
 
 
 # --------------------------------------------------------------------------- the engine
@@ -167,7 +165,7 @@ class _Engine:
         self.device = model.device
         self.generator = make_generator(params, self.device)
         self.caches: list[_SlotKV] = []
-        self.slot_paths: list[Any] | None = None  # see _bind_one_row_paths
+        self.path: Any = None  # see _bind_decode_path
         self.slots: list[_Active | None] = [None] * config.batch_cap
         self.waiting: deque[tuple[Request, RequestResult]] = deque()
         self.decode_steps: list[DecodeStep] = []
@@ -190,33 +188,24 @@ class _Engine:
             )
             layer.self_attn.cache = cache
             self.caches.append(cache)
-        self.slot_paths = self._bind_one_row_paths()
+        self.path = self._bind_decode_path()
 
     def select(self, start: int, stop: int, width: int) -> None:
         for cache in self.caches:
             cache.select(start, stop, width)
 
-    def select_slot(self, slot: int) -> None:
-        for cache in self.caches:
-            cache.select_slot(slot)
-
-    def _bind_one_row_paths(self) -> list[Any] | None:
-        """The model's one-row decode path (`CausalLM.decode_path`: on a CPU, every layer of a
-        one-token step in one C call), bound once to each slot's cache, so that a step with a
-        single request decodes as fast as `generate` at batch 1. None when the model has no
-        such path or it does not apply here (then every step takes the PyTorch layers)."""
+    def _bind_decode_path(self) -> Any:
+        """The model's one-call decode path (`CausalLM.decode_path`: on a CPU, every layer of a
+        step in one C call), bound to the store of every slot. None when the model has no such
+        path or it does not apply here (then every step takes the PyTorch layers)."""
         path = getattr(self.model, "decode_path", None)
         if path is None:
             return None
-        paths = []
-        for slot in range(self.config.batch_cap):
-            self.select_slot(slot)
-            bound = type(path)()
-            bound.bind(self.model)
-            if bound.step is None:
-                return None
-            paths.append(bound)
-        return paths
+        for cache in self.caches:
+            cache.select_all()
+        bound = type(path)()
+        bound.bind(self.model)
+        return bound if bound.step is not None else None
 
     # -- token bookkeeping
     def _emit(self, active: _Active, token: int, now: float) -> None:
@@ -266,12 +255,18 @@ class _Engine:
             began = self.clock.now()
             end = start + n
             width = _round_width(end, self.max_len)
-            self.select(active.slot, active.slot + 1, width)
-            ids = torch.tensor([prompt[start:end]], device=self.device)
-            pos = torch.arange(start, end, device=self.device).unsqueeze(0)
-            mask = (self.positions[:width] <= pos[0, :, None]).view(1, 1, n, width)
-            at = torch.tensor([n - 1], device=self.device)
-            logits = self.model(ids, positions=pos, mask=mask, logits_at=at)[:, -1]
+            if self.path is not None and n <= self.path.max_rows:
+                # The chunk's tokens as rows of one call, all at this slot (a causal prefill).
+                chunk, at_slot = list(prompt[start:end]), [active.slot] * n
+                hidden = self.path.run_rows(self.model, chunk, list(range(start, end)), at_slot)
+                logits = self.model.logits(hidden[-1:])[:, -1]
+            else:
+                self.select(active.slot, active.slot + 1, width)
+                ids = torch.tensor([prompt[start:end]], device=self.device)
+                pos = torch.arange(start, end, device=self.device).unsqueeze(0)
+                mask = (self.positions[:width] <= pos[0, :, None]).view(1, 1, n, width)
+                at = torch.tensor([n - 1], device=self.device)
+                logits = self.model(ids, positions=pos, mask=mask, logits_at=at)[:, -1]
             active.prefilled = end
             if end == len(prompt):
                 token = self._sample(logits)[0]
@@ -282,34 +277,38 @@ class _Engine:
                 self.clock.forward_done()
             self.prefill_chunks.append(PrefillChunk(n, end, self.clock.now() - began))
 
-    def _decode_one_row(self, active: _Active) -> torch.Tensor:
-        """One request alone in the step: its slot's whole cache, through the bound path."""
-        self.select_slot(active.slot)
-        fed = torch.tensor([[active.result.tokens[-1]]], device=self.device)
-        pos = torch.tensor([[active.next_pos]], device=self.device)
-        mask = (self.positions <= pos).view(1, 1, 1, self.max_len)
-        saved = self.model.decode_path
-        object.__setattr__(self.model, "decode_path", self.slot_paths[active.slot])
-        try:
-            return self.model(fed, positions=pos, mask=mask)[:, -1]
-        finally:
-            object.__setattr__(self.model, "decode_path", saved)
+    def _decode_path(self, span: list[_Active]) -> list[int]:
+        """Sampled tokens of `span`'s rows, through the bound one-call path: each row at its
+        own slot and position. A row in the span with nothing to decode (a static batch's
+        finished or still-prefilling rows, which such a server computes anyway) is fed token 0
+        where the write is harmless, as in the PyTorch path below."""
+        tokens, positions = [], []
+        for a in span:
+            if a.decoding:
+                tokens.append(a.result.tokens[-1])
+                positions.append(a.next_pos)
+            else:
+                tokens.append(0)
+                positions.append(min(a.next_pos if a.done else a.prefilled, self.max_len - 1))
+        hidden = self.path.run_rows(self.model, tokens, positions, [a.slot for a in span])
+        return self._sample(self.model.logits(hidden)[:, -1])
 
     def decode(self) -> None:
         rows = [a for a in self.occupied() if a.decoding]
         if not rows:
             return
         span = self.occupied() if self.config.mode == "static" else rows
-        if len(span) == 1 and self.slot_paths is not None:
+        if self.path is not None:
             began = self.clock.now()
-            (active,) = span
-            token = self._sample(self._decode_one_row(active))[0]
+            sampled = self._decode_path(span)
             self.clock.forward_done()
             now = self.clock.now()
-            context = active.next_pos + 1
-            active.next_pos += 1
-            self._emit(active, token, now)
-            self.decode_steps.append(DecodeStep(1, 1, context, now - began))
+            context = sum(a.next_pos + 1 for a in rows)
+            for a, token in zip(span, sampled, strict=True):
+                if a.decoding:
+                    a.next_pos += 1
+                    self._emit(a, token, now)
+            self.decode_steps.append(DecodeStep(len(rows), len(span), context, now - began))
             return
         hi = 1 + max(a.slot for a in span)
         by_slot = {a.slot: a for a in self.occupied()}

@@ -54,11 +54,11 @@ def test_fast_path_binds_and_matches_torch(llama_ckpt: Path, monkeypatch) -> Non
     calls = []
     original = CpuDecodeStep.__call__
     monkeypatch.setattr(
-        CpuDecodeStep, "__call__", lambda self, *a: calls.append(1) or original(self, *a)
+        CpuDecodeStep, "__call__", lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
     )
     for prompt in PROMPTS:
         fast = _greedy(model, prompt)
-        assert len(calls) == 11  # every decode step after the prefill
+        assert len(calls) == 12  # the prefill, then every decode step
         calls.clear()
         monkeypatch.setenv("QUANTKIT_CPU_DECODE", "0")
         slow = _greedy(model, prompt)
@@ -94,10 +94,76 @@ def test_qwen2_biases_and_symmetric_per_channel(tmp_path: Path) -> None:
     assert fast.tokens == _greedy(model, PROMPTS[0]).tokens
 
 
-def test_not_bound_for_batches_dense_or_unfused(llama_ckpt: Path, tiny_llama_dir: Path) -> None:
+def test_batched_step_matches_torch_rows_at_own_slots_and_positions(llama_ckpt: Path) -> None:
+    """Rows of different lengths in one call, at cache rows in any order: each row's hidden
+    state equals the PyTorch layers' (which attend under the mask slots <= position)."""
     model = load_model(llama_ckpt, tokenizer=False).model
-    model.setup_cache(batch=2, max_len=16)
-    assert model.decode_path.step is None and "batch 1" in model.decode_path.reason
+    s = 32
+    lengths = [3, 9, 1, 6]
+    with torch.no_grad():
+        model.setup_cache(batch=4, max_len=s)
+        assert model.decode_path.reason == "bound"
+        g = torch.Generator().manual_seed(3)
+        ids = torch.randint(3, 512, (4, max(lengths)), generator=g)
+        pos = torch.arange(ids.shape[1]).expand(4, -1)
+        mask = (torch.arange(s) <= pos[:1, :, None]).unsqueeze(1)
+        model(ids, positions=pos, mask=mask)  # prefill every row (pads write beyond lengths)
+        tokens, positions, slots = [42, 7, 99, 300], lengths, [2, 0, 3, 1]
+        fast = model.decode_path.run_rows(model, tokens, positions, slots)
+        order = sorted(range(4), key=lambda r: slots[r])  # rows by cache row, for the mask
+        fed = torch.tensor([[tokens[r]] for r in order])
+        at = torch.tensor([[positions[r]] for r in order])
+        path, model.decode_path = model.decode_path, None
+        x = model.model.embed_tokens(fed)
+        cos, sin = model.rope(at)
+        step_mask = (torch.arange(s) <= at).view(4, 1, 1, s)
+        for layer in model.model.layers:  # rewrites the same cache positions
+            x = layer(x, cos, sin, positions=at, mask=step_mask)
+        model.decode_path = path
+    torch.testing.assert_close(fast[order], x, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_through_the_step_matches_torch(llama_ckpt: Path) -> None:
+    """One row's T tokens in one call (rows sharing a cache row): a causal prefill, then a
+    second chunk on top of it; logits equal the PyTorch layers'."""
+    model = load_model(llama_ckpt, tokenizer=False).model
+    ids = torch.tensor([PROMPTS[0] + PROMPTS[0][:4]])
+    s = 32
+    out = {}
+    for fast in (True, False):
+        if not fast:
+            object.__setattr__(model, "decode_path", None)
+        with torch.no_grad():
+            model.setup_cache(batch=1, max_len=s)
+            chunks = []
+            for lo, hi in ((0, 5), (5, ids.shape[1])):
+                pos = torch.arange(lo, hi).unsqueeze(0)
+                mask = (torch.arange(s) <= pos[0, :, None]).view(1, 1, hi - lo, s)
+                chunks.append(model(ids[:, lo:hi], positions=pos, mask=mask))
+        out[fast] = torch.cat(chunks, dim=1)
+    torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
+
+
+def test_batched_generate_matches_torch(llama_ckpt: Path, monkeypatch) -> None:
+    model = load_model(llama_ckpt, tokenizer=False).model
+    calls = []
+    original = CpuDecodeStep.__call__
+    monkeypatch.setattr(
+        CpuDecodeStep,
+        "__call__",
+        lambda self, x, *a, **k: calls.append(x.shape[0]) or original(self, x, *a, **k),
+    )
+    prompts = [PROMPTS[0], PROMPTS[0][:3], PROMPTS[0][1:]]
+    fast = generate(model, prompts, SamplingParams(max_new_tokens=10))
+    assert calls == [3] * 9  # every decode step of the batch, all rows in one call (a batch's
+    # right-padded prefill takes the PyTorch path)
+    monkeypatch.setenv("QUANTKIT_CPU_DECODE", "0")
+    slow = generate(model, prompts, SamplingParams(max_new_tokens=10))
+    assert fast.tokens == slow.tokens
+
+
+def test_not_bound_for_dense_or_unfused(llama_ckpt: Path, tiny_llama_dir: Path) -> None:
+    model = load_model(llama_ckpt, tokenizer=False).model
     # Replacing a part's tensor invalidates its fused group: the model falls back.
     layer = model.model.layers[0].self_attn
     layer.k_proj.weight_packed = layer.k_proj.weight_packed.clone()
@@ -150,12 +216,17 @@ def test_decode_step_rejects_mismatched_layers(llama_ckpt: Path) -> None:
     with pytest.raises(ValueError, match=r"layer 0 gate_up \[N, K\]: expected \(1998"):
         CpuDecodeStep(parts, wrong)
     step = CpuDecodeStep(parts, good)
-    x = torch.zeros(cfg.hidden_size)
-    cos = sin = torch.zeros(cfg.head_dim)
+    x = torch.zeros(1, cfg.hidden_size)
+    cos = sin = torch.zeros(1, cfg.head_dim)
     with pytest.raises(ValueError, match="position: expected 0 to 15, got 16"):
-        step(x, 16, cos, sin)
-    with pytest.raises(ValueError, match="x: expected 128 contiguous float32"):
-        step(x.double(), 0, cos, sin)
+        step(x, [16], cos, sin)
+    with pytest.raises(ValueError, match="x: expected 1 x 128 contiguous float32"):
+        step(x.double(), [0], cos, sin)
+    with pytest.raises(ValueError, match="slot: expected 0 to 0, got 1"):
+        step(x, [0], cos, sin, slots=[1])
+    two = torch.zeros(2, cfg.hidden_size)
+    with pytest.raises(ValueError, match=r"no \(slot, position\) twice"):
+        step(two, [3, 3], torch.zeros(2, cfg.head_dim), torch.zeros(2, cfg.head_dim), slots=[0, 0])
 
 
 def test_int4_modules_deepcopy_after_use(llama_ckpt: Path) -> None:

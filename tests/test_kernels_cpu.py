@@ -65,6 +65,10 @@ CASES = [
     (7, 1, 9000, -1, False, torch.float32, torch.float32, False),
     (33, 50, 256, 64, True, torch.bfloat16, torch.bfloat16, True),
     (64, 9, 96, 32, False, torch.float32, torch.float32, False),
+    # row chunks of 8 (AVX-512) then of <= 4: 8, 8 + 3, 8 + 4 + 1
+    (8, 576, 1536, 64, False, torch.float32, torch.bfloat16, False),
+    (11, 70, 384, -1, True, torch.float32, torch.float32, True),
+    (13, 33, 640, 128, False, torch.bfloat16, torch.bfloat16, False),
 ]
 
 

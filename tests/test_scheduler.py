@@ -206,7 +206,7 @@ def test_bad_requests(tiny: LoadedModel) -> None:
         )
 
 
-def test_single_request_steps_take_the_models_one_row_path(
+def test_decode_steps_take_the_models_one_call_path(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from quantkit.checkpoint import save_checkpoint
@@ -224,18 +224,28 @@ def test_single_request_steps_take_the_models_one_row_path(
         quantized_modules=outcome.quantized_modules, report={},
     )  # fmt: skip
     model = load_model(ckpt, tokenizer=False).model
-    requests = _requests([(7, 9, 0.0), (12, 6, 0.0), (4, 8, 20.0)])
+    requests = _requests([(7, 9, 0.0), (12, 6, 0.0), (4, 8, 20.0), (5, 7, 21.0), (9, 5, 21.0)])
     alone = [
         generate(model, [r.prompt], SamplingParams(max_new_tokens=r.max_new_tokens)).tokens[0]
         for r in requests
     ]
-    calls = []
+    rows = []
     original = CpuDecodeStep.__call__
     monkeypatch.setattr(
-        CpuDecodeStep, "__call__", lambda self, *a: calls.append(1) or original(self, *a)
+        CpuDecodeStep,
+        "__call__",
+        lambda self, x, *a, **k: rows.append(x.shape[0]) or original(self, x, *a, **k),
     )
-    result = run_engine(model, requests, EngineConfig(batch_cap=2), clock=VirtualClock(step_s=1))
-    assert [r.tokens for r in result.requests] == alone
-    one_row = [s for s in result.decode_steps if s.window == 1]
-    assert len(calls) == len(one_row) > 0  # request 2 decodes alone, after the others finished
-    assert any(s.rows == 2 for s in result.decode_steps)  # the others shared steps
+    for mode in ("continuous", "static"):
+        rows.clear()
+        config = EngineConfig(batch_cap=3, mode=mode)
+        result = run_engine(model, requests, config, clock=VirtualClock(step_s=1))
+        assert [r.tokens for r in result.requests] == alone, mode
+        # Every decode step and prefill is one call of the C step over exactly its rows.
+        prefilled = sum(c.tokens for c in result.prefill_chunks)
+        assert len(rows) == len(result.decode_steps) + len(result.prefill_chunks), mode
+        assert sum(rows) == sum(s.window for s in result.decode_steps) + prefilled, mode
+        if mode == "continuous":
+            assert {1, 2, 3} <= {s.window for s in result.decode_steps}  # alone, shared, full
+        else:  # a static batch computes its finished rows until the last one is done
+            assert any(s.window > s.rows for s in result.decode_steps)
