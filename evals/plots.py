@@ -92,12 +92,12 @@ def plot_roofline(report: dict[str, Any], path: Path) -> Path | None:
     ax.axvline(ridge, color="gray", ls="--", lw=1, label=f"ridge point: {ridge:.1f} FLOP/byte")
     ys = [p["flop_s"] for p in points]
     ax.scatter(xs, ys, color="tab:orange", zorder=3, label="measured decode steps")
-    for p in points:
+    for i, p in enumerate(points):  # labels alternate below/above: neighbours sit close
         ax.annotate(
             f"B={p['batch']}\n{p['tok_s']:.0f} tok/s",
             (p["intensity"], p["flop_s"]),
             textcoords="offset points",
-            xytext=(5, -22),
+            xytext=(5, -22 if i % 2 == 0 else 8),
             fontsize=8,
         )
     ax.set_xscale("log")
