@@ -15,9 +15,10 @@ the 4 words once into every 128-bit lane of a vector register and shifts lane l 
 4 * ((VEC/4) * j + (l >> 2)): after `& 0xF` the nibbles come out in a fixed permutation of the
 block (lane l of vector j = element 8 * (l & 3) + (VEC/4) * j + (l >> 2)). Rather than permute
 4-bit weights on every call, the activations (a few KB) are permuted once per call to match, so
-the inner loop is shift, and, int->float, one FMA to dequantize (u * s - (8 + zp) * s, shared by
-all activation rows) and one FMA per activation row: no shuffles. Compiled for AVX-512 (16
-lanes), AVX2 (8 lanes) or plain C, picked from the CPU's flags by `cpu_build`.
+the inner loop dequantizes (u * s - (8 + zp) * s, shared by all activation rows: with AVX-512
+a shift and a 16-entry table lookup, with AVX2 shift, and, int->float, one FMA) and does one
+FMA per activation row. Compiled for AVX-512 (16 lanes), AVX2 (8 lanes) or plain C, picked
+from the CPU's flags by `cpu_build`.
 
 Measured at N=14336, K=4096, g128, M=1, weights streamed from DRAM, one Zen 5 core (CPU
 time, the machine being shared): 15.9 GB/s of packed weight with AVX-512, 10.3 GB/s with AVX2,
@@ -114,6 +115,15 @@ typedef __m512i vi;
 /* 32 zmm registers: 4 accumulators per activation row up to MB = 4, 2 at MB = 8 (16 chains) */
 #define ACC_PER_ROW(MB) ((MB) <= 4 ? 4 : 2)
 #define MAX_MB 8
+/* Dequantize by table: a group's 16 possible weights u * s + c (u = 0..15, one FMA per group,
+   the same FMA as below, so bit-identical) sit in one register, and vpermps picks lane l's
+   weight by the low 4 bits of its shifted word (it ignores the rest: no mask). 2 ops per 16
+   weights instead of 4 (shift, and, int->float, FMA), and none of them on the FMA pipes that
+   the activation rows need: at 8 rows the old dequantization took 2 of every 10 FMA-pipe ops. */
+typedef __m512 dq_t;
+#define DQ_MAKE(s_, c_) _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, \
+    12, 13, 14, 15), _mm512_set1_ps(s_), _mm512_set1_ps(c_))
+#define DQ_APPLY(wv, j, dq) _mm512_permutexvar_ps(_mm512_srlv_epi32(wv, VI_SHIFTS(j)), dq)
 #define VI_SHIFTS(j) _mm512_setr_epi32(16 * (j), 16 * (j), 16 * (j), 16 * (j), \
     16 * (j) + 4, 16 * (j) + 4, 16 * (j) + 4, 16 * (j) + 4, \
     16 * (j) + 8, 16 * (j) + 8, 16 * (j) + 8, 16 * (j) + 8, \
@@ -139,6 +149,10 @@ static inline float VF_HSUM(__m256 a) {
 /* 16 ymm registers: 4 accumulators at MB = 1, 2 per activation row above */
 #define ACC_PER_ROW(MB) ((MB) == 1 ? 4 : 2)
 #define MAX_MB 4
+/* 8 lanes cannot index a 16-entry table: shift, and, int->float, one FMA with s and c. */
+typedef struct { __m256 s, c; } dq_t;
+#define DQ_MAKE(s_, c_) ((dq_t){_mm256_set1_ps(s_), _mm256_set1_ps(c_)})
+#define DQ_APPLY(wv, j, dq) VF_FMA(VI_NIBBLE(wv, VI_SHIFTS(j)), (dq).s, (dq).c)
 #define VI_SHIFTS(j) _mm256_setr_epi32(8 * (j), 8 * (j), 8 * (j), 8 * (j), \
     8 * (j) + 4, 8 * (j) + 4, 8 * (j) + 4, 8 * (j) + 4)
 #else
@@ -216,7 +230,7 @@ static void tile_params(const void *scale, int s_dt, int64_t s_stride, const int
 
 /* res[m] += sum over blocks [b0, b1) of x[m, block] . W[n, block] for MB (1..8) activation
    rows and one weight row. xc holds the chunk's activations as [block][MB][32] (permuted).
-   Each nibble u is dequantized once, w = u * s + c (one FMA), then used for every row.
+   Each nibble u is dequantized once, w = u * s + c (`DQ_APPLY`), then used for every row.
    Accumulator indices are compile-time constants (a runtime index spills them to memory) and
    FMA latency wants >= 8 independent chains, so blocks go in pairs (alt = 0, 1).
    Every 64 bytes of weights it prefetches the line `pf` bytes ahead into L2 (the distance is
@@ -232,12 +246,12 @@ static inline __attribute__((always_inline)) void gemv_tile(
     const int nacc = ACC_PER_ROW(MB);
     for (int m = 0; m < MB; m++)
         for (int a = 0; a < 4; a++) acc[m][a] = VF_ZERO();
-#define GEMV_BLOCK(wv_expr, bi, alt, sv, cv)                                      \
+#define GEMV_BLOCK(wv_expr, bi, alt, dq)                                          \
     do {                                                                          \
         vi wv = (wv_expr);                                                        \
         const float *xb = xc + (bi) * 32 * MB;                                    \
         _Pragma("GCC unroll 4") for (int j = 0; j < NV; j++) {                    \
-            vf w = VF_FMA(VI_NIBBLE(wv, VI_SHIFTS(j)), sv, cv);                   \
+            vf w = DQ_APPLY(wv, j, dq);                                           \
             int a = (j + NV * (alt)) % nacc;                                      \
             _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++)                  \
                 acc[m][a] = VF_FMA(w, VF_LOAD(xb + m * 32 + j * VEC), acc[m][a]); \
@@ -250,33 +264,33 @@ static inline __attribute__((always_inline)) void gemv_tile(
            a group: 576x576 g64 took 21 us instead of 15 on one core. */
         for (; blk + 1 < b1; blk += 2) {
             if (!(blk & 3)) __builtin_prefetch((const char *)(wrow + blk * 4) + pf, 0, 2);
-            vf s0 = VF_SET1(s[blk >> gsh]), c0 = VF_SET1(c[blk >> gsh]);
-            vf s1 = VF_SET1(s[(blk + 1) >> gsh]), c1 = VF_SET1(c[(blk + 1) >> gsh]);
-            GEMV_BLOCK(VI_BCAST4(wrow + blk * 4), blk, 0, s0, c0);
-            GEMV_BLOCK(VI_BCAST4(wrow + blk * 4 + 4), blk + 1, 1, s1, c1);
+            dq_t d0 = DQ_MAKE(s[blk >> gsh], c[blk >> gsh]);
+            dq_t d1 = DQ_MAKE(s[(blk + 1) >> gsh], c[(blk + 1) >> gsh]);
+            GEMV_BLOCK(VI_BCAST4(wrow + blk * 4), blk, 0, d0);
+            GEMV_BLOCK(VI_BCAST4(wrow + blk * 4 + 4), blk + 1, 1, d1);
         }
         if (blk < b1) {
-            vf s0 = VF_SET1(s[blk >> gsh]), c0 = VF_SET1(c[blk >> gsh]);
-            GEMV_BLOCK(VI_BCAST4(wrow + blk * 4), blk, 0, s0, c0);
+            dq_t d0 = DQ_MAKE(s[blk >> gsh], c[blk >> gsh]);
+            GEMV_BLOCK(VI_BCAST4(wrow + blk * 4), blk, 0, d0);
         }
     } else {  /* per channel (one group, maybe a partial last block) or other group sizes */
         for (int64_t g = g0; blk < b1; g++) {  /* g0 = b0 / bpg: no division per group */
             int64_t gend = (g + 1) * bpg < b1 ? (g + 1) * bpg : b1;
             int64_t fend = gend < nfull ? gend : nfull;
-            vf sv = VF_SET1(s[g]), cv = VF_SET1(c[g]);
+            dq_t dg = DQ_MAKE(s[g], c[g]);
             for (; blk + 1 < fend; blk += 2) {
                 if (!(blk & 3)) __builtin_prefetch((const char *)(wrow + blk * 4) + pf, 0, 2);
-                GEMV_BLOCK(VI_BCAST4(wrow + blk * 4), blk, 0, sv, cv);
-                GEMV_BLOCK(VI_BCAST4(wrow + blk * 4 + 4), blk + 1, 1, sv, cv);
+                GEMV_BLOCK(VI_BCAST4(wrow + blk * 4), blk, 0, dg);
+                GEMV_BLOCK(VI_BCAST4(wrow + blk * 4 + 4), blk + 1, 1, dg);
             }
             if (blk < fend) {
-                GEMV_BLOCK(VI_BCAST4(wrow + blk * 4), blk, 0, sv, cv);
+                GEMV_BLOCK(VI_BCAST4(wrow + blk * 4), blk, 0, dg);
                 blk++;
             }
             if (blk < gend) {  /* the tail: pad the missing words with zeros */
                 int32_t tmp[4] = {0, 0, 0, 0};
                 for (int64_t t = blk * 4; t < words; t++) tmp[t - blk * 4] = wrow[t];
-                GEMV_BLOCK(VI_BCAST4(tmp), blk, 0, sv, cv);
+                GEMV_BLOCK(VI_BCAST4(tmp), blk, 0, dg);
                 blk++;
             }
         }
@@ -302,6 +316,62 @@ static inline __attribute__((always_inline)) void gemv_tile(
     for (int m = 0; m < MB; m++) res[m] += acc[m];
 #endif
 }
+
+#ifdef VI_NIBBLE
+/* gemv_tile for two weight rows at once (power-of-two groups, whole blocks): each activation
+   vector loaded is used by both rows' FMAs (with one row, every FMA carried its own load of
+   x). Over the SmolLM2 linears (30 layers, streamed, 2 threads), against one row at a time
+   in the same run: M = 1 2.41 vs 2.83 ms, M = 4 4.39 vs 4.67 ms, M = 8 no change (9.99 vs
+   9.94 ms: ~125 GMAC/s L2-resident, half the two cores' FMA peak of ~240 measured with a
+   register-only loop, so the loads were not the M = 8 bound). Accumulators: 4 chains per
+   activation row at MB = 1, 2 up to MB = 4, 1 at MB = 8 (>= 8 chains, <= 16 registers). */
+static inline __attribute__((always_inline)) void gemv_tile2(
+    int MB, const float *xc, int64_t b0, int64_t b1, int gsh, const int32_t *wa,
+    const int32_t *wb, const float *sa, const float *ca, const float *sb, const float *cb,
+    int64_t pf, float *ra, float *rb)
+{
+    vf acc[2][MAX_MB][4];
+    const int nacc = MB == 1 ? 4 : (MB <= 4 ? 2 : 1);
+    for (int m = 0; m < MB; m++)
+        for (int a = 0; a < 4; a++) acc[0][m][a] = acc[1][m][a] = VF_ZERO();
+#define GEMV_BLOCK2(bi, alt)                                                         \
+    do {                                                                             \
+        dq_t da = DQ_MAKE(sa[(bi) >> gsh], ca[(bi) >> gsh]);                         \
+        dq_t db = DQ_MAKE(sb[(bi) >> gsh], cb[(bi) >> gsh]);                         \
+        vi wva = VI_BCAST4(wa + (bi) * 4), wvb = VI_BCAST4(wb + (bi) * 4);           \
+        const float *xb = xc + (bi) * 32 * MB;                                       \
+        _Pragma("GCC unroll 4") for (int j = 0; j < NV; j++) {                       \
+            vf w0 = DQ_APPLY(wva, j, da), w1 = DQ_APPLY(wvb, j, db);                 \
+            int a = (j + NV * (alt)) % nacc;                                         \
+            _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                   \
+                vf xv = VF_LOAD(xb + m * 32 + j * VEC);                              \
+                acc[0][m][a] = VF_FMA(w0, xv, acc[0][m][a]);                         \
+                acc[1][m][a] = VF_FMA(w1, xv, acc[1][m][a]);                         \
+            }                                                                        \
+        }                                                                            \
+    } while (0)
+    int64_t blk = b0;
+    for (; blk + 1 < b1; blk += 2) {
+        if (!(blk & 3)) {
+            __builtin_prefetch((const char *)(wa + blk * 4) + pf, 0, 2);
+            __builtin_prefetch((const char *)(wb + blk * 4) + pf, 0, 2);
+        }
+        GEMV_BLOCK2(blk, 0);
+        GEMV_BLOCK2(blk + 1, 1);
+    }
+    if (blk < b1) GEMV_BLOCK2(blk, 0);
+#undef GEMV_BLOCK2
+    for (int m = 0; m < MB; m++) {
+        vf t0 = acc[0][m][0], t1 = acc[1][m][0];
+        for (int a = 1; a < nacc; a++) {
+            t0 = VF_ADD(t0, acc[0][m][a]);
+            t1 = VF_ADD(t1, acc[1][m][a]);
+        }
+        ra[m] += VF_HSUM(t0);
+        rb[m] += VF_HSUM(t1);
+    }
+}
+#endif
 
 /* Weight rows per scheduling unit: their per-group constants and partial sums live on the
    stack, and a tile of them streams past each K tile of x. 32 rows moved 27.5 GB/s at
@@ -393,10 +463,27 @@ static void gemv_rows(const qk_w4_layer *L, const float *xp, int64_t M, float *p
             int64_t pf = (nblk > kt ? 4 : RT) * wq_stride * 4;
             for (int64_t b0 = 0; b0 < nblk; b0 += kt) {
                 int64_t b1 = b0 + kt < nblk ? b0 + kt : nblk, g0 = b0 / bpg;
-                for (int64_t n = n0; n < n1; n++) {
+                const float *xc = xp + m0 * kp;
+                int64_t n = n0;
+#ifdef VI_NIBBLE
+                for (; gsh >= 0 && n + 1 < n1; n += 2) {  /* rows in pairs, see gemv_tile2 */
+                    const int32_t *wa = wq + n * wq_stride;
+                    const float *sa = s + (n - n0) * n_groups, *ca = c + (n - n0) * n_groups;
+#define TILE2(MB) gemv_tile2(MB, xc, b0, b1, gsh, wa, wa + wq_stride, sa, ca, sa + n_groups, \
+                             ca + n_groups, pf, res[n - n0], res[n + 1 - n0])
+                    if (mb == 1) TILE2(1);
+                    else if (mb == 2) TILE2(2);
+                    else if (mb == 3) TILE2(3);
+                    else if (mb == 4) TILE2(4);
+#if MAX_MB > 4
+                    else TILE2(MAX_MB);
+#endif
+#undef TILE2
+                }
+#endif
+                for (; n < n1; n++) {
                     const int32_t *wrow = wq + n * wq_stride;
                     const float *sn = s + (n - n0) * n_groups, *cn = c + (n - n0) * n_groups;
-                    const float *xc = xp + m0 * kp;
                     float *r = res[n - n0];
                     /* a literal MB per call, so each case is specialised */
 #define TILE(MB) gemv_tile(MB, xc, b0, b1, g0, bpg, gsh, wrow, words, sn, cn, pf, r)
