@@ -317,6 +317,31 @@ static inline __attribute__((always_inline)) void gemv_tile(
 #endif
 }
 
+#if defined(__AVX512F__)
+/* r[i] += the sum of v[i]'s 16 lanes, i < 8, by three rounds of shuffles over all 8 vectors at
+   once (18 shuffles and adds in all, against ~8 ops each for 8 separate reductions). SmolLM2
+   linears, 2 threads, A/B in one run: M = 8 8.49 -> 7.78 ms, M = 40 37.9 -> 35.1 ms. */
+static inline void hsum8_add(const __m512 *v, float *r) {
+    __m512 u[4], w[2];
+    for (int i = 0; i < 4; i++)  /* 512 -> 256: lanes 0-7 from v[2i], 8-15 from v[2i + 1] */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int j = 0; j < 2; j++)  /* 256 -> 128: quarter q from v[4j + q] */
+        w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
+    /* 128 -> 32: quarter q holds v[q]'s sum in its lane 0 and v[q + 4]'s in its lane 2 */
+    __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x44),
+                             _mm512_shuffle_ps(w[0], w[1], 0xEE));
+    z = _mm512_add_ps(z, _mm512_shuffle_ps(z, z, 0xB1));
+    float t[16];
+    _mm512_storeu_ps(t, z);
+    for (int q = 0; q < 4; q++) {
+        r[q] += t[4 * q];
+        r[q + 4] += t[4 * q + 2];
+    }
+}
+#endif
+
 #ifdef VI_NIBBLE
 /* gemv_tile for two weight rows at once (power-of-two groups, whole blocks): each activation
    vector loaded is used by both rows' FMAs (with one row, every FMA carried its own load of
@@ -361,14 +386,24 @@ static inline __attribute__((always_inline)) void gemv_tile2(
     }
     if (blk < b1) GEMV_BLOCK2(blk, 0);
 #undef GEMV_BLOCK2
+    vf t0[MAX_MB], t1[MAX_MB];
     for (int m = 0; m < MB; m++) {
-        vf t0 = acc[0][m][0], t1 = acc[1][m][0];
+        t0[m] = acc[0][m][0], t1[m] = acc[1][m][0];
         for (int a = 1; a < nacc; a++) {
-            t0 = VF_ADD(t0, acc[0][m][a]);
-            t1 = VF_ADD(t1, acc[1][m][a]);
+            t0[m] = VF_ADD(t0[m], acc[0][m][a]);
+            t1[m] = VF_ADD(t1[m], acc[1][m][a]);
         }
-        ra[m] += VF_HSUM(t0);
-        rb[m] += VF_HSUM(t1);
+    }
+#if defined(__AVX512F__)
+    if (MB == 8) {
+        hsum8_add(t0, ra);
+        hsum8_add(t1, rb);
+        return;
+    }
+#endif
+    for (int m = 0; m < MB; m++) {
+        ra[m] += VF_HSUM(t0[m]);
+        rb[m] += VF_HSUM(t1[m]);
     }
 }
 #endif
