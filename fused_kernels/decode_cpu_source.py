@@ -103,6 +103,62 @@ static void permute_rows(const float *x, int64_t M, int64_t K, int64_t x_stride,
     }
 }
 
+/* One query head over its cache row: o = softmax(q k^T * scale) v over keys 0..npos-1; sc
+   [npos] is scratch. The portable loop below does one dot product per key (16 partial sums
+   reduced per key) and accumulates o through memory. With AVX-512 and D a multiple of 16 (up
+   to 256): scores 8 keys at a time reduced together (hsum8_add), and o kept in registers
+   while the values stream past. SmolLM2 batch-8 step, A/B in one run: 10.90 -> 10.58 ms p50
+   (what remains is mostly reading the fp32 cache: ~26 MB a step at context ~70). */
+static void attend(const float *q, const float *kc, const float *vc, int64_t npos, int64_t D,
+                   float scale, float *sc, float *o) {
+    float mx = -INFINITY, sum = 0.0f;
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && D <= 256) {
+        const int nv = (int)(D / 16);
+        __m512 qv[16], acc[16];
+        for (int c = 0; c < nv; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
+        int64_t j = 0;
+        for (; j + 8 <= npos; j += 8) {
+            __m512 a[8];
+            for (int k = 0; k < 8; k++) {
+                const float *kr = kc + (j + k) * D;
+                a[k] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+                for (int c = 1; c < nv; c++)
+                    a[k] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), a[k]);
+            }
+            for (int k = 0; k < 8; k++) sc[j + k] = 0.0f;
+            hsum8_add(a, sc + j);
+        }
+        for (; j < npos; j++) sc[j] = dot(q, kc + j * D, D);
+        for (j = 0; j < npos; j++) {
+            sc[j] *= scale;
+            mx = sc[j] > mx ? sc[j] : mx;
+        }
+        for (j = 0; j < npos; j++) sc[j] = expf(sc[j] - mx);
+        for (j = 0; j < npos; j++) sum += sc[j];
+        for (int c = 0; c < nv; c++) acc[c] = _mm512_setzero_ps();
+        for (j = 0; j < npos; j++) {
+            __m512 p = _mm512_set1_ps(sc[j] / sum);
+            for (int c = 0; c < nv; c++)
+                acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vc + j * D + 16 * c), acc[c]);
+        }
+        for (int c = 0; c < nv; c++) _mm512_storeu_ps(o + 16 * c, acc[c]);
+        return;
+    }
+#endif
+    for (int64_t j = 0; j < npos; j++) {
+        sc[j] = dot(q, kc + j * D, D) * scale;
+        mx = sc[j] > mx ? sc[j] : mx;
+    }
+    for (int64_t j = 0; j < npos; j++) sc[j] = expf(sc[j] - mx);
+    for (int64_t j = 0; j < npos; j++) sum += sc[j];
+    for (int64_t e = 0; e < D; e++) o[e] = 0.0f;
+    for (int64_t j = 0; j < npos; j++) {
+        float p = sc[j] / sum;
+        for (int64_t e = 0; e < D; e++) o[e] += p * vc[j * D + e];
+    }
+}
+
 static void rope(float *v, const float *cos_, const float *sin_, int64_t D) {
     int64_t h = D / 2;
     for (int64_t i = 0; i < h; i++) {
@@ -164,18 +220,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
             const float *q = qkv + r * QKV + i * D;
             const float *kc = L->k_cache + slot[r] * row_stride + (i / group) * S * D;
             const float *vc = L->v_cache + slot[r] * row_stride + (i / group) * S * D;
-            float *sc = scores + ri * S, *o = att + ri * D, mx = -INFINITY, sum = 0.0f;
-            for (int64_t j = 0; j < npos; j++) {
-                sc[j] = dot(q, kc + j * D, D) * scale;
-                mx = sc[j] > mx ? sc[j] : mx;
-            }
-            for (int64_t j = 0; j < npos; j++) sc[j] = expf(sc[j] - mx);
-            for (int64_t j = 0; j < npos; j++) sum += sc[j];
-            for (int64_t e = 0; e < D; e++) o[e] = 0.0f;
-            for (int64_t j = 0; j < npos; j++) {
-                float p = sc[j] / sum;
-                for (int64_t e = 0; e < D; e++) o[e] += p * vc[j * D + e];
-            }
+            attend(q, kc, vc, npos, D, scale, scores + ri * S, att + ri * D);
         }
         permute_rows(att, R, Hq * D, Hq * D, xp);
         gemv_rows(&L->o, xp, R, xp + R * ((L->o.K + 31) / 32) * 32, t, DT_F32, H);
