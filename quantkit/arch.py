@@ -1,9 +1,10 @@
 """Architecture knowledge, in one table.
 
-For each supported family: which Linears in a decoder layer are quantized, and the AWQ scale
-groups: (the op whose output feeds the group, the Linears that read it, the module whose output
-the search compares). Folding a per-channel scale s into the "previous op" keeps the layer
-mathematically unchanged: prev's output is divided by s, the Linears' input columns multiplied.
+For each supported family: which Linears in a decoder layer are quantized, which of them share
+an input (GPTQ), and the AWQ scale groups: (the op whose output feeds the group, the Linears
+that read it, the module whose output the search compares). Folding a per-channel scale s into
+the "previous op" keeps the layer mathematically unchanged: prev's output is divided by s, the
+Linears' input columns multiplied.
 Everything outside this file is architecture-agnostic.
 """
 
@@ -28,6 +29,9 @@ class Arch:
     families: tuple[str, ...]  # config.json model_type values
     linears: tuple[str, ...]  # quantized Linears of one decoder layer
     scale_groups: tuple[ScaleGroup, ...]
+    # Linears that read the same input tensor, in the order the forward pass reaches them
+    # (GPTQ: one Hessian per group, and each group sees the already-quantized earlier ones).
+    input_groups: tuple[tuple[str, ...], ...]
     # v_proj -> o_proj folding only works when v's outputs map 1:1 onto o's inputs, i.e. no
     # grouped-query attention; with GQA one v channel feeds several heads' o columns.
     v_to_o: ScaleGroup | None = None
@@ -55,6 +59,12 @@ LLAMA_FAMILY = Arch(
         ),
         ScaleGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"), "mlp"),
         ScaleGroup("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
+    ),
+    input_groups=(
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        ("self_attn.o_proj",),
+        ("mlp.gate_proj", "mlp.up_proj"),
+        ("mlp.down_proj",),
     ),
     v_to_o=ScaleGroup("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
 )

@@ -16,7 +16,6 @@ tokens for the token-wise MLP), and the clip search `clip_tokens`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from quantkit.arch import Arch, ScaleGroup
+from quantkit.layerwise import PhaseClock, first_layer_inputs, layer_call, run_chunked
 from quantkit.model import CausalLM
 from quantkit.packing import fake_quantize_int4
 from quantkit.rtn import Int4Weights, group_size_for, rtn_quantize_weight
@@ -71,10 +71,6 @@ def _fake(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     return fake_quantize_int4(
         w, group_size=group_size_for(scheme, w.shape[1]), symmetric=scheme.symmetric
     )
-
-
-def _layer_call(layer: nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> Callable:
-    return lambda x: layer(x, cos[: x.shape[0]], sin[: x.shape[0]])
 
 
 class _Capture:
@@ -209,10 +205,7 @@ def awq_quantize(
     cfg = cfg or AwqConfig()
     gen = torch.Generator().manual_seed(cfg.seed)
     n_seq, seq_len = samples.shape
-    positions = torch.arange(seq_len).expand(min(n_seq, cfg.batch_sequences), seq_len)
-    cos, sin = model.rope(positions)
-    with torch.no_grad():
-        x = model.model.embed_tokens(samples).to(model.dtype)
+    x, cos, sin = first_layer_inputs(model, samples, batch_sequences=cfg.batch_sequences)
     search_seqs = max(1, min(n_seq, cfg.search_tokens // seq_len))
     seq_pick = torch.randperm(n_seq, generator=gen)[:search_seqs]
     total = n_seq * seq_len
@@ -228,9 +221,9 @@ def awq_quantize(
         report = LayerReport(index)
         inputs = {g.linears[0] for g in groups} | set(arch.linears)
         keep = {name: tok_pick for name in inputs}
-        clock = _Clock(report.seconds)
+        clock = PhaseClock(report.seconds)
         cap = _Capture(layer, sorted(inputs), keep)
-        run_layer = _layer_call(layer, cos, sin)
+        run_layer = layer_call(layer, cos, sin)
         with torch.no_grad():
             for chunk in x.split(cfg.batch_sequences):
                 run_layer(chunk)
@@ -238,7 +231,7 @@ def awq_quantize(
         cap.close()
         clock.lap("capture")
         x_attn_seq = x[seq_pick]
-        layer_target = _run_chunked(run_layer, x_attn_seq, cfg.batch_sequences)
+        layer_target = run_chunked(run_layer, x_attn_seq, cfg.batch_sequences)
         report.output_mse_rtn = _rtn_output_mse(
             layer, arch, run_layer, x_attn_seq, layer_target, scheme=scheme, cfg=cfg
         )
@@ -276,32 +269,15 @@ def awq_quantize(
                 group_size=group_size_for(scheme, w.shape[1]), dtype=w.dtype
             )
         clock.lap("clip_and_quantize")
-        out_q = _run_chunked(run_layer, x_attn_seq, cfg.batch_sequences)
+        out_q = run_chunked(run_layer, x_attn_seq, cfg.batch_sequences)
         report.output_mse_awq = float((out_q - layer_target).pow(2).mean())
         # Feed the quantized layer's output onward.
-        x = _run_chunked(run_layer, x, cfg.batch_sequences)
+        x = run_chunked(run_layer, x, cfg.batch_sequences)
         clock.lap("propagate")
         reports.append(report)
         if on_layer is not None:
             on_layer(report)
     return result, reports
-
-
-class _Clock:
-    """Accumulates wall time per phase into a dict."""
-
-    def __init__(self, into: dict[str, float]) -> None:
-        self.into, self.t = into, time.perf_counter()
-
-    def lap(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.into[phase] = self.into.get(phase, 0.0) + now - self.t
-        self.t = now
-
-
-def _run_chunked(run: Callable, x: torch.Tensor, chunk: int) -> torch.Tensor:
-    with torch.no_grad():
-        return torch.cat([run(part) for part in x.split(chunk)])
 
 
 def _rtn_output_mse(
@@ -319,7 +295,7 @@ def _rtn_output_mse(
     originals = [m.weight.data for m in mods]
     for m, w in zip(mods, originals, strict=True):
         m.weight.data = _fake(w, scheme)
-    out = _run_chunked(run_layer, x, cfg.batch_sequences)
+    out = run_chunked(run_layer, x, cfg.batch_sequences)
     for m, w in zip(mods, originals, strict=True):
         m.weight.data = w
     return float((out - target).pow(2).mean())

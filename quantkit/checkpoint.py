@@ -257,9 +257,13 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
     qcfg = config.get("quantization_config")
     if qcfg is None:
         return LoadedCheckpoint(path, config, None, tensors, [], _report(metadata))
-    method = None if metadata is None else metadata.get("scheme", {}).get("method")
-    scheme = scheme_from_quantization_config(qcfg, method=method)
-    if metadata is not None and asdict(scheme) != metadata.get("scheme"):
+    recorded = None if metadata is None else metadata.get("scheme")
+    # Checkpoints written before `rounding` existed were all round-to-nearest.
+    fields = {"rounding": "nearest", **recorded} if isinstance(recorded, dict) else {}
+    scheme = scheme_from_quantization_config(
+        qcfg, method=fields.get("method"), rounding=fields.get("rounding", "nearest")
+    )
+    if metadata is not None and asdict(scheme) != fields:
         # config.json is what other engines read, so it wins; a disagreement means hand edits.
         raise CheckpointError(
             f"{path / METADATA_NAME}: expected scheme {asdict(scheme)} (from config.json), "

@@ -8,10 +8,11 @@ CheckpointError naming the field, the expected values and the value found.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from quantkit.errors import CheckpointError, SchemeError
-from quantkit.scheme import INT_GROUP_SIZES, QuantScheme
+from quantkit.scheme import INT_GROUP_SIZES, ROUNDINGS, QuantScheme
 
 INT_FORMAT = "pack-quantized"
 FLOAT_FORMAT = "float-quantized"
@@ -80,11 +81,16 @@ def scheme_to_quantization_config(scheme: QuantScheme) -> dict[str, Any]:
 
 
 def scheme_from_quantization_config(
-    cfg: Mapping[str, Any], *, method: str | None = None
+    cfg: Mapping[str, Any], *, method: str | None = None, rounding: str = "nearest"
 ) -> QuantScheme:
     """The QuantScheme a `quantization_config` describes; anything quantkit cannot run is a
-    CheckpointError naming the field. `method` comes from quantkit.json when there is one
-    (default: rtn for int weights, fp8 for float weights)."""
+    CheckpointError naming the field. `method` and `rounding` come from quantkit.json when there
+    is one (default: rtn for int weights, fp8 for float weights; round to nearest)."""
+    if rounding not in ROUNDINGS:
+        raise CheckpointError(
+            f"quantkit.json scheme.rounding: expected one of {', '.join(ROUNDINGS)}, "
+            f"got {rounding!r}"
+        )
     _expect(cfg, "quant_method", ("compressed-tensors",))
     _expect(cfg, "quantization_status", ("compressed",))
     # A quantized KV cache stores k_scale/v_scale tensors quantkit neither checks nor uses.
@@ -120,9 +126,14 @@ def scheme_from_quantization_config(
     wtype = w.get("type")
     _expect(w, "dynamic", (False,), where=f"{where}.weights")
     if wtype == "int":
+        if rounding != "nearest":
+            raise CheckpointError(
+                f"quantkit.json scheme.rounding: expected 'nearest' for int4, got {rounding!r}"
+            )
         return _int_scheme(w, fmt=fmt, acts=acts, method=method or "rtn", where=where)
     if wtype == "float":
-        return _float_scheme(w, fmt=fmt, acts=acts, method=method or "fp8", where=where)
+        scheme = _float_scheme(w, fmt=fmt, acts=acts, method=method or "fp8", where=where)
+        return replace(scheme, rounding=rounding)  # type: ignore[arg-type]
     raise CheckpointError(
         f"quantization_config.{where}.weights.type: expected 'int' or 'float', got {wtype!r}"
     )

@@ -161,11 +161,22 @@ def unpack_zero_points(packed: torch.Tensor, n: int) -> torch.Tensor:
     return (nib.reshape(-1, g)[:n] + INT4_MIN).to(torch.int32)
 
 
+def fp8_row_scale(w: torch.Tensor) -> torch.Tensor:
+    """fp32 scale [N, 1] = row absmax / 448 of W [N, K]: the largest weight of a row is exact."""
+    return (w.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_EPS)
+
+
+def fp8_codes(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn codes of W [N, K] (or a column block [N, m]) on a fixed scale [N, 1]:
+    W / s rounded to nearest, clamped to +-448 (a scale stored in bf16 can be a hair below
+    absmax / 448, and GPTQ's error updates can push a weight past the row's absmax)."""
+    return (w.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W [N, K] -> (float8_e4m3fn [N, K], fp32 scale [N, 1] = row absmax / 448)."""
-    scale = (w.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_EPS)
-    w8 = (w.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return w8, scale
+    scale = fp8_row_scale(w)
+    return fp8_codes(w, scale), scale
 
 
 def dequantize_fp8(

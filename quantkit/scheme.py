@@ -15,8 +15,10 @@ from quantkit.errors import SchemeError
 
 Method = Literal["awq", "rtn", "fp8"]
 ActivationScheme = Literal["none", "dynamic"]
+Rounding = Literal["nearest", "gptq"]
 
 METHODS: tuple[str, ...] = ("awq", "rtn", "fp8")
+ROUNDINGS: tuple[str, ...] = ("nearest", "gptq")
 INT_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, -1)
 # Largest first: `auto` picks the largest that divides every layer (fewer scales to read).
 AUTO_CANDIDATES: tuple[int, ...] = (128, 64, 32)
@@ -33,6 +35,10 @@ class QuantScheme:
     symmetric: INT4 without zero points (codes in [-7, 7]); fp8 is always symmetric.
     activations: fp8 only: "none" keeps activations in 16/32-bit (W8A16), "dynamic" quantizes
         them per token at run time (W8A8).
+    rounding: how the codes were chosen on the fixed scales: "nearest" (round to nearest, no
+        calibration) or "gptq" (error-compensated over calibration inputs; fp8 only for now).
+        The tensors and the compressed-tensors config are the same either way: only the codes
+        differ, and quantkit.json records which rounding made them.
     """
 
     method: Method = "awq"
@@ -40,6 +46,7 @@ class QuantScheme:
     group_size: int | Literal["auto"] = "auto"
     symmetric: bool = False
     activations: ActivationScheme = "none"
+    rounding: Rounding = "nearest"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -73,6 +80,14 @@ class QuantScheme:
         if self.activations not in ("none", "dynamic"):
             raise SchemeError(
                 f"activations: expected 'none' or 'dynamic', got {self.activations!r}"
+            )
+        if self.rounding not in ROUNDINGS:
+            raise SchemeError(
+                f"rounding: expected one of {', '.join(ROUNDINGS)}, got {self.rounding!r}"
+            )
+        if self.rounding == "gptq" and self.method != "fp8":
+            raise SchemeError(
+                f"rounding: gptq is implemented for fp8 (8 bits) only, got {self.method} int4"
             )
 
     @property
@@ -121,7 +136,8 @@ class QuantScheme:
         """One human line, e.g. 'awq int4 g64 asymmetric'."""
         if self.method == "fp8":
             act = "W8A8 dynamic per-token" if self.activations == "dynamic" else "W8A16"
-            return f"fp8 e4m3 per-channel ({act})"
+            rounding = ", GPTQ rounding" if self.rounding == "gptq" else ""
+            return f"fp8 e4m3 per-channel ({act}{rounding})"
         group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
         kind = "symmetric" if self.symmetric else "asymmetric"
         return f"{self.method} int4 {group} {kind}"

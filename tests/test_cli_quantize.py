@@ -179,7 +179,10 @@ def test_interrupt_leaves_nothing(
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt")]
 
 
-@pytest.mark.parametrize("extra,desc", [([], "W8A16"), (["--activations", "dynamic"], "W8A8")])
+@pytest.mark.parametrize(
+    "extra,desc",
+    [(["--method", "fp8"], "W8A16)"), (["--method", "fp8", "--activations", "dynamic"], "W8A8")],
+)
 def test_fp8_quantize_and_run(tmp_path: Path, tiny_model_dir: Path, capsys, extra, desc) -> None:
     import torch
 
@@ -242,5 +245,8 @@ def test_fp8_rejects_int4_only_options(tiny_model_dir: Path, tmp_path: Path, cap
         str(tmp_path / "o"),
     )
     _one_line_error(code, err, "--group-size", "INT4-only", "--bits 8")
+    args = ["--bits", "8", "--method", "fp8", "--calib-samples", "8", "-o", str(tmp_path / "o")]
+    code, _, err = run(capsys, "quantize", str(tiny_model_dir), *args)
+    _one_line_error(code, err, "--calib-samples", "INT4-only", "no calibration")
     code, _, err = run(capsys, "quantize", str(tiny_model_dir), "--bits", "8", "--method", "awq")
     _one_line_error(code, err, "awq quantizes to 4 bits")

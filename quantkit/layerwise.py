@@ -1,0 +1,52 @@
+"""What the layer-by-layer quantizers (AWQ, GPTQ) share: the calibration activations entering
+the first decoder layer, a decoder layer as a function of its input, chunked runs, and a clock
+per phase.
+
+Both quantizers walk the decoder one layer at a time and feed the *quantized* layer's output to
+the next, so peak memory is the model plus one layer's activations over the calibration set.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from quantkit.model import CausalLM
+
+
+def first_layer_inputs(
+    model: CausalLM, samples: torch.Tensor, *, batch_sequences: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden states entering layer 0 [n, T, H], rope cos, sin for a chunk of sequences)."""
+    n_seq, seq_len = samples.shape
+    positions = torch.arange(seq_len).expand(min(n_seq, batch_sequences), seq_len)
+    cos, sin = model.rope(positions)
+    with torch.no_grad():
+        x = model.model.embed_tokens(samples).to(model.dtype)
+    return x, cos, sin
+
+
+def layer_call(layer: nn.Module, cos: torch.Tensor, sin: torch.Tensor) -> Callable:
+    """The decoder layer as x [B, T, H] -> [B, T, H] (causal attention, no KV cache)."""
+    return lambda x: layer(x, cos[: x.shape[0]], sin[: x.shape[0]])
+
+
+def run_chunked(run: Callable, x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """run() over x in chunks of `chunk` sequences (bounds the activation memory)."""
+    with torch.no_grad():
+        return torch.cat([run(part) for part in x.split(chunk)])
+
+
+class PhaseClock:
+    """Accumulates wall time per phase into a dict."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into, self.t = into, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.into[phase] = self.into.get(phase, 0.0) + now - self.t
+        self.t = now
