@@ -23,7 +23,13 @@ import torch
 from torch import nn
 
 from quantkit.arch import Arch, ScaleGroup
-from quantkit.layerwise import PhaseClock, first_layer_inputs, layer_call, run_chunked
+from quantkit.layerwise import (
+    LayerErrorReport,
+    PhaseClock,
+    first_layer_inputs,
+    layer_call,
+    run_chunked,
+)
 from quantkit.model import CausalLM
 from quantkit.packing import fake_quantize_int4
 from quantkit.rtn import Int4Weights, group_size_for, rtn_quantize_weight
@@ -52,19 +58,10 @@ class GroupReport:
 
 
 @dataclass
-class LayerReport:
-    index: int
-    groups: list[GroupReport] = field(default_factory=list)
-    output_mse_rtn: float = 0.0
-    output_mse_awq: float = 0.0
-    seconds: dict[str, float] = field(default_factory=dict)  # per phase: capture, search, ...
+class LayerReport(LayerErrorReport):
+    """rtn_error / method_error: the layer-output MSE on the search tokens with RTN and AWQ."""
 
-    @property
-    def loss_reduction(self) -> float:
-        """1 - AWQ/RTN of the layer-output MSE on the search tokens (0.3 = 30% lower)."""
-        if self.output_mse_rtn <= 0:
-            return 0.0
-        return 1.0 - self.output_mse_awq / self.output_mse_rtn
+    groups: list[GroupReport] = field(default_factory=list)
 
 
 def _fake(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
@@ -232,7 +229,7 @@ def awq_quantize(
         clock.lap("capture")
         x_attn_seq = x[seq_pick]
         layer_target = run_chunked(run_layer, x_attn_seq, cfg.batch_sequences)
-        report.output_mse_rtn = _rtn_output_mse(
+        report.rtn_error = _rtn_output_mse(
             layer, arch, run_layer, x_attn_seq, layer_target, scheme=scheme, cfg=cfg
         )
         clock.lap("baseline")
@@ -270,7 +267,7 @@ def awq_quantize(
             )
         clock.lap("clip_and_quantize")
         out_q = run_chunked(run_layer, x_attn_seq, cfg.batch_sequences)
-        report.output_mse_awq = float((out_q - layer_target).pow(2).mean())
+        report.method_error = float((out_q - layer_target).pow(2).mean())
         # Feed the quantized layer's output onward.
         x = run_chunked(run_layer, x, cfg.batch_sequences)
         clock.lap("propagate")

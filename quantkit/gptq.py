@@ -30,13 +30,19 @@ the errors they really make. Peak memory: the model plus one layer's activations
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from quantkit.arch import Arch
-from quantkit.layerwise import PhaseClock, first_layer_inputs, layer_call, run_chunked
+from quantkit.layerwise import (
+    LayerErrorReport,
+    PhaseClock,
+    first_layer_inputs,
+    layer_call,
+    run_chunked,
+)
 from quantkit.model import CausalLM
 from quantkit.packing import fp8_codes, fp8_row_scale
 
@@ -180,18 +186,9 @@ def gptq_fp8(
 
 
 @dataclass
-class GptqLayerReport:
-    index: int
-    rtn_error: float = 0.0  # sum over the layer's Linears of output_error(W, RTN(W), H)
-    gptq_error: float = 0.0  # the same for the GPTQ-rounded weights
-    seconds: dict[str, float] = field(default_factory=dict)  # per phase: capture, round, ...
-
-    @property
-    def loss_reduction(self) -> float:
-        """1 - GPTQ/RTN of the layer's summed Linear-output error (0.3 = 30% lower)."""
-        if self.rtn_error <= 0:
-            return 0.0
-        return 1.0 - self.gptq_error / self.rtn_error
+class GptqLayerReport(LayerErrorReport):
+    """rtn_error / method_error: summed over the layer's Linears, output_error(W, Q, H) of the
+    round-to-nearest and the GPTQ-rounded weights."""
 
 
 class _StopForward(Exception):  # noqa: N818 (control flow, not an error)
@@ -261,7 +258,7 @@ def gptq_quantize_fp8(
                 w = torch.cat([m.weight.data for m in mods]).float()
                 codes, scale = gptq_fp8(w, h, cfg=cfg, scale_dtype=scale_dtype)
                 q = codes.float() * scale
-                report.gptq_error += output_error(w, q, h)
+                report.method_error += output_error(w, q, h)
                 report.rtn_error += output_error(w, fp8_codes(w, scale).float() * scale, h)
                 row = 0
                 for name, m in zip(group, mods, strict=True):

@@ -1,6 +1,6 @@
 """What the layer-by-layer quantizers (AWQ, GPTQ) share: the calibration activations entering
-the first decoder layer, a decoder layer as a function of its input, chunked runs, and a clock
-per phase.
+the first decoder layer, a decoder layer as a function of its input, chunked runs, a clock per
+phase, and the per-layer report's error change against round to nearest.
 
 Both quantizers walk the decoder one layer at a time and feed the *quantized* layer's output to
 the next, so peak memory is the model plus one layer's activations over the calibration set.
@@ -10,11 +10,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from quantkit.model import CausalLM
+
+
+@dataclass
+class LayerErrorReport:
+    """One decoder layer's report: its error under round to nearest and under the method (each
+    quantizer measures its own kind of error), and wall time per phase."""
+
+    index: int
+    rtn_error: float = 0.0
+    method_error: float = 0.0
+    seconds: dict[str, float] = field(default_factory=dict)  # per phase: capture, search, ...
+
+    @property
+    def loss_reduction(self) -> float:
+        """1 - method/RTN of the layer's error (0.3 = 30% lower)."""
+        if self.rtn_error <= 0:
+            return 0.0
+        return 1.0 - self.method_error / self.rtn_error
 
 
 def first_layer_inputs(

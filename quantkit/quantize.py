@@ -110,6 +110,21 @@ def quantized_linears(model: CausalLM, config: dict[str, Any]) -> list[tuple[str
     ]
 
 
+def _calibration(
+    samples: Callable[[], torch.Tensor] | None,
+    what: str,
+    timings: dict[str, float],
+    *,
+    since: float,
+) -> torch.Tensor:
+    """The calibration token matrix, its making timed into timings["calibration_s"]."""
+    if samples is None:
+        raise ValueError(f"{what} needs calibration samples")
+    ids = samples()
+    timings["calibration_s"] = time.perf_counter() - since
+    return ids
+
+
 def quantize_model(
     model_dir: Path,
     *,
@@ -136,10 +151,7 @@ def quantize_model(
     t0 = time.perf_counter()
     module_tensors: dict[str, dict[str, torch.Tensor]] = {}
     if scheme.method == "fp8" and scheme.rounding == "gptq":
-        if samples is None:
-            raise ValueError("gptq rounding needs calibration samples")
-        ids = samples()
-        timings["calibration_s"] = time.perf_counter() - t0
+        ids = _calibration(samples, "gptq rounding", timings, since=t0)
         t0 = time.perf_counter()
         fp8_weights, gptq_reports = gptq_quantize_fp8(
             model,
@@ -160,10 +172,7 @@ def quantize_model(
     else:
         weights: dict[str, Int4Weights]
         if scheme.method == "awq":
-            if samples is None:
-                raise ValueError("awq needs calibration samples")
-            ids = samples()
-            timings["calibration_s"] = time.perf_counter() - t0
+            ids = _calibration(samples, "awq", timings, since=t0)
             t0 = time.perf_counter()
             weights, awq_reports = awq_quantize(
                 model,

@@ -156,7 +156,7 @@ def test_layer_by_layer_on_tiny_model(tiny_llama_dir: Path, sequential: bool) ->
     )
     assert len(weights) == 2 * 7 and seen == [0, 1]
     for r in reports:
-        assert r.gptq_error < r.rtn_error and 0 < r.loss_reduction < 1, r
+        assert r.method_error < r.rtn_error and 0 < r.loss_reduction < 1, r
     codes, scale = weights["model.layers.1.self_attn.k_proj"]
     assert codes.shape == (64, 128) and scale.shape == (64, 1)
     # The model now computes with exactly the stored FP8 weights.
