@@ -128,7 +128,7 @@ class CpuDecodeStep:
         lib = _library()
         lib.qk_decode_work.restype = ctypes.c_int64
         lib.qk_decode_work.argtypes = [
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
         ]  # fmt: skip
         lib.qk_decode_step.restype = ctypes.c_int
         lib.qk_decode_step.argtypes = [
@@ -140,8 +140,8 @@ class CpuDecodeStep:
         self._args = (ctypes.addressof(self._layers), len(layers), ctypes.addressof(self._dims))
         self._work = torch.empty(0, dtype=torch.float32)  # grown to the most rows seen
 
-    def _work_for(self, rows: int) -> torch.Tensor:
-        need = int(self._work_fn(*self._args, rows))
+    def _work_for(self, rows: int, threads: int) -> torch.Tensor:
+        need = int(self._work_fn(*self._args, rows, threads))
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=torch.float32)
         return self._work
@@ -184,11 +184,11 @@ class CpuDecodeStep:
                 raise ValueError(f"{what}: expected 0 to {bound - 1}, got {bad[0]}")
         pos_t = torch.tensor(positions, dtype=torch.int64)
         slot_t = torch.tensor(slots, dtype=torch.int64)
-        work = self._work_for(rows)
+        threads = torch.get_num_threads()
+        work = self._work_for(rows, threads)
         status = self._fn(
             *self._args, x.data_ptr(), rows, slot_t.data_ptr(), pos_t.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), work.data_ptr(), work.numel(),
-            torch.get_num_threads(),
+            cos.data_ptr(), sin.data_ptr(), work.data_ptr(), work.numel(), threads,
         )  # fmt: skip
         _check_status(status, "qk_decode_step")
         return x

@@ -55,13 +55,15 @@ static int64_t decode_gemv_scratch(const qk_decoder_layer *layers, int64_t n_lay
     return gemv;
 }
 
-/* Floats of work buffer `qk_decode_step` needs for these layers and R rows. */
+/* Floats of work buffer `qk_decode_step` needs for these layers, R rows and n_threads threads
+   (the attention scores are one row of S per thread, not per row and head: a 1024-token prefill
+   of a 32-head model over 8192 slots would otherwise need 1 GB). */
 int64_t qk_decode_work(const qk_decoder_layer *layers, int64_t n_layers,
-                       const qk_decoder_dims *d, int64_t R) {
+                       const qk_decoder_dims *d, int64_t R, int n_threads) {
     int64_t qkv = (d->heads + 2 * d->kv_heads) * d->head_dim;
     return decode_gemv_scratch(layers, n_layers, R)
-           + R * (d->hidden * 2 + qkv + d->heads * d->head_dim + d->heads * d->slots
-                  + 2 * d->inter) + 64;
+           + R * (d->hidden * 2 + qkv + d->heads * d->head_dim + 2 * d->inter)
+           + (int64_t)(n_threads > 0 ? n_threads : 1) * d->slots + 64;
 }
 
 static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *out) {
@@ -177,7 +179,8 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
     const int64_t I = d->inter, S = d->slots, group = Hq / Hkv, QKV = (Hq + 2 * Hkv) * D;
     const int64_t row_stride = Hkv * S * D;  /* floats between cache rows */
     const float eps = (float)d->eps, scale = 1.0f / sqrtf((float)D);
-    if (work_floats < qk_decode_work(layers, n_layers, d, R)) return 2;
+    if (n_threads < 1) n_threads = 1;
+    if (work_floats < qk_decode_work(layers, n_layers, d, R, n_threads)) return 2;
     for (int64_t r = 0; r < R; r++)
         if (pos[r] < 0 || pos[r] >= S || slot[r] < 0 || slot[r] >= d->cache_rows) return 3;
     for (int64_t l = 0; l < n_layers; l++) {
@@ -189,10 +192,10 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
             return 1;
     }
     /* work: xp + params (the GEMV scratch; xp first) | h [R][H] | t [R][H] | qkv [R][QKV] |
-       att [R][Hq * D] | scores [R * Hq][S] | gu [R][2I] */
+       att [R][Hq * D] | gu [R][2I] | scores [n_threads][S] */
     float *xp = work, *h = work + decode_gemv_scratch(layers, n_layers, R), *t = h + R * H;
-    float *qkv = t + R * H, *att = qkv + R * QKV, *scores = att + R * Hq * D;
-    float *gu = scores + R * Hq * S;
+    float *qkv = t + R * H, *att = qkv + R * QKV, *gu = att + R * Hq * D;
+    float *scores = gu + R * 2 * I;
     const int64_t n_chunks = (I + 255) / 256;
 
     #pragma omp parallel num_threads(n_threads)
@@ -220,7 +223,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
             const float *q = qkv + r * QKV + i * D;
             const float *kc = L->k_cache + slot[r] * row_stride + (i / group) * S * D;
             const float *vc = L->v_cache + slot[r] * row_stride + (i / group) * S * D;
-            attend(q, kc, vc, npos, D, scale, scores + ri * S, att + ri * D);
+            attend(q, kc, vc, npos, D, scale, scores + omp_get_thread_num() * S, att + ri * D);
         }
         permute_rows(att, R, Hq * D, Hq * D, xp);
         gemv_rows(&L->o, xp, R, xp + R * ((L->o.K + 31) / 32) * 32, t, DT_F32, H);
