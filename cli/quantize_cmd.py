@@ -190,7 +190,7 @@ def quantize_cmd(
     def on_layer(report: LayerProgress) -> None:
         assert bar is not None
         what = "error" if gptq else "MSE"
-        bar.set_postfix_str(f"layer {report.index}: {what} vs RTN -{report.loss_reduction:.0%}")
+        bar.set_postfix_str(f"layer {report.index}: {what} vs RTN {-report.loss_reduction:+.0%}")
         bar.update(1)
 
     try:
