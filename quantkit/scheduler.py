@@ -254,13 +254,13 @@ class _Engine:
             budget -= n
             began = self.clock.now()
             end = start + n
-            width = _round_width(end, self.max_len)
             if self.path is not None and n <= self.path.max_rows:
                 # The chunk's tokens as rows of one call, all at this slot (a causal prefill).
                 chunk, at_slot = list(prompt[start:end]), [active.slot] * n
                 hidden = self.path.run_rows(self.model, chunk, list(range(start, end)), at_slot)
                 logits = self.model.logits(hidden[-1:])[:, -1]
             else:
+                width = _round_width(end, self.max_len)
                 self.select(active.slot, active.slot + 1, width)
                 ids = torch.tensor([prompt[start:end]], device=self.device)
                 pos = torch.arange(start, end, device=self.device).unsqueeze(0)
@@ -277,65 +277,56 @@ class _Engine:
                 self.clock.forward_done()
             self.prefill_chunks.append(PrefillChunk(n, end, self.clock.now() - began))
 
-    def _decode_path(self, span: list[_Active]) -> list[int]:
-        """Sampled tokens of `span`'s rows, through the bound one-call path: each row at its
-        own slot and position. A row in the span with nothing to decode (a static batch's
-        finished or still-prefilling rows, which such a server computes anyway) is fed token 0
-        where the write is harmless, as in the PyTorch path below."""
-        tokens, positions = [], []
-        for a in span:
-            if a.decoding:
-                tokens.append(a.result.tokens[-1])
-                positions.append(a.next_pos)
-            else:
-                tokens.append(0)
-                positions.append(min(a.next_pos if a.done else a.prefilled, self.max_len - 1))
+    def _fed(self, active: _Active | None) -> tuple[int, int]:
+        """(token, position) a slot feeds to a decode step. A slot with nothing to decode (free
+        or finished: token 0 at position 0; still prefilling: its next prompt position, which
+        its next chunk overwrites before anything reads it) makes a harmless write: a static
+        batch computes its finished rows as such a server does, and the window below covers
+        every slot under the highest one decoded."""
+        if active is None or active.done:
+            return 0, 0
+        if active.decoding:
+            return active.result.tokens[-1], active.next_pos
+        return 0, active.prefilled
+
+    def _forward_path(self, span: list[_Active]) -> tuple[dict[int, int], int]:
+        """(sampled token by slot, rows computed): exactly `span`'s rows, through the bound
+        one-call path, each at its own slot and position."""
+        fed = [self._fed(a) for a in span]
+        tokens, positions = [t for t, _ in fed], [p for _, p in fed]
         hidden = self.path.run_rows(self.model, tokens, positions, [a.slot for a in span])
-        return self._sample(self.model.logits(hidden)[:, -1])
+        sampled = self._sample(self.model.logits(hidden)[:, -1])
+        return {a.slot: t for a, t in zip(span, sampled, strict=True)}, len(span)
+
+    def _forward_window(self, span: list[_Active]) -> tuple[dict[int, int], int]:
+        """(sampled token by slot, rows computed): one PyTorch forward over slots [0, hi)."""
+        hi = 1 + max(a.slot for a in span)
+        by_slot = {a.slot: a for a in self.occupied()}
+        fed = [self._fed(by_slot.get(slot)) for slot in range(hi)]
+        positions = [p for _, p in fed]
+        width = _round_width(max(positions) + 1, self.max_len)
+        self.select(0, hi, width)
+        pos = torch.tensor(positions, device=self.device).unsqueeze(1)
+        tokens = torch.tensor([t for t, _ in fed], device=self.device).unsqueeze(1)
+        mask = (self.positions[:width] <= pos).view(hi, 1, 1, width)
+        logits = self.model(tokens, positions=pos, mask=mask)[:, -1]
+        return dict(enumerate(self._sample(logits))), hi
 
     def decode(self) -> None:
         rows = [a for a in self.occupied() if a.decoding]
         if not rows:
             return
         span = self.occupied() if self.config.mode == "static" else rows
-        if self.path is not None:
-            began = self.clock.now()
-            sampled = self._decode_path(span)
-            self.clock.forward_done()
-            now = self.clock.now()
-            context = sum(a.next_pos + 1 for a in rows)
-            for a, token in zip(span, sampled, strict=True):
-                if a.decoding:
-                    a.next_pos += 1
-                    self._emit(a, token, now)
-            self.decode_steps.append(DecodeStep(len(rows), len(span), context, now - began))
-            return
-        hi = 1 + max(a.slot for a in span)
-        by_slot = {a.slot: a for a in self.occupied()}
-        tokens, positions = [0] * hi, [0] * hi
-        for slot in range(hi):
-            a = by_slot.get(slot)
-            if a is None or a.done:
-                continue  # free or finished: token 0 at position 0, a harmless write
-            if a.decoding:
-                tokens[slot], positions[slot] = a.result.tokens[-1], a.next_pos
-            else:  # prefilling: its next chunk overwrites this position before reading it
-                positions[slot] = a.prefilled
         began = self.clock.now()
-        width = _round_width(max(positions) + 1, self.max_len)
-        self.select(0, hi, width)
-        pos = torch.tensor(positions, device=self.device).unsqueeze(1)
-        fed = torch.tensor(tokens, device=self.device).unsqueeze(1)
-        mask = (self.positions[:width] <= pos).view(hi, 1, 1, width)
-        logits = self.model(fed, positions=pos, mask=mask)[:, -1]
-        sampled = self._sample(logits)
+        forward = self._forward_path if self.path is not None else self._forward_window
+        sampled, window = forward(span)
         self.clock.forward_done()
         now = self.clock.now()
         context = sum(a.next_pos + 1 for a in rows)
         for a in rows:
             a.next_pos += 1
             self._emit(a, sampled[a.slot], now)
-        self.decode_steps.append(DecodeStep(len(rows), hi, context, now - began))
+        self.decode_steps.append(DecodeStep(len(rows), window, context, now - began))
 
 
 @torch.inference_mode()
