@@ -87,24 +87,6 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     return acc[0];
 }
 
-/* permute_x for fp32 rows (see w4a16_cpu_source) as an orphaned `omp for` over (row, block):
-   the team shares it instead of one thread doing it while the other waits at a barrier. */
-static void permute_rows(const float *x, int64_t M, int64_t K, int64_t x_stride, float *xp) {
-    const int64_t nblk = (K + 31) / 32, kp = nblk * 32;
-    #pragma omp for schedule(static)
-    for (int64_t mb_i = 0; mb_i < M * nblk; mb_i++) {
-        int64_t m = mb_i / nblk, b = mb_i % nblk, m0, mb;
-        row_chunk(m, M, &m0, &mb);
-        float *dst = xp + m0 * kp + (b * mb + (m - m0)) * 32;
-        const float *src = x + m * x_stride + b * 32;
-        for (int j = 0; j < NV; j++)
-            for (int l = 0; l < VEC; l++) {
-                int64_t k = b * 32 + perm_src(j, l);
-                dst[j * VEC + l] = k < K ? src[perm_src(j, l)] : 0.0f;
-            }
-    }
-}
-
 /* One query head over its cache row: o = softmax(q k^T * scale) v over keys 0..npos-1; sc
    [npos] is scratch. The portable loop below does one dot product per key (16 partial sums
    reduced per key) and accumulates o through memory. With AVX-512 and D a multiple of 16 (up
@@ -203,8 +185,8 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         const qk_decoder_layer *L = layers + l;
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) rmsnorm(x + r * H, L->in_norm, H, eps, h + r * H);
-        permute_rows(h, R, H, H, xp);
-        gemv_rows(&L->qkv, xp, R, xp + R * ((L->qkv.K + 31) / 32) * 32, qkv, DT_F32, QKV);
+        permute_x(h, DT_F32, R, H, H, xp);
+        gemv_rows(&L->qkv, xp, R, qkv, DT_F32, QKV);
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) {
             float *q = qkv + r * QKV, *k = q + Hq * D, *v = k + Hkv * D;
@@ -225,24 +207,23 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
             const float *vc = L->v_cache + slot[r] * row_stride + (i / group) * S * D;
             attend(q, kc, vc, npos, D, scale, scores + omp_get_thread_num() * S, att + ri * D);
         }
-        permute_rows(att, R, Hq * D, Hq * D, xp);
-        gemv_rows(&L->o, xp, R, xp + R * ((L->o.K + 31) / 32) * 32, t, DT_F32, H);
+        permute_x(att, DT_F32, R, Hq * D, Hq * D, xp);
+        gemv_rows(&L->o, xp, R, t, DT_F32, H);
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) {
             for (int64_t i = r * H; i < (r + 1) * H; i++) x[i] += t[i];
             rmsnorm(x + r * H, L->post_norm, H, eps, h + r * H);
         }
-        permute_rows(h, R, H, H, xp);
-        gemv_rows(&L->gate_up, xp, R, xp + R * ((L->gate_up.K + 31) / 32) * 32, gu, DT_F32,
-                  2 * I);
+        permute_x(h, DT_F32, R, H, H, xp);
+        gemv_rows(&L->gate_up, xp, R, gu, DT_F32, 2 * I);
         #pragma omp for schedule(static)
         for (int64_t rc = 0; rc < R * n_chunks; rc++) {  /* 256-wide chunks: a vector loop */
             float *g = gu + (rc / n_chunks) * 2 * I;
             int64_t i0 = (rc % n_chunks) * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
             for (int64_t i = i0; i < i1; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
         }
-        permute_rows(gu, R, I, 2 * I, xp);
-        gemv_rows(&L->down, xp, R, xp + R * ((L->down.K + 31) / 32) * 32, t, DT_F32, H);
+        permute_x(gu, DT_F32, R, I, 2 * I, xp);
+        gemv_rows(&L->down, xp, R, t, DT_F32, H);
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < R * H; i++) x[i] += t[i];
     }

@@ -439,38 +439,44 @@ static int group_layout(const qk_w4_layer *L, int64_t *bpg, int *gsh) {
     return 0;
 }
 
-/* Floats of scratch a GEMV over L needs: the permuted x (M rows) and the per-tile constants. */
+/* Floats of scratch a GEMV over L needs: the permuted x (M rows, `permute_x`) and after it the
+   per-tile constants (`gemv_rows`). */
 static int64_t gemv_scratch(const qk_w4_layer *L, int64_t M) {
     return M * ((L->K + 31) / 32) * 32 + (L->N + RT) * 2 * L->n_groups + 16;
 }
 
 /* x -> fp32, each 32-element block permuted to the order the shifts produce, K padded with
-   zeros, the rows of each chunk (`row_chunk`) interleaved per block: [chunk][block][row][32]. */
+   zeros, the rows of each chunk (`row_chunk`) interleaved per block: [chunk][block][row][32].
+   An orphaned `omp for` over (row, block), like `gemv_rows`: inside a parallel region the team
+   shares it (with one thread the other would wait at the next barrier), outside one the
+   calling thread does it all. */
 static void permute_x(const void *x, int x_dt, int64_t M, int64_t K, int64_t x_stride,
                       float *xp) {
-    int64_t nblk = (K + 31) / 32, kp = nblk * 32;
-    for (int64_t m = 0; m < M; m++) {
-        int64_t m0, mb;
+    const int64_t nblk = (K + 31) / 32, kp = nblk * 32;
+    #pragma omp for schedule(static)
+    for (int64_t mb_i = 0; mb_i < M * nblk; mb_i++) {
+        int64_t m = mb_i / nblk, b = mb_i % nblk, m0, mb;
         row_chunk(m, M, &m0, &mb);
-        for (int64_t b = 0; b < nblk; b++)
-            for (int j = 0; j < NV; j++)
-                for (int l = 0; l < VEC; l++) {
-                    int64_t k = b * 32 + perm_src(j, l);
-                    xp[m0 * kp + (b * mb + (m - m0)) * 32 + j * VEC + l] =
-                        k < K ? load_f(x, m * x_stride + k, x_dt) : 0.0f;
-                }
+        float *dst = xp + m0 * kp + (b * mb + (m - m0)) * 32;
+        for (int j = 0; j < NV; j++)
+            for (int l = 0; l < VEC; l++) {
+                int64_t k = b * 32 + perm_src(j, l);
+                dst[j * VEC + l] = k < K ? load_f(x, m * x_stride + k, x_dt) : 0.0f;
+            }
     }
 }
 
 /* out [M, N] = xp (permuted, see permute_x) @ dequant(W).T (+ bias). The row-tile loop is an
    orphaned `omp for`: inside a parallel region the team shares it (and meets at its implicit
-   barrier), outside one it runs on the calling thread. `params` holds (N + RT) * 2 * G floats;
-   the caller has checked the group layout. */
-static void gemv_rows(const qk_w4_layer *L, const float *xp, int64_t M, float *params,
-                      void *out, int o_dt, int64_t o_stride) {
+   barrier), outside one it runs on the calling thread. xp is the start of `gemv_scratch(L, M)`
+   floats: the permuted x, then (N + RT) * 2 * G floats of per-tile constants. The caller has
+   checked the group layout. */
+static void gemv_rows(const qk_w4_layer *L, float *xp, int64_t M, void *out, int o_dt,
+                      int64_t o_stride) {
     const int64_t K = L->K, N = L->N, n_groups = L->n_groups, wq_stride = L->wq_stride;
     const int32_t *wq = L->wq;
     int64_t nblk = (K + 31) / 32, kp = nblk * 32, words = (K + 7) / 8, bpg;
+    float *params = xp + M * kp;
     int gsh;
     group_layout(L, &bpg, &gsh);
     /* Static split: each thread streams one contiguous run of row tiles, which the hardware
@@ -549,10 +555,11 @@ int qk_w4a16_gemv_layer(const qk_w4_layer *L, const void *x, int x_dt, int64_t M
     if (group_layout(L, &bpg, &gsh)) return 1;
     float *work = (float *)aligned_alloc(64, (size_t)gemv_scratch(L, M) * sizeof(float));
     if (!work) return 2;
-    float *params = work + M * ((L->K + 31) / 32) * 32;
-    permute_x(x, x_dt, M, L->K, x_stride, work);
     #pragma omp parallel num_threads(n_threads)
-    gemv_rows(L, work, M, params, out, o_dt, o_stride);
+    {
+        permute_x(x, x_dt, M, L->K, x_stride, work);
+        gemv_rows(L, work, M, out, o_dt, o_stride);
+    }
     free(work);
     return 0;
 }
