@@ -37,6 +37,7 @@ from quantkit.fused_kernels.cpu_build import (
     load_library,
     struct_fields,
 )
+from quantkit.fused_kernels.cpu_common_source import COMMON_SOURCE
 from quantkit.fused_kernels.fp8_checks import check_fp8_activations, check_fp8_weights
 from quantkit.fused_kernels.fp8_cpu_source import C_SOURCE
 from quantkit.fused_kernels.w4a16_cpu import has_bf16_matmul
@@ -75,7 +76,7 @@ class _Layer(ctypes.Structure):
 def _library(variant: str | None = None) -> ctypes.CDLL:
     """The compiled kernels for `variant` (default: the best this CPU runs), built on first use
     (one gcc call, cached on disk; functools.cache keeps the loaded handle, not tensors)."""
-    lib = load_library("qk_fp8_cpu", C_SOURCE, variant=variant)
+    lib = load_library("qk_fp8_cpu", COMMON_SOURCE + C_SOURCE, variant=variant)
     lib.qk_fp8_gemv.argtypes = ctypes_of(_GEMV_SIGNATURE)
     lib.qk_fp8_gemv_layer.argtypes = [ctypes.POINTER(_Layer), *ctypes_of("pillpili")]
     lib.qk_fp8_dequant.argtypes = ctypes_of(_DEQUANT_SIGNATURE)

@@ -33,62 +33,6 @@ success, 2 = out of memory.
 from __future__ import annotations
 
 C_SOURCE = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <omp.h>
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-#if defined(__AVX2__) && !defined(__AVX512F__)
-/* vcvtph2ps on 8 lanes is F16C, present on every AVX2 CPU; -mavx2 alone does not enable it. */
-#pragma GCC target("f16c")
-#endif
-
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
-
-static inline float bits_f(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
-static inline uint32_t f_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
-
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
-    if (exp == 0) {  /* zero or subnormal: man * 2^-24, exact in fp32 */
-        float f = (float)man * 0x1p-24f;
-        return sign ? -f : f;
-    }
-    if (exp == 31) return bits_f(sign | 0x7F800000 | (man << 13));
-    return bits_f(sign | ((exp + 127 - 15) << 23) | (man << 13));
-}
-
-static uint16_t float_to_half(float f) {  /* round to nearest even, as torch does */
-    uint32_t x = f_bits(f), sign = (x >> 16) & 0x8000, ax = x & 0x7FFFFFFF;
-    if (ax >= 0x7F800000) return (uint16_t)(sign | 0x7C00 | (ax > 0x7F800000 ? 0x200 : 0));
-    if (ax >= 0x477FF000) return (uint16_t)(sign | 0x7C00);  /* rounds to inf */
-    if (ax < 0x38800000)  /* subnormal half (or zero): steps of 2^-24 */
-        return (uint16_t)(sign | (uint32_t)__builtin_rintf(bits_f(ax) * 16777216.0f));
-    uint32_t r = ax + 0xC8000FFF + ((ax >> 13) & 1);  /* rebias exponent, round to even */
-    return (uint16_t)(sign | (r >> 13));
-}
-
-static inline float load_f(const void *p, int64_t i, int dt) {
-    if (dt == DT_BF16) return bits_f((uint32_t)((const uint16_t *)p)[i] << 16);
-    if (dt == DT_F16) return half_to_float(((const uint16_t *)p)[i]);
-    return ((const float *)p)[i];
-}
-
-static inline void store_f(void *p, int64_t i, int dt, float v) {
-    if (dt == DT_BF16) {
-        uint32_t b = f_bits(v);
-        if ((b & 0x7FFFFFFF) > 0x7F800000) b |= 0x00400000;  /* keep NaN a NaN */
-        else b += 0x7FFF + ((b >> 16) & 1);
-        ((uint16_t *)p)[i] = (uint16_t)(b >> 16);
-    } else if (dt == DT_F16) {
-        ((uint16_t *)p)[i] = float_to_half(v);
-    } else {
-        ((float *)p)[i] = v;
-    }
-}
-
 /* e4m3 code -> fp32, exactly as torch converts float8_e4m3fn (NaN = sign | 0x7FF00000). */
 static inline float fp8_to_float(uint8_t b) {
     uint32_t sign = (uint32_t)(b & 0x80) << 24, e = (b >> 3) & 0xF, m = b & 7;
@@ -112,15 +56,9 @@ static inline uint8_t float_to_fp8(float f) {
     return (uint8_t)(sign | ((r >> 20) - (120u << 3)));
 }
 
-/* Lanes per vector; BLK codes (one 64-byte line with AVX-512) per inner step. */
+/* BLK codes (one 64-byte line with AVX-512) per inner step; VEC lanes per vector and the VF_*
+   macros come from `cpu_common_source`. */
 #if defined(__AVX512F__)
-#define VEC 16
-typedef __m512 vf;
-#define VF_ZERO() _mm512_setzero_ps()
-#define VF_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define VF_ADD(a, b) _mm512_add_ps(a, b)
-#define VF_LOAD(p) _mm512_loadu_ps(p)
-#define VF_HSUM(a) _mm512_reduce_add_ps(a)
 /* 32 codes -> two vectors of fp32 values, each code / 2^8 (see the module docstring): one
    widening load, one shift and one and for both halves. Converting 16 at a time (a load, shift
    and and per vector) moved 39.9 instead of 41.2 GB/s at 4096x14336, M = 1, 2 threads. */
@@ -142,18 +80,6 @@ static inline __m512 cvt_codes_exact(const uint8_t *p) {
 }
 #define ACC_PER_ROW(MB) 4
 #elif defined(__AVX2__)
-#define VEC 8
-typedef __m256 vf;
-#define VF_ZERO() _mm256_setzero_ps()
-#define VF_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define VF_ADD(a, b) _mm256_add_ps(a, b)
-#define VF_LOAD(p) _mm256_loadu_ps(p)
-static inline float VF_HSUM(__m256 a) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-}
 static inline void cvt_codes2(const uint8_t *p, __m256 *lo, __m256 *hi) {
     __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
     h = _mm256_and_si256(_mm256_slli_epi16(h, 7), _mm256_set1_epi16((short)0xBF80));
@@ -171,8 +97,6 @@ static inline __m256 cvt_codes_exact(const uint8_t *p) {
 }
 /* 16 ymm registers: 4 accumulators at MB = 1, 2 per activation row above */
 #define ACC_PER_ROW(MB) ((MB) == 1 ? 4 : 2)
-#else
-#define VEC 8
 #endif
 #define BLK 64
 

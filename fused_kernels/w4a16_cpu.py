@@ -30,6 +30,7 @@ from quantkit.fused_kernels.cpu_build import (
     load_library,
     struct_fields,
 )
+from quantkit.fused_kernels.cpu_common_source import COMMON_SOURCE
 from quantkit.fused_kernels.decode_cpu_source import DECODE_SOURCE
 from quantkit.fused_kernels.w4a16_checks import check_int4_operands
 from quantkit.fused_kernels.w4a16_cpu_source import C_SOURCE
@@ -77,7 +78,7 @@ def _library(variant: str | None = None) -> ctypes.CDLL:
     """The compiled kernels for `variant` (default: the best this CPU runs), built on first use
     (one gcc call, cached on disk; functools.cache keeps the loaded handle, not tensors)."""
     # One library: the decode step (`decode_cpu`) calls the GEMV's static functions.
-    lib = load_library("qk_w4a16_cpu", C_SOURCE + DECODE_SOURCE, variant=variant)
+    lib = load_library("qk_w4a16_cpu", COMMON_SOURCE + C_SOURCE + DECODE_SOURCE, variant=variant)
     lib.qk_w4a16_gemv.argtypes = ctypes_of(_GEMV_SIGNATURE)
     lib.qk_w4a16_gemv.restype = ctypes.c_int
     lib.qk_w4_dequant.argtypes = ctypes_of(_DEQUANT_SIGNATURE)

@@ -34,81 +34,10 @@ of memory.
 from __future__ import annotations
 
 C_SOURCE = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <omp.h>
-#if defined(__AVX2__) || defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
-
-static float half_to_float(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else {  /* subnormal: renormalise */
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7F800000 | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f; memcpy(&f, &bits, 4); return f;
-}
-
-static uint16_t float_to_half(float f) {  /* round to nearest even, as torch does */
-    uint32_t x; memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000, ax = x & 0x7FFFFFFF;
-    if (ax >= 0x7F800000) return (uint16_t)(sign | 0x7C00 | (ax > 0x7F800000 ? 0x200 : 0));
-    if (ax >= 0x477FF000) return (uint16_t)(sign | 0x7C00);  /* rounds to inf */
-    if (ax < 0x38800000) {  /* subnormal half (or zero): steps of 2^-24 */
-        float a; memcpy(&a, &ax, 4);
-        return (uint16_t)(sign | (uint32_t)__builtin_rintf(a * 16777216.0f));
-    }
-    uint32_t r = ax + 0xC8000FFF + ((ax >> 13) & 1);  /* rebias exponent, round to even */
-    return (uint16_t)(sign | (r >> 13));
-}
-
-static inline float load_f(const void *p, int64_t i, int dt) {
-    if (dt == DT_BF16) {
-        uint32_t b = (uint32_t)((const uint16_t *)p)[i] << 16; float f; memcpy(&f, &b, 4);
-        return f;
-    }
-    if (dt == DT_F16) return half_to_float(((const uint16_t *)p)[i]);
-    return ((const float *)p)[i];
-}
-
-static inline void store_f(void *p, int64_t i, int dt, float v) {
-    if (dt == DT_BF16) {
-        uint32_t b; memcpy(&b, &v, 4);
-        if ((b & 0x7FFFFFFF) > 0x7F800000) b |= 0x00400000;  /* keep NaN a NaN */
-        else b += 0x7FFF + ((b >> 16) & 1);
-        ((uint16_t *)p)[i] = (uint16_t)(b >> 16);
-    } else if (dt == DT_F16) {
-        ((uint16_t *)p)[i] = float_to_half(v);
-    } else {
-        ((float *)p)[i] = v;
-    }
-}
-
-/* Vector width in fp32 lanes. A 32-element block (4 words) becomes NV = 32 / VEC vectors:
+/* VEC (the fp32 lanes, `cpu_common_source`). A 32-element block (4 words) becomes NV vectors:
    lane l of vector j holds element 8 * (l & 3) + (VEC / 4) * j + (l >> 2) of the block. */
 #if defined(__AVX512F__)
-#define VEC 16
-typedef __m512 vf;
 typedef __m512i vi;
-#define VF_ZERO() _mm512_setzero_ps()
-#define VF_SET1(a) _mm512_set1_ps(a)
-#define VF_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define VF_ADD(a, b) _mm512_add_ps(a, b)
-#define VF_LOAD(p) _mm512_loadu_ps(p)
-#define VF_HSUM(a) _mm512_reduce_add_ps(a)
 #define VI_BCAST4(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p)))
 #define VI_NIBBLE(w, sh) \
     _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, sh), _mm512_set1_epi32(0xF)))
@@ -129,20 +58,7 @@ typedef __m512 dq_t;
     16 * (j) + 8, 16 * (j) + 8, 16 * (j) + 8, 16 * (j) + 8, \
     16 * (j) + 12, 16 * (j) + 12, 16 * (j) + 12, 16 * (j) + 12)
 #elif defined(__AVX2__)
-#define VEC 8
-typedef __m256 vf;
 typedef __m256i vi;
-#define VF_ZERO() _mm256_setzero_ps()
-#define VF_SET1(a) _mm256_set1_ps(a)
-#define VF_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define VF_ADD(a, b) _mm256_add_ps(a, b)
-#define VF_LOAD(p) _mm256_loadu_ps(p)
-static inline float VF_HSUM(__m256 a) {
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    return _mm_cvtss_f32(h);
-}
 #define VI_BCAST4(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
 #define VI_NIBBLE(w, sh) \
     _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32(0xF)))
@@ -156,7 +72,6 @@ typedef struct { __m256 s, c; } dq_t;
 #define VI_SHIFTS(j) _mm256_setr_epi32(8 * (j), 8 * (j), 8 * (j), 8 * (j), \
     8 * (j) + 4, 8 * (j) + 4, 8 * (j) + 4, 8 * (j) + 4)
 #else
-#define VEC 8
 #define MAX_MB 4
 #endif
 #define NV (32 / VEC)

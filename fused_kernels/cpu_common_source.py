@@ -1,0 +1,95 @@
+"""C prelude shared by the CPU kernel sources (`w4a16_cpu_source`, `fp8_cpu_source`): headers,
+the dtype codes, exact fp16/bf16 <-> fp32 conversions (as torch rounds), and the vector types
+and macros both GEMVs build on. Each launcher compiles its source with this in front, so the
+two libraries stay independent while the helpers exist once.
+
+dtype codes: 0 = fp32, 1 = bf16, 2 = fp16 (activations, scales, bias, output).
+"""
+
+from __future__ import annotations
+
+COMMON_SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+/* vcvtph2ps on 8 lanes is F16C, present on every AVX2 CPU; -mavx2 alone does not enable it. */
+#pragma GCC target("f16c")
+#endif
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+static inline float bits_f(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+static inline uint32_t f_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    if (exp == 0) {  /* zero or subnormal: man * 2^-24, exact in fp32 */
+        float f = (float)man * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    if (exp == 31) return bits_f(sign | 0x7F800000 | (man << 13));
+    return bits_f(sign | ((exp + 127 - 15) << 23) | (man << 13));
+}
+
+static uint16_t float_to_half(float f) {  /* round to nearest even, as torch does */
+    uint32_t x = f_bits(f), sign = (x >> 16) & 0x8000, ax = x & 0x7FFFFFFF;
+    if (ax >= 0x7F800000) return (uint16_t)(sign | 0x7C00 | (ax > 0x7F800000 ? 0x200 : 0));
+    if (ax >= 0x477FF000) return (uint16_t)(sign | 0x7C00);  /* rounds to inf */
+    if (ax < 0x38800000)  /* subnormal half (or zero): steps of 2^-24 */
+        return (uint16_t)(sign | (uint32_t)__builtin_rintf(bits_f(ax) * 16777216.0f));
+    uint32_t r = ax + 0xC8000FFF + ((ax >> 13) & 1);  /* rebias exponent, round to even */
+    return (uint16_t)(sign | (r >> 13));
+}
+
+static inline float load_f(const void *p, int64_t i, int dt) {
+    if (dt == DT_BF16) return bits_f((uint32_t)((const uint16_t *)p)[i] << 16);
+    if (dt == DT_F16) return half_to_float(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+
+static inline void store_f(void *p, int64_t i, int dt, float v) {
+    if (dt == DT_BF16) {
+        uint32_t b = f_bits(v);
+        if ((b & 0x7FFFFFFF) > 0x7F800000) b |= 0x00400000;  /* keep NaN a NaN */
+        else b += 0x7FFF + ((b >> 16) & 1);
+        ((uint16_t *)p)[i] = (uint16_t)(b >> 16);
+    } else if (dt == DT_F16) {
+        ((uint16_t *)p)[i] = float_to_half(v);
+    } else {
+        ((float *)p)[i] = v;
+    }
+}
+
+/* VEC fp32 lanes per vector (8 in the plain-C build, whose loops are scalar). */
+#if defined(__AVX512F__)
+#define VEC 16
+typedef __m512 vf;
+#define VF_ZERO() _mm512_setzero_ps()
+#define VF_SET1(a) _mm512_set1_ps(a)
+#define VF_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VF_ADD(a, b) _mm512_add_ps(a, b)
+#define VF_LOAD(p) _mm512_loadu_ps(p)
+#define VF_HSUM(a) _mm512_reduce_add_ps(a)
+#elif defined(__AVX2__)
+#define VEC 8
+typedef __m256 vf;
+#define VF_ZERO() _mm256_setzero_ps()
+#define VF_SET1(a) _mm256_set1_ps(a)
+#define VF_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VF_ADD(a, b) _mm256_add_ps(a, b)
+#define VF_LOAD(p) _mm256_loadu_ps(p)
+static inline float VF_HSUM(__m256 a) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+#else
+#define VEC 8
+#endif
+"""
