@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,17 @@ def make_hf_model(path: Path, overrides: dict | None = None, seed: int = 0) -> P
     data["model_type"] = cfg["model_type"]
     (path / "config.json").write_text(json.dumps(data))
     return path
+
+
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """torch on one thread for a module of tiny models, then the count restored. Tiny matmuls
+    gain nothing from a second thread, and on a busy shared machine an OpenMP barrier waiting
+    for a descheduled thread made each decode step 100x slower (32 vs 0.3 ms)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

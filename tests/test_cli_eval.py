@@ -43,20 +43,19 @@ def data_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data_root: Path) -> Iterator[None]:
+def _env(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, data_root: Path, one_thread: None
+) -> Iterator[None]:
     monkeypatch.setenv("QUANTKIT_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("QUANTKIT_DATA", str(data_root))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     # `quantkit lm-eval` runs lm-eval's setup_logging, whose handler keeps this test's captured
     # stderr; later tests would log into the closed stream. Drop what a test added.
     logger = logging.getLogger("lm_eval")
     handlers, propagate = list(logger.handlers), logger.propagate
     yield
-    torch.set_num_threads(threads)
     for h in logger.handlers[:]:
         if h not in handlers:
             logger.removeHandler(h)

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.conftest import run_cli as run
 
@@ -18,13 +16,8 @@ KEYS = (
 
 
 @pytest.fixture(autouse=True)
-def _env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
     monkeypatch.setenv("QUANTKIT_HOME", str(tmp_path / "home"))
-    # See tests/test_generate.py: one thread keeps tiny decode steps fast on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _one_line_error(code: int, err: str, *needles: str) -> None:

@@ -7,7 +7,6 @@ model of tests/conftest.py runs in milliseconds; the embedded SmolLM2 case is ma
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,17 +33,16 @@ ZEN = [
 
 @pytest.fixture(autouse=True)
 def _env(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
-) -> Iterator[None]:
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+    one_thread: None,
+) -> None:
     # The slow test deliberately uses the user's cache, where the embedded model is converted
     # already (converting it again into a temporary home takes minutes).
     if request.node.get_closest_marker("slow") is None:
         monkeypatch.setenv("QUANTKIT_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: one thread avoids contention on a busy machine
-    yield
-    torch.set_num_threads(threads)
 
 
 def _requests() -> list[Instance]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,14 +29,7 @@ def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QUANTKIT_HOME", str(tmp_path))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny matmuls gain nothing from a second thread, and on a busy shared machine an OpenMP
-    # barrier waiting for a descheduled thread made each decode step 100x slower (32 vs 0.3 ms).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

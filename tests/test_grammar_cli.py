@@ -4,12 +4,10 @@ summary lines, --output, the cache, and one clear line for every bad input."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from quantkit.grammar import compiler
 from quantkit.grammar.constraints import validate_json
@@ -27,13 +25,9 @@ SMALL = {
 
 
 @pytest.fixture(autouse=True)
-def _env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def _env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, one_thread: None) -> None:
     monkeypatch.setenv("QUANTKIT_HOME", str(tmp_path / "home"))
     compiler.clear_memory_cache()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny decode steps: one thread is fastest on a busy machine
-    yield
-    torch.set_num_threads(threads)
 
 
 def last_line_error(code: int, err: str, *needles: str) -> str:

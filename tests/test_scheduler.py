@@ -5,7 +5,6 @@ queueing, idle gaps are skipped, the admission limit rejects, and bad input is r
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,13 +30,7 @@ STAGGERED = [
 ]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny matmuls gain nothing from a second thread (see test_generate).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
