@@ -66,10 +66,10 @@ int64_t qk_decode_work(const qk_decoder_layer *layers, int64_t n_layers,
            + (int64_t)(n_threads > 0 ? n_threads : 1) * d->slots + 64;
 }
 
+static inline float dot(const float *a, const float *b, int64_t n);
+
 static void rmsnorm(const float *x, const float *w, int64_t n, float eps, float *out) {
-    float ss = 0.0f;
-    for (int64_t i = 0; i < n; i++) ss += x[i] * x[i];
-    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    float r = 1.0f / sqrtf(dot(x, x, n) / (float)n + eps);  /* 16 partial sums, not one chain */
     for (int64_t i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
@@ -85,6 +85,47 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     for (int w = 8; w; w >>= 1)
         for (int l = 0; l < w; l++) acc[l] += acc[l + w];
     return acc[0];
+}
+
+#if defined(__AVX512F__)
+/* exp of 16 lanes: n = round(x / ln 2), r = x - n ln 2 (in two parts), a degree-7 polynomial
+   for e^r on [-ln2/2, ln2/2] (the Cephes expf coefficients, ~1 ulp), times 2^n by vscalefps
+   (which also gives 0 far below -87). glibc's scalar expf, called per element, was the SiLU's
+   and the softmax's whole cost: ~0.5 M calls in a batch-8 SmolLM2 step. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.72f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __mmask16 tail_mask(int64_t left) {
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+}
+#endif
+
+/* g[i] = silu(g[i]) * u[i] for i < n. */
+static void silu_mul(float *g, const float *u, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i < n; i += 16) {
+        __mmask16 k = tail_mask(n - i);
+        __m512 gv = _mm512_maskz_loadu_ps(k, g + i), uv = _mm512_maskz_loadu_ps(k, u + i);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+        _mm512_mask_storeu_ps(g + i, k, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), uv));
+    }
+#endif
+    for (; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
 /* One query head over its cache row: o = softmax(q k^T * scale) v over keys 0..npos-1; sc
@@ -114,19 +155,30 @@ static void attend(const float *q, const float *kc, const float *vc, int64_t npo
             hsum8_add(a, sc + j);
         }
         for (; j < npos; j++) sc[j] = dot(q, kc + j * D, D);
-        for (j = 0; j < npos; j++) {
-            sc[j] *= scale;
-            mx = sc[j] > mx ? sc[j] : mx;
+        /* softmax over the scores, 16 at a time; o is normalised once at the end */
+        const __m512 sv = _mm512_set1_ps(scale);
+        __m512 mv = _mm512_set1_ps(-INFINITY), tot = _mm512_setzero_ps();
+        for (j = 0; j < npos; j += 16) {
+            __mmask16 k = tail_mask(npos - j);
+            __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sc + j), sv);
+            mv = _mm512_mask_max_ps(mv, k, mv, v);
         }
-        for (j = 0; j < npos; j++) sc[j] = expf(sc[j] - mx);
-        for (j = 0; j < npos; j++) sum += sc[j];
+        const __m512 mx16 = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        for (j = 0; j < npos; j += 16) {
+            __mmask16 k = tail_mask(npos - j);
+            __m512 v = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, sc + j), sv, mx16);
+            __m512 e = _mm512_maskz_mov_ps(k, exp16(v));
+            _mm512_mask_storeu_ps(sc + j, k, e);
+            tot = _mm512_add_ps(tot, e);
+        }
         for (int c = 0; c < nv; c++) acc[c] = _mm512_setzero_ps();
         for (j = 0; j < npos; j++) {
-            __m512 p = _mm512_set1_ps(sc[j] / sum);
+            __m512 p = _mm512_set1_ps(sc[j]);
             for (int c = 0; c < nv; c++)
                 acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vc + j * D + 16 * c), acc[c]);
         }
-        for (int c = 0; c < nv; c++) _mm512_storeu_ps(o + 16 * c, acc[c]);
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(tot));
+        for (int c = 0; c < nv; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[c], inv));
         return;
     }
 #endif
@@ -220,7 +272,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         for (int64_t rc = 0; rc < R * n_chunks; rc++) {  /* 256-wide chunks: a vector loop */
             float *g = gu + (rc / n_chunks) * 2 * I;
             int64_t i0 = (rc % n_chunks) * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
-            for (int64_t i = i0; i < i1; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * g[I + i];
+            silu_mul(g + i0, g + I + i0, i1 - i0);
         }
         permute_x(gu, DT_F32, R, I, 2 * I, xp);
         gemv_rows(&L->down, xp, R, t, DT_F32, H);
