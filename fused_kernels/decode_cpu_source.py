@@ -231,6 +231,13 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
     float *qkv = t + R * H, *att = qkv + R * QKV, *gu = att + R * Hq * D;
     float *scores = gu + R * 2 * I;
     const int64_t n_chunks = (I + 255) / 256;
+    /* Attention work units: a row's whole GQA group of query heads, which then reads its K/V
+       once from memory and again from L1/L2, when that leaves >= 4 units a thread; else one
+       head (batch 1: 3 groups would leave a thread idle). Heads handed out one at a time sent
+       a group's heads to both threads, and each thread read every K/V row from memory.
+       SmolLM2, 2 threads, A/B in one run: R=8 (context 61-110) 9.33 -> 8.48 ms, a 40-token
+       prefill 32.3 -> 31.7 ms, R=1 unchanged. */
+    const int64_t per_unit = R * Hkv >= 4 * n_threads ? group : 1;
 
     #pragma omp parallel num_threads(n_threads)
     for (int64_t l = 0; l < n_layers; l++) {
@@ -252,12 +259,12 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
             }
         }
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t ri = 0; ri < R * Hq; ri++) {
-            const int64_t r = ri / Hq, i = ri % Hq, npos = pos[r] + 1;
-            const float *q = qkv + r * QKV + i * D;
-            const float *kc = L->k_cache + slot[r] * row_stride + (i / group) * S * D;
-            const float *vc = L->v_cache + slot[r] * row_stride + (i / group) * S * D;
-            attend(q, kc, vc, npos, D, scale, scores + omp_get_thread_num() * S, att + ri * D);
+        for (int64_t u = 0; u < R * Hq / per_unit; u++) {
+            const int64_t r = u * per_unit / Hq, i0 = u * per_unit % Hq, npos = pos[r] + 1;
+            const int64_t off = slot[r] * row_stride + (i0 / group) * S * D;
+            for (int64_t i = i0; i < i0 + per_unit; i++)
+                attend(qkv + r * QKV + i * D, L->k_cache + off, L->v_cache + off, npos, D, scale,
+                       scores + omp_get_thread_num() * S, att + (r * Hq + i) * D);
         }
         permute_x(att, DT_F32, R, Hq * D, Hq * D, xp);
         gemv_rows(&L->o, xp, R, t, DT_F32, H);
