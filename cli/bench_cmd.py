@@ -176,6 +176,13 @@ def _prompt_tokens(tokenizer: object) -> list[int] | None:
     show_default=True,
     help="auto = float32 on CPU, bfloat16 on CUDA.",
 )
+@click.option(
+    "--act-dtype",
+    type=click.Choice(["auto", "float32", "bfloat16"]),
+    default="auto",
+    show_default=True,
+    help="Activations inside the INT4 GEMVs (as `quantkit generate --act-dtype`).",
+)
 @click.option("--threads", type=int, default=None, help="CPU threads for torch.")
 @click.option("--json", "json_file", default=None, help="Write the report: a record per setting.")
 @click.option("--plot", "plot_dir", default=None, help="Write PNG plots into this directory.")
@@ -197,6 +204,7 @@ def bench_cmd(
     prompts: str,
     device: str,
     dtype: str,
+    act_dtype: str,
     threads: int | None,
     json_file: str | None,
     plot_dir: str | None,
@@ -225,14 +233,15 @@ def bench_cmd(
         require_matplotlib()  # fail now, not after minutes of benchmarking
     if threads is not None:
         torch.set_num_threads(_positive(threads, "--threads"))
-    from quantkit.cli.generate_cmd import _device, _device_name, _load
-    from quantkit.lm_head import auto_head_dtype, set_head_dtype
+    from quantkit.cli.generate_cmd import _act_dtype, _device, _device_name, _load, _set_precision
 
     dev = _device(device)
     torch_dtype = _DTYPES.get(dtype) or (torch.float32 if dev.type == "cpu" else torch.bfloat16)
     loaded = _load(ckpt, dtype=torch_dtype, device=dev)
-    set_head_dtype(loaded.model, auto_head_dtype(loaded.model, quantized=loaded.scheme is not None))
+    _set_precision(loaded, "auto", act_dtype)
     scheme = loaded.scheme.describe() if loaded.scheme else "dense"
+    if _act_dtype(loaded) != str(torch_dtype).removeprefix("torch."):
+        scheme += f", {_act_dtype(loaded)} activations in the INT4 GEMVs"
     click.echo(f"model   {loaded.path} ({scheme}) on {_device_name(dev)}", err=True)
 
     def progress(setting: Setting, record: dict) -> None:
@@ -253,6 +262,7 @@ def bench_cmd(
         meta={
             "model": str(loaded.path),
             "scheme": scheme,
+            "act_dtype": _act_dtype(loaded),
             "device_name": _device_name(dev),
             "prompts": "held-out Wikipedia text" if tokens else "random token ids",
         },

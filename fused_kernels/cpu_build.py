@@ -78,6 +78,13 @@ def _compiler() -> str:
     return path
 
 
+def _variant_flags(variant: str) -> list[str]:
+    """The variant's compiler flags, plus AVX512-BF16 (vdpbf16ps: the INT4 GEMV's bf16-activation
+    tile) on an AVX-512 CPU that has it."""
+    extra = ["-mavx512bf16"] if variant == "avx512" and "avx512_bf16" in cpu_flags() else []
+    return _VARIANTS[variant][1] + extra
+
+
 def build_library(name: str, source: str, *, variant: str | None = None) -> Path:
     """Compile `source` (C) into `$QUANTKIT_HOME/kernels/<name>-<variant>-<hash>.so` once.
 
@@ -90,7 +97,7 @@ def build_library(name: str, source: str, *, variant: str | None = None) -> Path
             f"got {variant!r}"
         )
     cc = _compiler()
-    flags = _BASE_FLAGS + _VARIANTS[variant][1]
+    flags = _BASE_FLAGS + _variant_flags(variant)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([source, " ".join(flags), version]).encode()).hexdigest()
     out_dir = quantkit_home() / "kernels"

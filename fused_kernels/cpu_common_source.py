@@ -75,6 +75,11 @@ typedef __m512 vf;
 #define VF_ADD(a, b) _mm512_add_ps(a, b)
 #define VF_LOAD(p) _mm512_loadu_ps(p)
 #define VF_HSUM(a) _mm512_reduce_add_ps(a)
+/* The lanes of a 16-lane load or store that hold elements, with `left` elements to go. */
+static inline __mmask16 tail_mask(int64_t left) {
+    if (left <= 0) return 0;
+    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
+}
 #elif defined(__AVX2__)
 #define VEC 8
 typedef __m256 vf;

@@ -20,7 +20,7 @@ import torch
 
 from quantkit.fused_kernels.w4a16_cpu import CpuInt4Layer, _check_status, _Layer, _library
 
-__all__ = ["CpuDecodeStep", "DecoderLayerParts", "DecoderDims"]
+__all__ = ["CpuDecodeStep", "DecoderLayerParts", "DecoderDims", "bf16_activations_available"]
 
 
 class _DecoderLayer(ctypes.Structure):
@@ -42,6 +42,18 @@ class _Dims(ctypes.Structure):
         ("cache_rows", ctypes.c_int64),
         ("eps", ctypes.c_double),
     ]
+
+
+# The activations' dtype inside the GEMVs (the C dtype codes): fp32, or bf16 for the
+# vdpbf16ps tile (see `w4a16_cpu_source.gemv_tile2_bf16`).
+_ACT_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def bf16_activations_available() -> bool:
+    """True if the kernels here were built with the bf16 tile (the CPU has AVX512-BF16)."""
+    lib = _library()
+    lib.qk_has_bf16_dot.restype = ctypes.c_int
+    return bool(lib.qk_has_bf16_dot())
 
 
 @dataclass(frozen=True)
@@ -99,7 +111,13 @@ def _check_layer(i: int, p: DecoderLayerParts, d: DecoderDims) -> None:
 class CpuDecodeStep:
     """Every layer of one model for one new token per row; see the module docstring."""
 
-    def __init__(self, layers: Sequence[DecoderLayerParts], dims: DecoderDims) -> None:
+    def __init__(
+        self,
+        layers: Sequence[DecoderLayerParts],
+        dims: DecoderDims,
+        *,
+        act_dtype: torch.dtype = torch.float32,
+    ) -> None:
         if not layers:
             raise ValueError("layers: expected at least one decoder layer, got none")
         if dims.heads % dims.kv_heads:
@@ -133,9 +151,20 @@ class CpuDecodeStep:
         lib.qk_decode_step.restype = ctypes.c_int
         lib.qk_decode_step.argtypes = [
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
         ]  # fmt: skip
+        lib.qk_has_bf16_dot.restype = ctypes.c_int
+        if act_dtype not in _ACT_CODES:
+            raise ValueError(
+                f"act_dtype: expected torch.float32 or torch.bfloat16, got {act_dtype}"
+            )
+        if act_dtype == torch.bfloat16 and not lib.qk_has_bf16_dot():
+            raise ValueError(
+                "act_dtype: bfloat16 needs the AVX512-BF16 build of the kernels, got a CPU "
+                "without avx512_bf16"
+            )
+        self.act_dtype, self._act = act_dtype, _ACT_CODES[act_dtype]
         self._fn, self._work_fn = lib.qk_decode_step, lib.qk_decode_work
         self._args = (ctypes.addressof(self._layers), len(layers), ctypes.addressof(self._dims))
         self._work = torch.empty(0, dtype=torch.float32)  # grown to the most rows seen
@@ -188,7 +217,7 @@ class CpuDecodeStep:
         work = self._work_for(rows, threads)
         status = self._fn(
             *self._args, x.data_ptr(), rows, slot_t.data_ptr(), pos_t.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), work.data_ptr(), work.numel(), threads,
+            cos.data_ptr(), sin.data_ptr(), self._act, work.data_ptr(), work.numel(), threads,
         )  # fmt: skip
         _check_status(status, "qk_decode_step")
         return x

@@ -108,9 +108,6 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-static inline __mmask16 tail_mask(int64_t left) {
-    return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
-}
 #endif
 
 /* g[i] = silu(g[i]) * u[i] for i < n. */
@@ -122,7 +119,8 @@ static void silu_mul(float *g, const float *u, int64_t n) {
         __mmask16 k = tail_mask(n - i);
         __m512 gv = _mm512_maskz_loadu_ps(k, g + i), uv = _mm512_maskz_loadu_ps(k, u + i);
         __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        _mm512_mask_storeu_ps(g + i, k, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), uv));
+        __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, e));
+        _mm512_mask_storeu_ps(g + i, k, _mm512_mul_ps(silu, uv));
     }
 #endif
     for (; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
@@ -204,11 +202,13 @@ static void rope(float *v, const float *cos_, const float *sin_, int64_t D) {
     }
 }
 
-/* Row r: x [r][H], its token at cache row slot[r] and position pos[r], cos/sin [r][D]. */
+/* Row r: x [r][H], its token at cache row slot[r] and position pos[r], cos/sin [r][D].
+   act_dt: the activations' dtype inside the GEMVs, DT_F32 or DT_BF16 (where `gemv_x_dt`
+   allows it; the rest of the layer is fp32 either way). */
 int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_decoder_dims *d,
                    float *x, int64_t R, const int64_t *slot, const int64_t *pos,
-                   const float *cos_, const float *sin_, float *work, int64_t work_floats,
-                   int n_threads) {
+                   const float *cos_, const float *sin_, int act_dt, float *work,
+                   int64_t work_floats, int n_threads) {
     const int64_t H = d->hidden, Hq = d->heads, Hkv = d->kv_heads, D = d->head_dim;
     const int64_t I = d->inter, S = d->slots, group = Hq / Hkv, QKV = (Hq + 2 * Hkv) * D;
     const int64_t row_stride = Hkv * S * D;  /* floats between cache rows */
@@ -242,10 +242,12 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
     #pragma omp parallel num_threads(n_threads)
     for (int64_t l = 0; l < n_layers; l++) {
         const qk_decoder_layer *L = layers + l;
+        const int xq = gemv_x_dt(&L->qkv, act_dt), xo = gemv_x_dt(&L->o, act_dt);
+        const int xg = gemv_x_dt(&L->gate_up, act_dt), xd = gemv_x_dt(&L->down, act_dt);
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) rmsnorm(x + r * H, L->in_norm, H, eps, h + r * H);
-        permute_x(h, DT_F32, R, H, H, xp);
-        gemv_rows(&L->qkv, xp, R, qkv, DT_F32, QKV);
+        permute_x(h, DT_F32, R, H, H, xp, xq);
+        gemv_rows(&L->qkv, xp, xq, R, qkv, DT_F32, QKV);
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) {
             float *q = qkv + r * QKV, *k = q + Hq * D, *v = k + Hkv * D;
@@ -266,23 +268,23 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
                 attend(qkv + r * QKV + i * D, L->k_cache + off, L->v_cache + off, npos, D, scale,
                        scores + omp_get_thread_num() * S, att + (r * Hq + i) * D);
         }
-        permute_x(att, DT_F32, R, Hq * D, Hq * D, xp);
-        gemv_rows(&L->o, xp, R, t, DT_F32, H);
+        permute_x(att, DT_F32, R, Hq * D, Hq * D, xp, xo);
+        gemv_rows(&L->o, xp, xo, R, t, DT_F32, H);
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) {
             for (int64_t i = r * H; i < (r + 1) * H; i++) x[i] += t[i];
             rmsnorm(x + r * H, L->post_norm, H, eps, h + r * H);
         }
-        permute_x(h, DT_F32, R, H, H, xp);
-        gemv_rows(&L->gate_up, xp, R, gu, DT_F32, 2 * I);
+        permute_x(h, DT_F32, R, H, H, xp, xg);
+        gemv_rows(&L->gate_up, xp, xg, R, gu, DT_F32, 2 * I);
         #pragma omp for schedule(static)
         for (int64_t rc = 0; rc < R * n_chunks; rc++) {  /* 256-wide chunks: a vector loop */
             float *g = gu + (rc / n_chunks) * 2 * I;
             int64_t i0 = (rc % n_chunks) * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
             silu_mul(g + i0, g + I + i0, i1 - i0);
         }
-        permute_x(gu, DT_F32, R, I, 2 * I, xp);
-        gemv_rows(&L->down, xp, R, t, DT_F32, H);
+        permute_x(gu, DT_F32, R, I, 2 * I, xp, xd);
+        gemv_rows(&L->down, xp, xd, R, t, DT_F32, H);
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < R * H; i++) x[i] += t[i];
     }

@@ -82,7 +82,7 @@ def _library(variant: str | None = None) -> ctypes.CDLL:
     lib.qk_w4a16_gemv.argtypes = ctypes_of(_GEMV_SIGNATURE)
     lib.qk_w4a16_gemv.restype = ctypes.c_int
     lib.qk_w4_dequant.argtypes = ctypes_of(_DEQUANT_SIGNATURE)
-    lib.qk_w4a16_gemv_layer.argtypes = [ctypes.POINTER(_Layer), *ctypes_of("pillpili")]
+    lib.qk_w4a16_gemv_layer.argtypes = [ctypes.POINTER(_Layer), *ctypes_of("pillpilii")]
     lib.qk_w4a16_gemv_layer.restype = ctypes.c_int
     lib.qk_w4_dequant.restype = ctypes.c_int
     return lib
@@ -276,7 +276,11 @@ class CpuInt4Layer:
         kwargs = dict(in_features=self.in_features, group_size=self.group_size, bias=self.bias)
         return (_rebuild_layer, (self.tensors, kwargs, self.variant))
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, *, bf16_activations: bool = False) -> torch.Tensor:
+        """x [..., K] @ dequant(W).T. bf16_activations: the GEMV rounds x (and the dequantized
+        weights) to bf16 and sums the products in fp32, as the decode step's bf16 mode does
+        (where the build has AVX512-BF16 and the groups are powers of two; else fp32); a
+        call too big for the GEMV ignores it."""
         if not x.is_cpu:
             raise KernelUnavailableError(f"cpu backend: expected CPU tensors, got {x.device}")
         n = self.out_features
@@ -292,7 +296,7 @@ class CpuInt4Layer:
         code = DTYPE_CODES[x.dtype]
         status = self._fn(
             self._layer, x2.data_ptr(), code, m, x2.stride(0), out.data_ptr(), code, n,
-            torch.get_num_threads(),
+            DTYPE_CODES[torch.bfloat16] if bf16_activations else 0, torch.get_num_threads(),
         )  # fmt: skip
         if status:
             _check_status(status, "qk_w4a16_gemv")

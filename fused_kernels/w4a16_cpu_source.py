@@ -93,6 +93,25 @@ static inline void row_chunk(int64_t m, int64_t M, int64_t *m0, int64_t *mb) {
 
 static inline int perm_src(int j, int l) { return 8 * (l & 3) + (VEC / 4) * j + (l >> 2); }
 
+/* The bf16 tile's order (`gemv_tile2_bf16`): 16-bit lane e of a block's 32 weights holds
+   element 4 * (e % 8) + e / 8. */
+static inline int bf16_src(int e) { return 4 * (e % 8) + e / 8; }
+
+#if defined(__AVX512F__)
+/* bf16_src(e) for the 32 word lanes, as a vpermw index. */
+static inline __m512i bf16_perm_index(void) {
+    return _mm512_set_epi16(31, 27, 23, 19, 15, 11, 7, 3, 30, 26, 22, 18, 14, 10, 6, 2,
+                            29, 25, 21, 17, 13, 9, 5, 1, 28, 24, 20, 16, 12, 8, 4, 0);
+}
+
+/* perm_src(j, l) for the 16 lanes: the vpermt2ps index that gathers vector j of a block. */
+static inline __m512i perm_index(int j) {
+    return _mm512_setr_epi32(4 * j, 8 + 4 * j, 16 + 4 * j, 24 + 4 * j, 1 + 4 * j, 9 + 4 * j,
+                             17 + 4 * j, 25 + 4 * j, 2 + 4 * j, 10 + 4 * j, 18 + 4 * j,
+                             26 + 4 * j, 3 + 4 * j, 11 + 4 * j, 19 + 4 * j, 27 + 4 * j);
+}
+#endif
+
 static inline int zero_of(const int32_t *zp, int64_t zp_stride, int64_t n, int64_t g) {
     if (!zp) return 0;
     return (int)(((uint32_t)zp[(n >> 3) * zp_stride + g] >> (4 * (n & 7))) & 0xF) - 8;
@@ -323,6 +342,75 @@ static inline __attribute__((always_inline)) void gemv_tile2(
 }
 #endif
 
+#if defined(__AVX512BF16__)
+/* gemv_tile2 with bf16 activations (`permute_x` to DT_BF16). A group's 16 possible weights
+   u * s + c (the fp32 FMA of `DQ_MAKE`) are rounded once to bf16 and sit twice in one
+   register (32 words); a block's 4 words, broadcast to every 128-bit lane and shifted by
+   4 * lane in each 16-bit half (vpsrlvw), give 32 nibbles that vpermw looks up (it reads the
+   low 5 bits: the table's copy makes bit 4 harmless). Word lane e then holds element
+   4 * (e % 8) + e / 8 (`bf16_src`), the order `permute_x` gives the bf16 activations. One
+   vdpbf16ps per activation row multiplies and adds the 32 pairs into 16 fp32 lanes: 2 ops
+   dequantize 32 weights (fp32 tile: 5), and each row takes half the FMA-pipe instructions and
+   half the activation bytes. Only the operands are rounded; the sums stay fp32. */
+#define DQB_MAKE(s_, c_) ({ __m512 t_ = DQ_MAKE(s_, c_); (__m512i)_mm512_cvtne2ps_pbh(t_, t_); })
+#define DQB_APPLY(wv, tbl) \
+    (__m512bh)_mm512_permutexvar_epi16(_mm512_srlv_epi16(wv, bf16_shifts), tbl)
+static inline __attribute__((always_inline)) void gemv_tile2_bf16(
+    int MB, const uint16_t *xc, int64_t b0, int64_t b1, int gsh, const int32_t *wa,
+    const int32_t *wb, const float *sa, const float *ca, const float *sb, const float *cb,
+    int64_t pf, float *ra, float *rb)
+{
+    __m512 acc[2][MAX_MB][4];
+    const int nacc = MB == 1 ? 4 : (MB <= 4 ? 2 : 1);
+    const __m512i bf16_shifts = _mm512_set_epi16(12, 12, 12, 12, 12, 12, 12, 12, 8, 8, 8, 8,
+        8, 8, 8, 8, 4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
+    for (int m = 0; m < MB; m++)
+        for (int a = 0; a < 4; a++) acc[0][m][a] = acc[1][m][a] = _mm512_setzero_ps();
+#define GEMV_BLOCK2_BF16(bi, alt)                                                    \
+    do {                                                                             \
+        __m512i ta = DQB_MAKE(sa[(bi) >> gsh], ca[(bi) >> gsh]);                     \
+        __m512i tb = DQB_MAKE(sb[(bi) >> gsh], cb[(bi) >> gsh]);                     \
+        __m512bh w0 = DQB_APPLY(VI_BCAST4(wa + (bi) * 4), ta);                       \
+        __m512bh w1 = DQB_APPLY(VI_BCAST4(wb + (bi) * 4), tb);                       \
+        const uint16_t *xb = xc + (bi) * 32 * MB;                                    \
+        const int a = (alt) % nacc;                                                  \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                       \
+            __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * 32);                  \
+            acc[0][m][a] = _mm512_dpbf16_ps(acc[0][m][a], w0, xv);                   \
+            acc[1][m][a] = _mm512_dpbf16_ps(acc[1][m][a], w1, xv);                   \
+        }                                                                            \
+    } while (0)
+    int64_t blk = b0;
+    for (; blk + 3 < b1; blk += 4) {
+        __builtin_prefetch((const char *)(wa + blk * 4) + pf, 0, 2);
+        __builtin_prefetch((const char *)(wb + blk * 4) + pf, 0, 2);
+        GEMV_BLOCK2_BF16(blk, 0);
+        GEMV_BLOCK2_BF16(blk + 1, 1);
+        GEMV_BLOCK2_BF16(blk + 2, 2);
+        GEMV_BLOCK2_BF16(blk + 3, 3);
+    }
+    for (int alt = 0; blk < b1; blk++, alt++) GEMV_BLOCK2_BF16(blk, alt);
+#undef GEMV_BLOCK2_BF16
+    __m512 t0[MAX_MB], t1[MAX_MB];
+    for (int m = 0; m < MB; m++) {
+        t0[m] = acc[0][m][0], t1[m] = acc[1][m][0];
+        for (int a = 1; a < nacc; a++) {
+            t0[m] = _mm512_add_ps(t0[m], acc[0][m][a]);
+            t1[m] = _mm512_add_ps(t1[m], acc[1][m][a]);
+        }
+    }
+    if (MB == 8) {
+        hsum8_add(t0, ra);
+        hsum8_add(t1, rb);
+        return;
+    }
+    for (int m = 0; m < MB; m++) {
+        ra[m] += _mm512_reduce_add_ps(t0[m]);
+        rb[m] += _mm512_reduce_add_ps(t1[m]);
+    }
+}
+#endif
+
 /* Weight rows per scheduling unit: their per-group constants and partial sums live on the
    stack, and a tile of them streams past each K tile of x. 32 rows moved 27.5 GB/s at
    4096x4096, M = 1, 2 threads, against 24.5 with 16 and 22 with 8 (longer contiguous runs). */
@@ -354,30 +442,72 @@ static int group_layout(const qk_w4_layer *L, int64_t *bpg, int *gsh) {
     return 0;
 }
 
+/* 1 when this build has the bf16 tile (the CPU has AVX512-BF16), else 0. */
+int qk_has_bf16_dot(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* The dtype `permute_x` should give the activations of a GEMV over L: DT_BF16 when the caller
+   asks for it and the bf16 tile applies (this build has it, power-of-two groups), else DT_F32. */
+static int gemv_x_dt(const qk_w4_layer *L, int want) {
+    int64_t bpg;
+    int gsh;
+    if (want != DT_BF16 || !qk_has_bf16_dot() || group_layout(L, &bpg, &gsh) || gsh < 0)
+        return DT_F32;
+    return DT_BF16;
+}
+
 /* Floats of scratch a GEMV over L needs: the permuted x (M rows, `permute_x`) and after it the
    per-tile constants (`gemv_rows`). */
 static int64_t gemv_scratch(const qk_w4_layer *L, int64_t M) {
     return M * ((L->K + 31) / 32) * 32 + (L->N + RT) * 2 * L->n_groups + 16;
 }
 
-/* x -> fp32, each 32-element block permuted to the order the shifts produce, K padded with
-   zeros, the rows of each chunk (`row_chunk`) interleaved per block: [chunk][block][row][32].
+/* x -> xp_dt (DT_F32, or DT_BF16 rounded to nearest even for `gemv_tile2_bf16`), each
+   32-element block permuted to the order the shifts produce, K padded with zeros, the rows of
+   each chunk (`row_chunk`) interleaved per block: [chunk][block][row][32].
    An orphaned `omp for` over (row, block), like `gemv_rows`: inside a parallel region the team
    shares it (with one thread the other would wait at the next barrier), outside one the
    calling thread does it all. */
 static void permute_x(const void *x, int x_dt, int64_t M, int64_t K, int64_t x_stride,
-                      float *xp) {
+                      float *xp, int xp_dt) {
     const int64_t nblk = (K + 31) / 32, kp = nblk * 32;
     #pragma omp for schedule(static)
     for (int64_t mb_i = 0; mb_i < M * nblk; mb_i++) {
         int64_t m = mb_i / nblk, b = mb_i % nblk, m0, mb;
         row_chunk(m, M, &m0, &mb);
-        float *dst = xp + m0 * kp + (b * mb + (m - m0)) * 32;
-        for (int j = 0; j < NV; j++)
-            for (int l = 0; l < VEC; l++) {
-                int64_t k = b * 32 + perm_src(j, l);
-                dst[j * VEC + l] = k < K ? load_f(x, m * x_stride + k, x_dt) : 0.0f;
+        int64_t at = m0 * kp + (b * mb + (m - m0)) * 32;  /* in elements of xp_dt */
+#if defined(__AVX512F__)
+        if (x_dt == DT_F32) {  /* two loads and two lane permutes a block, not 32 scalars */
+            const float *src = (const float *)x + m * x_stride + b * 32;
+            int64_t left = K - b * 32;
+            __m512 lo = _mm512_maskz_loadu_ps(tail_mask(left), src);
+            __m512 hi = _mm512_maskz_loadu_ps(tail_mask(left - 16), src + 16);
+#if defined(__AVX512BF16__)
+            if (xp_dt == DT_BF16) {  /* round to bf16 in block order, then one word permute */
+                __m512i v = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+                _mm512_storeu_si512((uint16_t *)xp + at,
+                                    _mm512_permutexvar_epi16(bf16_perm_index(), v));
+                continue;
             }
+#endif
+            __m512 p0 = _mm512_permutex2var_ps(lo, perm_index(0), hi);
+            __m512 p1 = _mm512_permutex2var_ps(lo, perm_index(1), hi);
+            if (xp_dt == DT_F32) {
+                _mm512_storeu_ps(xp + at, p0);
+                _mm512_storeu_ps(xp + at + 16, p1);
+                continue;
+            }
+        }
+#endif
+        for (int e = 0; e < 32; e++) {
+            int64_t k = b * 32 + (xp_dt == DT_BF16 ? bf16_src(e) : perm_src(e / VEC, e % VEC));
+            store_f(xp, at + e, xp_dt, k < K ? load_f(x, m * x_stride + k, x_dt) : 0.0f);
+        }
     }
 }
 
@@ -386,8 +516,8 @@ static void permute_x(const void *x, int x_dt, int64_t M, int64_t K, int64_t x_s
    barrier), outside one it runs on the calling thread. xp is the start of `gemv_scratch(L, M)`
    floats: the permuted x, then (N + RT) * 2 * G floats of per-tile constants. The caller has
    checked the group layout. */
-static void gemv_rows(const qk_w4_layer *L, float *xp, int64_t M, void *out, int o_dt,
-                      int64_t o_stride) {
+static void gemv_rows(const qk_w4_layer *L, float *xp, int xp_dt, int64_t M, void *out,
+                      int o_dt, int64_t o_stride) {
     const int64_t K = L->K, N = L->N, n_groups = L->n_groups, wq_stride = L->wq_stride;
     const int32_t *wq = L->wq;
     int64_t nblk = (K + 31) / 32, kp = nblk * 32, words = (K + 7) / 8, bpg;
@@ -421,6 +551,27 @@ static void gemv_rows(const qk_w4_layer *L, float *xp, int64_t M, void *out, int
                 int64_t b1 = b0 + kt < nblk ? b0 + kt : nblk, g0 = b0 / bpg;
                 const float *xc = xp + m0 * kp;
                 int64_t n = n0;
+#if defined(__AVX512BF16__)
+                /* bf16 activations (`gemv_x_dt`: power-of-two groups): rows in pairs, an odd
+                   last row paired with itself and its second result dropped */
+                for (; xp_dt == DT_BF16 && n < n1; n += 2) {
+                    const uint16_t *xcb = (const uint16_t *)xp + m0 * kp;
+                    const int64_t nb = n + 1 < n1 ? n + 1 : n;
+                    const int32_t *wa = wq + n * wq_stride, *wb = wq + nb * wq_stride;
+                    const float *sa = s + (n - n0) * n_groups, *ca = c + (n - n0) * n_groups;
+                    const float *sb = s + (nb - n0) * n_groups, *cb = c + (nb - n0) * n_groups;
+                    float spare[MAX_MB] = {0};
+                    float *rb = nb > n ? res[nb - n0] : spare;
+#define TILE2B(MB) gemv_tile2_bf16(MB, xcb, b0, b1, gsh, wa, wb, sa, ca, sb, cb, pf, \
+                                   res[n - n0], rb)
+                    if (mb == 1) TILE2B(1);
+                    else if (mb == 2) TILE2B(2);
+                    else if (mb == 3) TILE2B(3);
+                    else if (mb == 4) TILE2B(4);
+                    else TILE2B(MAX_MB);
+#undef TILE2B
+                }
+#endif
 #ifdef VI_NIBBLE
                 for (; gsh >= 0 && n + 1 < n1; n += 2) {  /* rows in pairs, see gemv_tile2 */
                     const int32_t *wa = wq + n * wq_stride;
@@ -462,18 +613,21 @@ static void gemv_rows(const qk_w4_layer *L, float *xp, int64_t M, void *out, int
     }
 }
 
+/* act_dt: DT_BF16 rounds x to bf16 for the bf16 tile where `gemv_x_dt` allows, else fp32. */
 int qk_w4a16_gemv_layer(const qk_w4_layer *L, const void *x, int x_dt, int64_t M,
-                        int64_t x_stride, void *out, int o_dt, int64_t o_stride, int n_threads)
+                        int64_t x_stride, void *out, int o_dt, int64_t o_stride, int act_dt,
+                        int n_threads)
 {
     int64_t bpg;
     int gsh;
     if (group_layout(L, &bpg, &gsh)) return 1;
     float *work = (float *)aligned_alloc(64, (size_t)gemv_scratch(L, M) * sizeof(float));
     if (!work) return 2;
+    const int xp_dt = gemv_x_dt(L, act_dt);
     #pragma omp parallel num_threads(n_threads)
     {
-        permute_x(x, x_dt, M, L->K, x_stride, work);
-        gemv_rows(L, work, M, out, o_dt, o_stride);
+        permute_x(x, x_dt, M, L->K, x_stride, work, xp_dt);
+        gemv_rows(L, work, xp_dt, M, out, o_dt, o_stride);
     }
     free(work);
     return 0;
@@ -488,7 +642,8 @@ int qk_w4a16_gemv(
 {
     qk_w4_layer L = {wq, N, K, wq_stride, scale, s_dt, n_groups, s_stride, zp, zp_stride,
                      group_size, bias, b_dt};
-    return qk_w4a16_gemv_layer(&L, x, x_dt, M, x_stride, out, o_dt, o_stride, n_threads);
+    return qk_w4a16_gemv_layer(&L, x, x_dt, M, x_stride, out, o_dt, o_stride, DT_F32,
+                               n_threads);
 }
 
 int qk_w4_dequant(

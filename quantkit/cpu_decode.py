@@ -10,6 +10,14 @@ engine's slots and prompt chunks). Prefills longer than the GEMV's measured cros
 (`GEMV_MAX_M`, where dequantize + MKL wins) stay on the PyTorch path. QUANTKIT_CPU_DECODE=0
 turns it off (for comparisons). Measured on SmolLM2-135M INT4, 2 threads: see DESIGN.md / the
 decode benchmark.
+
+Activations. The GEMVs take fp32 activations by default, which the tests hold to the PyTorch
+path within 1e-5. `set_act_dtype(model, torch.bfloat16)` rounds them to bf16 inside the GEMVs
+(W4A16 in the strict sense; vdpbf16ps on AVX512-BF16 CPUs, sums in fp32, the rest of each
+layer fp32): the batched steps and prefills that are bound by multiply-adds run 1.3-1.45x
+faster, batch 1 (bound by weight bytes) the same. `auto_act_dtype` picks it for quantized
+models where the CPU has the instructions, as the CLI does; what it costs in perplexity is
+measured by `quantkit.evals.act_precision`.
 """
 
 from __future__ import annotations
@@ -18,10 +26,20 @@ import os
 
 import torch
 
+from quantkit.errors import GenerationError
 from quantkit.model import CausalLM
 from quantkit.quant_linear import QuantLinear
 
-__all__ = ["CpuDecodePath", "enable_cpu_decode"]
+__all__ = [
+    "ACT_DTYPES",
+    "CpuDecodePath",
+    "auto_act_dtype",
+    "bf16_activations_available",
+    "enable_cpu_decode",
+    "set_act_dtype",
+]
+
+ACT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _cpu_int4(module: object) -> object | None:
@@ -35,11 +53,12 @@ def _cpu_int4(module: object) -> object | None:
 class CpuDecodePath:
     """Binds `fused_kernels.decode_cpu.CpuDecodeStep` to a model's current KV cache."""
 
-    def __init__(self) -> None:
+    def __init__(self, act_dtype: torch.dtype = torch.float32) -> None:
         from quantkit.fused_kernels.cpu_build import cpu_variant
         from quantkit.fused_kernels.w4a16_cpu import GEMV_MAX_M
 
         self.max_rows = GEMV_MAX_M.get(cpu_variant(), 1)  # a longer prefill: PyTorch + MKL
+        self.act_dtype = act_dtype  # the GEMVs' activations (`set_act_dtype`)
         self.step = None
         self._caches: list[torch.Tensor] = []
         self.reason = "no cache set up yet"
@@ -49,11 +68,34 @@ class CpuDecodePath:
         self.step, self._caches = None, []
         self.reason = self._bind(model)
 
-    def _bind(self, model: CausalLM) -> str:
+    @staticmethod
+    def _layer_kernels(layer: object) -> list[object | None] | None:
+        """A decoder layer's four bound C kernels (None where a Linear is not INT4 on the cpu
+        backend), or None when q/k/v or gate/up are not fused."""
+        attn, mlp = layer.self_attn, layer.mlp  # type: ignore[attr-defined]
+        fused = [attn.fused_qkv, mlp.fused_gate_up]
+        if any(f is None or not f.valid() for f in fused):
+            return None
+        return [_cpu_int4(m) for m in (fused[0].fused, attn.o_proj, fused[1].fused, mlp.down_proj)]
+
+    def unsupported(self, model: CausalLM) -> str | None:
+        """Why the step cannot run `model` (whatever its cache), or None when it can."""
         if os.environ.get("QUANTKIT_CPU_DECODE") == "0":
             return "QUANTKIT_CPU_DECODE=0"
         if model.device.type != "cpu" or model.dtype != torch.float32:
             return f"needs fp32 on CPU, got {model.dtype} on {model.device.type}"
+        for i, layer in enumerate(model.model.layers):
+            kernels = self._layer_kernels(layer)
+            if kernels is None:
+                return f"layer {i}: q/k/v or gate/up not fused"
+            if any(k is None for k in kernels):
+                return f"layer {i}: a Linear is not INT4 on the cpu backend"
+        return None
+
+    def _bind(self, model: CausalLM) -> str:
+        reason = self.unsupported(model)
+        if reason is not None:
+            return reason
         from quantkit.fused_kernels.decode_cpu import (
             CpuDecodeStep,
             DecoderDims,
@@ -61,16 +103,10 @@ class CpuDecodePath:
         )
 
         parts = []
-        for i, layer in enumerate(model.model.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            fused = [attn.fused_qkv, mlp.fused_gate_up]
-            if any(f is None or not f.valid() for f in fused):
-                return f"layer {i}: q/k/v or gate/up not fused"
-            kernels = [_cpu_int4(m) for m in (fused[0].fused, attn.o_proj)]
-            kernels += [_cpu_int4(m) for m in (fused[1].fused, mlp.down_proj)]
-            if any(k is None for k in kernels):
-                return f"layer {i}: a Linear is not INT4 on the cpu backend"
-            cache = attn.cache
+        for layer in model.model.layers:
+            kernels = self._layer_kernels(layer)
+            assert kernels is not None
+            cache = layer.self_attn.cache
             if cache is None:
                 return "needs a KV cache"
             parts.append(
@@ -88,7 +124,7 @@ class CpuDecodePath:
             cfg.intermediate_size, cfg.rms_norm_eps,
         )  # fmt: skip
         try:
-            self.step = CpuDecodeStep(parts, dims)
+            self.step = CpuDecodeStep(parts, dims, act_dtype=self.act_dtype)
         except ValueError as exc:
             return str(exc)
         self._caches = [p.k_cache for p in parts]
@@ -134,6 +170,50 @@ class CpuDecodePath:
         x = model.model.embed_tokens(torch.tensor(tokens)).contiguous()
         self.step(x, positions, cos.contiguous(), sin.contiguous(), slots=slots)
         return x.unsqueeze(1)
+
+    def unbound(self) -> CpuDecodePath:
+        """A new path with the same settings, bound to nothing yet."""
+        return CpuDecodePath(self.act_dtype)
+
+
+def bf16_activations_available() -> bool:
+    """True if the C step can run its GEMVs on bf16 activations here (AVX512-BF16)."""
+    from quantkit.fused_kernels.decode_cpu import bf16_activations_available as available
+    from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
+
+    return cpu_kernel_available() and available()
+
+
+def auto_act_dtype(model: CausalLM, *, quantized: bool) -> torch.dtype:
+    """bf16 for a quantized model whose layers run the C step on a CPU with AVX512-BF16, else
+    fp32. Dense models keep fp32, the activations transformers computes with."""
+    path = getattr(model, "decode_path", None)
+    if quantized and path is not None and path.unsupported(model) is None:
+        return torch.bfloat16 if bf16_activations_available() else torch.float32
+    return torch.float32
+
+
+def set_act_dtype(model: CausalLM, dtype: torch.dtype) -> None:
+    """Run the C step's GEMVs on `dtype` activations (fp32, or bf16 where
+    `bf16_activations_available`), from the cache bound now on."""
+    if dtype not in ACT_DTYPES.values():
+        raise GenerationError(
+            f"activation dtype: expected one of {', '.join(ACT_DTYPES)}, got {dtype}"
+        )
+    path = getattr(model, "decode_path", None)
+    if dtype == torch.bfloat16:
+        why = "no C decode path" if path is None else path.unsupported(model)
+        if why is None and not bf16_activations_available():
+            why = "a CPU without AVX512-BF16"
+        if why is not None:
+            raise GenerationError(
+                "activation dtype: bfloat16 needs an INT4 model on the C decode step and an "
+                f"AVX512-BF16 CPU, got {why}"
+            )
+    if path is not None and path.act_dtype != dtype:
+        path.act_dtype = dtype
+        if path.step is not None:
+            path.bind(model)  # the cache bound now, with the new dtype
 
 
 def enable_cpu_decode(model: CausalLM) -> CpuDecodePath:

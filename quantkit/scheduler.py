@@ -203,7 +203,7 @@ class _Engine:
             return None
         for cache in self.caches:
             cache.select_all()
-        bound = type(path)()
+        bound = path.unbound()
         bound.bind(self.model)
         return bound if bound.step is not None else None
 

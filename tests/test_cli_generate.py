@@ -64,6 +64,7 @@ def test_json_has_the_documented_keys(tiny_model_dir: Path, capsys) -> None:
     assert data["bytes_lm_head"] == 512 * 64 * 4
     assert data["backend"] == "dense float32 (torch)" and data["device"].startswith("cpu")
     assert data["head_dtype"] == "float32"  # dense models keep the head transformers uses
+    assert data["act_dtype"] == "float32"  # and its activations
 
 
 def test_streams_text_then_summary(int4_ckpt: Path, capsys) -> None:
@@ -94,6 +95,27 @@ def test_head_dtype_option(int4_ckpt: Path, capsys) -> None:
     code, out, err = run(capsys, *common, "--head-dtype", "float32")
     assert code == 0, err
     assert json.loads(out)["bytes_lm_head"] == 512 * 64 * 4
+
+
+def test_act_dtype_option(int4_ckpt: Path, capsys) -> None:
+    from quantkit.cpu_decode import bf16_activations_available
+
+    common = ["generate", str(int4_ckpt), "--prompt", "Flat is", "--max-new-tokens", "3", "--json"]
+    code, out, err = run(capsys, *common, "--act-dtype", "float32")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["act_dtype"] == "float32" and "activations in the INT4 GEMVs" not in data["backend"]
+    code, out, err = run(capsys, *common, "--act-dtype", "bfloat16")
+    if not bf16_activations_available():
+        assert code != 0 and "AVX512-BF16" in err and "Traceback" not in err
+        return
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["act_dtype"] == "bfloat16"
+    assert "bfloat16 activations in the INT4 GEMVs" in data["backend"]
+    code, out, err = run(capsys, *common)  # auto: bf16 for INT4 on this CPU
+    assert code == 0, err
+    assert json.loads(out)["act_dtype"] == "bfloat16"
 
 
 def test_default_model_is_the_cached_int4_checkpoint(

@@ -238,3 +238,34 @@ def test_int4_modules_deepcopy_after_use(llama_ckpt: Path) -> None:
         out = model(ids)
         twin = copy.deepcopy(model)
         torch.testing.assert_close(twin(ids), out)
+
+
+def test_act_dtype_is_checked_and_rebinds(llama_ckpt: Path, tiny_llama_dir: Path) -> None:
+    """set_act_dtype: only fp32/bf16; bf16 only where the C step runs the model (INT4) on an
+    AVX512-BF16 CPU; a change rebinds the bound step; auto picks bf16 only for such a model."""
+    from quantkit.cpu_decode import auto_act_dtype, bf16_activations_available, set_act_dtype
+    from quantkit.errors import GenerationError
+
+    model = load_model(llama_ckpt, tokenizer=False).model
+    dense = load_model(tiny_llama_dir, tokenizer=False).model
+    with pytest.raises(GenerationError, match="one of float32, bfloat16, got torch.float16"):
+        set_act_dtype(model, torch.float16)
+    with pytest.raises(GenerationError, match="got layer 0: a Linear is not INT4"):
+        set_act_dtype(dense, torch.bfloat16)
+    assert auto_act_dtype(dense, quantized=False) == torch.float32
+    if not bf16_activations_available():
+        with pytest.raises(GenerationError, match="got a CPU without AVX512-BF16"):
+            set_act_dtype(model, torch.bfloat16)
+        assert auto_act_dtype(model, quantized=True) == torch.float32
+        return
+    assert auto_act_dtype(model, quantized=True) == torch.bfloat16
+    model.setup_cache(batch=1, max_len=16)
+    x = torch.tensor([PROMPTS[0]])
+    pos = torch.arange(x.shape[1]).unsqueeze(0)
+    with torch.no_grad():
+        fp32 = model(x, positions=pos)
+        set_act_dtype(model, torch.bfloat16)
+        assert model.decode_path.step.act_dtype == torch.bfloat16  # rebound to the same cache
+        bf16 = model(x, positions=pos)
+    rel = ((bf16 - fp32).norm() / fp32.norm()).item()
+    assert 0 < rel < 2e-2  # rounded operands: close, not equal

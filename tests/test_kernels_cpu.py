@@ -213,3 +213,58 @@ def test_cpu_bf16_prefill_path(monkeypatch) -> None:
     magnitude = (x.float().abs() @ w.abs().T).max().item()
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), ref, atol=2.0**-8 * magnitude, rtol=2.0**-7)
+
+
+def _bf16_weights(wp, scale, zp, *, n: int, k: int, g: int) -> torch.Tensor:
+    """The weights the bf16 tile multiplies: u * s + c in one fp32 rounding (an FMA; u the
+    stored nibble, c = -(stored zero nibble) * s in fp32, as `tile_params` makes it), then
+    rounded to bf16."""
+    from quantkit.packing import unpack_int4, unpack_zero_points
+
+    u = unpack_int4(wp, k).double() + 8
+    s = scale.float()
+    raw = 8 if zp is None else unpack_zero_points(zp, n).float() + 8
+    c = -(raw * s)  # fp32, as the kernel
+    s64, c64 = (t.double().repeat_interleave(g, dim=1)[:, :k] for t in (s, c))
+    return (u * s64 + c64).float().bfloat16()
+
+
+BF16_CASES = [
+    # m, n, k, group, symmetric: row chunks 8, 8 + 3, 8 + 4 + 1, 32 + 8; an odd last weight row
+    (1, 64, 128, 32, False),
+    (3, 77, 384, 128, True),
+    (8, 576, 1536, 64, False),
+    (11, 70, 384, 64, False),
+    (13, 33, 640, 128, False),
+    (40, 9, 96, 32, True),
+]
+
+
+@pytest.mark.parametrize("case", BF16_CASES, ids=lambda c: "M{}-N{}-K{}-g{}-sym{}".format(*c))
+def test_cpu_bf16_activations_sum_bf16_operands_in_fp32(case: tuple) -> None:
+    """bf16_activations=True: x and the dequantized weights each rounded to bf16 (the operands
+    vdpbf16ps takes), their exact products summed in fp32: equal to an fp64 sum of the same
+    products within the fp32-summation tolerance, and measurably unlike the fp32 GEMV."""
+    from quantkit.fused_kernels.decode_cpu import bf16_activations_available
+
+    if not bf16_activations_available():
+        pytest.skip("bf16 activations need a CPU with AVX512-BF16")
+    m, n, k, group, symmetric = case
+    wp, scale, zp, g = make_layer(n, k, group, symmetric, dtype=torch.bfloat16, seed=m)
+    layer = cpu.CpuInt4Layer(wp, scale, zp, in_features=k, group_size=g)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
+    y = layer(x, bf16_activations=True)
+    w = _bf16_weights(wp, scale, zp, n=n, k=k, g=g)
+    ref = (x.bfloat16().double() @ w.double().T).float()
+    tol = tolerances(x, w.float())
+    torch.testing.assert_close(y, ref, **tol)
+    assert (layer(x) - y).abs().max() > tol["atol"]  # the fp32 GEMV: not the same operands
+
+
+def test_cpu_bf16_activations_fall_back_to_fp32_where_groups_do_not_fit() -> None:
+    """Per-channel (K not a power-of-two number of blocks) keeps fp32 activations: the same
+    result as the fp32 GEMV, bit for bit."""
+    wp, scale, zp, g = make_layer(20, 200, -1, False)
+    layer = cpu.CpuInt4Layer(wp, scale, zp, in_features=200, group_size=g)
+    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(layer(x, bf16_activations=True), layer(x))

@@ -199,10 +199,14 @@ def test_bad_requests(tiny: LoadedModel) -> None:
         )
 
 
+@pytest.mark.parametrize("act", ["float32", "bfloat16"])
 def test_decode_steps_take_the_models_one_call_path(
-    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, act: str
 ) -> None:
+    """Also with bf16 activations in the GEMVs (`set_act_dtype`): the engine and `generate`
+    alone share the mode, and every request still gets the tokens it gets alone."""
     from quantkit.checkpoint import save_checkpoint
+    from quantkit.cpu_decode import ACT_DTYPES, bf16_activations_available, set_act_dtype
     from quantkit.fused_kernels.decode_cpu import CpuDecodeStep
     from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
     from quantkit.quantize import quantize_model
@@ -210,6 +214,8 @@ def test_decode_steps_take_the_models_one_call_path(
 
     if not cpu_kernel_available():
         pytest.skip("needs gcc for the C kernel (as tests/test_cpu_decode.py)")
+    if act == "bfloat16" and not bf16_activations_available():
+        pytest.skip("bf16 activations need a CPU with AVX512-BF16")
     outcome = quantize_model(tiny_llama_dir, scheme=QuantScheme("rtn", 4, "auto", False))
     ckpt = save_checkpoint(
         tmp_path / "int4", source_dir=tiny_llama_dir, config=outcome.config,
@@ -217,6 +223,7 @@ def test_decode_steps_take_the_models_one_call_path(
         quantized_modules=outcome.quantized_modules, report={},
     )  # fmt: skip
     model = load_model(ckpt, tokenizer=False).model
+    set_act_dtype(model, ACT_DTYPES[act])
     requests = _requests([(7, 9, 0.0), (12, 6, 0.0), (4, 8, 20.0), (5, 7, 21.0), (9, 5, 21.0)])
     alone = [
         generate(model, [r.prompt], SamplingParams(max_new_tokens=r.max_new_tokens)).tokens[0]
