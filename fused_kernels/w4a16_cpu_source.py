@@ -251,31 +251,6 @@ static inline __attribute__((always_inline)) void gemv_tile(
 #endif
 }
 
-#if defined(__AVX512F__)
-/* r[i] += the sum of v[i]'s 16 lanes, i < 8, by three rounds of shuffles over all 8 vectors at
-   once (18 shuffles and adds in all, against ~8 ops each for 8 separate reductions). SmolLM2
-   linears, 2 threads, A/B in one run: M = 8 8.49 -> 7.78 ms, M = 40 37.9 -> 35.1 ms. */
-static inline void hsum8_add(const __m512 *v, float *r) {
-    __m512 u[4], w[2];
-    for (int i = 0; i < 4; i++)  /* 512 -> 256: lanes 0-7 from v[2i], 8-15 from v[2i + 1] */
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int j = 0; j < 2; j++)  /* 256 -> 128: quarter q from v[4j + q] */
-        w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88),
-                             _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
-    /* 128 -> 32: quarter q holds v[q]'s sum in its lane 0 and v[q + 4]'s in its lane 2 */
-    __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x44),
-                             _mm512_shuffle_ps(w[0], w[1], 0xEE));
-    z = _mm512_add_ps(z, _mm512_shuffle_ps(z, z, 0xB1));
-    float t[16];
-    _mm512_storeu_ps(t, z);
-    for (int q = 0; q < 4; q++) {
-        r[q] += t[4 * q];
-        r[q + 4] += t[4 * q + 2];
-    }
-}
-#endif
-
 #ifdef VI_NIBBLE
 /* gemv_tile for two weight rows at once (power-of-two groups, whole blocks): each activation
    vector loaded is used by both rows' FMAs (with one row, every FMA carried its own load of
@@ -366,10 +341,10 @@ static inline __attribute__((always_inline)) void gemv_tile2_bf16(
         8, 8, 8, 8, 4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int m = 0; m < MB; m++)
         for (int a = 0; a < 4; a++) acc[0][m][a] = acc[1][m][a] = _mm512_setzero_ps();
-#define GEMV_BLOCK2_BF16(bi, alt)                                                    \
+#define TABLES(bi) __m512i ta = DQB_MAKE(sa[(bi) >> gsh], ca[(bi) >> gsh]),         \
+                           tb = DQB_MAKE(sb[(bi) >> gsh], cb[(bi) >> gsh])
+#define GEMV_BLOCK2_BF16(bi, alt, ta, tb)                                            \
     do {                                                                             \
-        __m512i ta = DQB_MAKE(sa[(bi) >> gsh], ca[(bi) >> gsh]);                     \
-        __m512i tb = DQB_MAKE(sb[(bi) >> gsh], cb[(bi) >> gsh]);                     \
         __m512bh w0 = DQB_APPLY(VI_BCAST4(wa + (bi) * 4), ta);                       \
         __m512bh w1 = DQB_APPLY(VI_BCAST4(wb + (bi) * 4), tb);                       \
         const uint16_t *xb = xc + (bi) * 32 * MB;                                    \
@@ -384,13 +359,28 @@ static inline __attribute__((always_inline)) void gemv_tile2_bf16(
     for (; blk + 3 < b1; blk += 4) {
         __builtin_prefetch((const char *)(wa + blk * 4) + pf, 0, 2);
         __builtin_prefetch((const char *)(wb + blk * 4) + pf, 0, 2);
-        GEMV_BLOCK2_BF16(blk, 0);
-        GEMV_BLOCK2_BF16(blk + 1, 1);
-        GEMV_BLOCK2_BF16(blk + 2, 2);
-        GEMV_BLOCK2_BF16(blk + 3, 3);
+        if (gsh >= 1) {  /* blocks 0-1 and 2-3 share a group (blk is a multiple of 4) */
+            TABLES(blk);
+            GEMV_BLOCK2_BF16(blk, 0, ta, tb);
+            GEMV_BLOCK2_BF16(blk + 1, 1, ta, tb);
+            {
+                TABLES(blk + 2);
+                GEMV_BLOCK2_BF16(blk + 2, 2, ta, tb);
+                GEMV_BLOCK2_BF16(blk + 3, 3, ta, tb);
+            }
+        } else {
+            for (int i = 0; i < 4; i++) {
+                TABLES(blk + i);
+                GEMV_BLOCK2_BF16(blk + i, i, ta, tb);
+            }
+        }
     }
-    for (int alt = 0; blk < b1; blk++, alt++) GEMV_BLOCK2_BF16(blk, alt);
+    for (int alt = 0; blk < b1; blk++, alt++) {
+        TABLES(blk);
+        GEMV_BLOCK2_BF16(blk, alt, ta, tb);
+    }
 #undef GEMV_BLOCK2_BF16
+#undef TABLES
     __m512 t0[MAX_MB], t1[MAX_MB];
     for (int m = 0; m < MB; m++) {
         t0[m] = acc[0][m][0], t1[m] = acc[1][m][0];
