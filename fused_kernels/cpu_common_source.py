@@ -75,6 +75,29 @@ typedef __m512 vf;
 #define VF_ADD(a, b) _mm512_add_ps(a, b)
 #define VF_LOAD(p) _mm512_loadu_ps(p)
 #define VF_HSUM(a) _mm512_reduce_add_ps(a)
+/* r[i] += the sum of v[i]'s 16 lanes, i < 8, by three rounds of shuffles over all 8 vectors at
+   once (18 shuffles and adds in all, against ~8 ops each for 8 separate reductions). SmolLM2
+   linears, 2 threads, A/B in one run: M = 8 8.49 -> 7.78 ms, M = 40 37.9 -> 35.1 ms. */
+static inline void hsum8_add(const __m512 *v, float *r) {
+    __m512 u[4], w[2];
+    for (int i = 0; i < 4; i++)  /* 512 -> 256: lanes 0-7 from v[2i], 8-15 from v[2i + 1] */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int j = 0; j < 2; j++)  /* 256 -> 128: quarter q from v[4j + q] */
+        w[j] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * j], u[2 * j + 1], 0xDD));
+    /* 128 -> 32: quarter q holds v[q]'s sum in its lane 0 and v[q + 4]'s in its lane 2 */
+    __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x44),
+                             _mm512_shuffle_ps(w[0], w[1], 0xEE));
+    z = _mm512_add_ps(z, _mm512_shuffle_ps(z, z, 0xB1));
+    float t[16];
+    _mm512_storeu_ps(t, z);
+    for (int q = 0; q < 4; q++) {
+        r[q] += t[4 * q];
+        r[q + 4] += t[4 * q + 2];
+    }
+}
+
 /* The lanes of a 16-lane load or store that hold elements, with `left` elements to go. */
 static inline __mmask16 tail_mask(int64_t left) {
     if (left <= 0) return 0;

@@ -27,16 +27,38 @@ from quantkit.model import CausalLM
 HEAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# Rows up to which a bf16 head on fp32 activations takes the C GEMV (`bf16_gemv_cpu`) rather
+# than oneDNN: a decode step's rows and a prefill's last one. SmolLM2's 49152 x 576 head, 2
+# threads, weight streamed between calls (in the decode step): see `bf16_gemv_cpu_source`.
+HEAD_GEMV_MAX_M = 16
+
+
 class CastHead(nn.Module):
-    """x [..., H] -> x.to(dtype) @ W.T, W [V, H] stored once in `dtype` (accumulated in fp32 by
-    the BLAS); the caller (`CausalLM.forward`) turns the logits into fp32."""
+    """x [..., H] -> x.to(dtype) @ W.T, W [V, H] stored once in `dtype` (accumulated in fp32);
+    the caller (`CausalLM.forward`) turns the logits into fp32. A bf16 head on up to
+    `HEAD_GEMV_MAX_M` fp32 CPU rows runs the C GEMV (fp32 logits); anything else the BLAS."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.detach().to(dtype).contiguous(), requires_grad=False)
+        self._gemv = dtype == torch.bfloat16 and self.weight.is_cpu and _bf16_gemv_available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // max(x.shape[-1], 1)
+        if self._gemv and x.dtype == torch.float32 and x.is_cpu and rows <= HEAD_GEMV_MAX_M:
+            from quantkit.fused_kernels.bf16_gemv_cpu import bf16_gemv
+
+            x2 = x.reshape(rows, x.shape[-1])
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            return bf16_gemv(x2, self.weight).view(*x.shape[:-1], -1)
         return F.linear(x.to(self.weight.dtype), self.weight)
+
+
+def _bf16_gemv_available() -> bool:
+    from quantkit.fused_kernels.bf16_gemv_cpu import bf16_gemv_available
+
+    return bf16_gemv_available()
 
 
 def cpu_has_bf16() -> bool:
