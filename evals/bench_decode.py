@@ -237,9 +237,15 @@ def main(argv: list[str] | None = None) -> None:
     engines = [("int4", int4.model, f"{scheme}, fp32 head"), ("dense", dense, "fp32 dense")]
     if cpu_has_bf16() and "int4" not in args.skip:
         # The head is half of the INT4 model's traffic: show both, not only the faster one.
+        # ... and the CLI's default: bf16 activations in the GEMVs too, where the C step runs.
+        from quantkit.cpu_decode import auto_act_dtype, set_act_dtype
+
         bf16 = load_model(args.int4 or ensure_embedded_int4(), tokenizer=False).model
         set_head_dtype(bf16, torch.bfloat16)
-        engines.insert(1, ("int4", bf16, f"{scheme}, bf16 head"))
+        act = auto_act_dtype(bf16, quantized=True)
+        set_act_dtype(bf16, act)
+        act_name = "bf16" if act == torch.bfloat16 else "fp32"
+        engines.insert(1, ("int4", bf16, f"{scheme}, bf16 head, {act_name} act"))
     modes = [False, True] if args.compile else [False]
     runners: list[tuple[Row, Callable[[], tuple[float, float]]]] = []
     for batch in args.batch:
