@@ -169,8 +169,13 @@ def measure_matmul_flops(
 
 
 def _machine(model: CausalLM) -> dict[str, Any]:
-    """Peak bandwidth and FLOP/s of the model's device, and where each number came from."""
+    """Peak bandwidth and FLOP/s of the model's device, and where each number came from. The
+    compute roof is that of the dtype the matmuls multiply in: the model's, or bf16 where the
+    C decode step rounds the GEMVs' activations to bf16 (`quantkit.cpu_decode.set_act_dtype`)."""
     device, dtype = model.device, model.dtype
+    path = getattr(model, "decode_path", None)
+    if path is not None and path.act_dtype == torch.bfloat16 and path.unsupported(model) is None:
+        dtype = torch.bfloat16
     info: dict[str, Any] = {"device": str(device), "dtype": str(dtype).removeprefix("torch.")}
     try:
         hardware = local_hardware(device)

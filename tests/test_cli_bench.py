@@ -65,6 +65,39 @@ def test_bench_table_json_and_plots(tiny_model_dir: Path, tmp_path: Path, capsys
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
 
 
+@pytest.mark.parametrize("act", ["float32", "auto"])
+def test_bench_reports_the_activation_dtype(
+    tiny_model_dir: Path, tmp_path: Path, capsys, act: str
+) -> None:
+    """An INT4 model on the C step: `auto` takes bf16 activations where the CPU has AVX512-BF16,
+    and the roofline's compute roof is then a bf16 matmul's."""
+    from quantkit.checkpoint import save_checkpoint
+    from quantkit.cpu_decode import bf16_activations_available
+    from quantkit.quantize import quantize_model
+    from quantkit.scheme import QuantScheme
+
+    outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("rtn", 4, "auto"))
+    ckpt = save_checkpoint(
+        tmp_path / "int4", source_dir=tiny_model_dir, config=outcome.config,
+        tensors=outcome.tensors, scheme=outcome.scheme,
+        quantized_modules=outcome.quantized_modules, report={},
+    )  # fmt: skip
+    report_path = tmp_path / "bench.json"
+    code, out, err = run(
+        capsys, "bench", str(ckpt), *SMALL, "--rates", "inf", "--modes", "continuous",
+        "--long-prompts", "0", "--act-dtype", act, "--json", str(report_path),
+    )  # fmt: skip
+    assert code == 0, err
+    report = json.loads(report_path.read_text())
+    want = "bfloat16" if act == "auto" and bf16_activations_available() else "float32"
+    assert report["meta"]["act_dtype"] == want and report["roofline"]["dtype"] == want
+    assert (
+        report["roofline"]["flops_source"]
+        == f"measured {want} 1024x1024 matmul (fastest repetition)"
+    )
+    assert (f"{want} activations in the INT4 GEMVs" in err) == (want == "bfloat16")
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

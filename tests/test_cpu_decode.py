@@ -269,3 +269,26 @@ def test_act_dtype_is_checked_and_rebinds(llama_ckpt: Path, tiny_llama_dir: Path
         bf16 = model(x, positions=pos)
     rel = ((bf16 - fp32).norm() / fp32.norm()).item()
     assert 0 < rel < 2e-2  # rounded operands: close, not equal
+
+
+def test_act_precision_scores_windows_through_the_step(llama_ckpt: Path) -> None:
+    """The perplexity benchmark's logits: one window as a causal prefill through the C step,
+    equal to the PyTorch layers' logits (fp32 activations); a second window reuses the model."""
+    from quantkit.evals.act_precision import format_rows, step_logits
+
+    model = load_model(llama_ckpt, tokenizer=False).model
+    ids = torch.tensor([PROMPTS[0] + PROMPTS[1] + PROMPTS[0]])
+    with torch.inference_mode():
+        fast = step_logits(model, ids)
+        again = step_logits(model, ids[:, :5])
+        model.drop_cache()
+        slow = model(ids)
+    torch.testing.assert_close(fast, slow, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(again, slow[:, :5], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"expected one window \[1, T\]"):
+        step_logits(model, ids.expand(2, -1))
+    rows = [
+        {"mode": "C step, fp32", "ppl": 20.0, "tokens": 100, "seconds": 1.0},
+        {"mode": "C step, bf16 activations", "ppl": 20.02, "tokens": 100, "seconds": 0.5},
+    ]
+    assert "+0.100%" in format_rows(rows).splitlines()[2]
