@@ -70,15 +70,15 @@ def _backend(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> s
     head = str(loaded.model.lm_head.weight.dtype).removeprefix("torch.")
     head_note = "" if head == kind else f", lm_head {head}"
     act = _act_dtype(loaded)
-    head_note += "" if act == kind else f", {act} activations in the INT4 GEMVs"
+    act_note = "" if act == kind else f" ({act} in the INT4 GEMVs)"
     if loaded.scheme is None:
         return f"dense {kind} (torch){head_note}"
     from quantkit.fused_kernels.dispatch import resolve_backend
 
     # resolve_backend, not choose_backend: the kernel that ran, after any fallback.
     return (
-        f"{loaded.scheme.describe()}, {kind} activations, kernel {resolve_backend(device)}"
-        f"{head_note}"
+        f"{loaded.scheme.describe()}, {kind} activations{act_note}, kernel "
+        f"{resolve_backend(device)}{head_note}"
     )
 
 
