@@ -132,12 +132,13 @@ static void silu_mul(float *g, const float *u, int64_t n) {
    to 256): scores 8 keys at a time reduced together (hsum8_add), and o kept in registers
    while the values stream past. SmolLM2 batch-8 step, A/B in one run: 10.90 -> 10.58 ms p50
    (what remains is mostly reading the fp32 cache: ~26 MB a step at context ~70). */
-static void attend(const float *q, const float *kc, const float *vc, int64_t npos, int64_t D,
-                   float scale, float *sc, float *o) {
+static inline __attribute__((always_inline)) void attend_nv(
+    const int NV16, const float *q, const float *kc, const float *vc, int64_t npos, int64_t D,
+    float scale, float *sc, float *o) {
     float mx = -INFINITY, sum = 0.0f;
 #if defined(__AVX512F__)
-    if (D % 16 == 0 && D <= 256) {
-        const int nv = (int)(D / 16);
+    if (NV16 > 0) {
+        const int nv = NV16;
         __m512 qv[16], acc[16];
         for (int c = 0; c < nv; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
         int64_t j = 0;
@@ -191,6 +192,18 @@ static void attend(const float *q, const float *kc, const float *vc, int64_t npo
         float p = sc[j] / sum;
         for (int64_t e = 0; e < D; e++) o[e] += p * vc[j * D + e];
     }
+}
+
+/* attend_nv (NV16 = D / 16, or 0 for the portable loop) with the vector count a compile-time
+   constant for the common head sizes: with a runtime count gcc kept qv and acc in memory, and
+   64-byte loads are what this loop is short of. SmolLM2 (D = 64), bf16 activations, A/B in
+   one run: R=8 4.73 -> 4.45 ms, R=1 2.10 -> 2.05 ms; bit-identical. */
+static void attend(const float *q, const float *kc, const float *vc, int64_t npos, int64_t D,
+                   float scale, float *sc, float *o) {
+    if (D == 64) attend_nv(4, q, kc, vc, npos, D, scale, sc, o);
+    else if (D == 128) attend_nv(8, q, kc, vc, npos, D, scale, sc, o);
+    else if (D % 16 == 0 && D <= 256) attend_nv((int)(D / 16), q, kc, vc, npos, D, scale, sc, o);
+    else attend_nv(0, q, kc, vc, npos, D, scale, sc, o);
 }
 
 static void rope(float *v, const float *cos_, const float *sin_, int64_t D) {
