@@ -29,7 +29,9 @@ HEAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": 
 
 # Rows up to which a bf16 head on fp32 activations takes the C GEMV (`bf16_gemv_cpu`) rather
 # than oneDNN: a decode step's rows and a prefill's last one. SmolLM2's 49152 x 576 head, 2
-# threads, weight streamed between calls (in the decode step): see `bf16_gemv_cpu_source`.
+# threads, called back to back (the weight stays in L3), C vs oneDNN: 1 row 0.74 vs 2.38 ms,
+# 8 rows 0.90 vs 3.10, 16 rows 1.66 vs 3.75, 64 rows 6.04 vs 7.23. Inside a decode step, where
+# the INT4 body streams between head calls, the C head saved 1.6 ms at 1 row and 1.8 at 8.
 HEAD_GEMV_MAX_M = 16
 
 
