@@ -252,6 +252,32 @@ static inline __attribute__((always_inline)) void gemv_tile(
 }
 
 #ifdef VI_NIBBLE
+/* ra[m] += the sum of acc[0][m][0..nacc) over all lanes, rb[m] likewise from acc[1], m < MB
+   (8 rows: one shuffle tree for all of them, `hsum8_add`). */
+static inline __attribute__((always_inline)) void reduce_pair(
+    int MB, int nacc, vf acc[2][MAX_MB][4], float *ra, float *rb)
+{
+    vf t0[MAX_MB], t1[MAX_MB];
+    for (int m = 0; m < MB; m++) {
+        t0[m] = acc[0][m][0], t1[m] = acc[1][m][0];
+        for (int a = 1; a < nacc; a++) {
+            t0[m] = VF_ADD(t0[m], acc[0][m][a]);
+            t1[m] = VF_ADD(t1[m], acc[1][m][a]);
+        }
+    }
+#if defined(__AVX512F__)
+    if (MB == 8) {
+        hsum8_add(t0, ra);
+        hsum8_add(t1, rb);
+        return;
+    }
+#endif
+    for (int m = 0; m < MB; m++) {
+        ra[m] += VF_HSUM(t0[m]);
+        rb[m] += VF_HSUM(t1[m]);
+    }
+}
+
 /* gemv_tile for two weight rows at once (power-of-two groups, whole blocks): each activation
    vector loaded is used by both rows' FMAs (with one row, every FMA carried its own load of
    x). Over the SmolLM2 linears (30 layers, streamed, 2 threads), against one row at a time
@@ -295,25 +321,7 @@ static inline __attribute__((always_inline)) void gemv_tile2(
     }
     if (blk < b1) GEMV_BLOCK2(blk, 0);
 #undef GEMV_BLOCK2
-    vf t0[MAX_MB], t1[MAX_MB];
-    for (int m = 0; m < MB; m++) {
-        t0[m] = acc[0][m][0], t1[m] = acc[1][m][0];
-        for (int a = 1; a < nacc; a++) {
-            t0[m] = VF_ADD(t0[m], acc[0][m][a]);
-            t1[m] = VF_ADD(t1[m], acc[1][m][a]);
-        }
-    }
-#if defined(__AVX512F__)
-    if (MB == 8) {
-        hsum8_add(t0, ra);
-        hsum8_add(t1, rb);
-        return;
-    }
-#endif
-    for (int m = 0; m < MB; m++) {
-        ra[m] += VF_HSUM(t0[m]);
-        rb[m] += VF_HSUM(t1[m]);
-    }
+    reduce_pair(MB, nacc, acc, ra, rb);
 }
 #endif
 
@@ -381,23 +389,7 @@ static inline __attribute__((always_inline)) void gemv_tile2_bf16(
     }
 #undef GEMV_BLOCK2_BF16
 #undef TABLES
-    __m512 t0[MAX_MB], t1[MAX_MB];
-    for (int m = 0; m < MB; m++) {
-        t0[m] = acc[0][m][0], t1[m] = acc[1][m][0];
-        for (int a = 1; a < nacc; a++) {
-            t0[m] = _mm512_add_ps(t0[m], acc[0][m][a]);
-            t1[m] = _mm512_add_ps(t1[m], acc[1][m][a]);
-        }
-    }
-    if (MB == 8) {
-        hsum8_add(t0, ra);
-        hsum8_add(t1, rb);
-        return;
-    }
-    for (int m = 0; m < MB; m++) {
-        ra[m] += _mm512_reduce_add_ps(t0[m]);
-        rb[m] += _mm512_reduce_add_ps(t1[m]);
-    }
+    reduce_pair(MB, nacc, acc, ra, rb);
 }
 #endif
 
