@@ -131,6 +131,9 @@ def plot_throughput_tpot(report: dict[str, Any], path: Path) -> Path | None:
     axes = fig.subplots(1, len(rates), squeeze=False)[0]
     colors = {"continuous": "tab:blue", "static": "tab:green"}
     for ax, rate in zip(axes, rates, strict=True):
+        here = [r for r in base if r["rate"] == rate]
+        x_max = 1.15 * max(r["tpot_ms_p99"] or r["tpot_ms_p50"] for r in here)
+        y_max = 1.15 * max(r["throughput_tok_s"] for r in here)
         for mode in dict.fromkeys(r["mode"] for r in base):
             rows = sorted(
                 (r for r in base if r["mode"] == mode and r["rate"] == rate),
@@ -150,19 +153,19 @@ def plot_throughput_tpot(report: dict[str, Any], path: Path) -> Path | None:
                     mfc=color if q == 50 else "none",
                     label=f"{mode}: TPOT p{q}",
                 )
-            for r in rows:
+            points = [(r["tpot_ms_p50"], r["throughput_tok_s"], r["batch_cap"]) for r in rows]
+            for (x, y), caps in _merge_close(points, x_max / 40, y_max / 40):
                 ax.annotate(
-                    f"cap {r['batch_cap']}",
-                    (r["tpot_ms_p50"], r["throughput_tok_s"]),
+                    "cap " + ", ".join(str(c) for c in caps),
+                    (x, y),
                     textcoords="offset points",
                     xytext=(4, 4 if mode == "continuous" else -12),
                     fontsize=8,
                     color=color,
                 )
         # From zero: an arrival-bound panel would otherwise magnify a 0.1% difference.
-        here = [r for r in base if r["rate"] == rate]
-        ax.set_xlim(0, 1.15 * max(r["tpot_ms_p99"] or r["tpot_ms_p50"] for r in here))
-        ax.set_ylim(0, 1.15 * max(r["throughput_tok_s"] for r in here))
+        ax.set_xlim(0, x_max)
+        ax.set_ylim(0, y_max)
         ax.set_xlabel("TPOT (ms between tokens; filled p50, hollow p99)")
         ax.set_ylabel("throughput (output tok/s)")
         load = "all requests at t=0" if _rate(rate) == "inf" else f"Poisson {_rate(rate)} req/s"
@@ -171,6 +174,22 @@ def plot_throughput_tpot(report: dict[str, Any], path: Path) -> Path | None:
         ax.grid(True, alpha=0.3)
     fig.suptitle("Bigger batches: more throughput, slower tokens for each user", fontsize=11)
     return _save(fig, path)
+
+
+def _merge_close(
+    points: list[tuple[float, float, int]], dx: float, dy: float
+) -> list[tuple[tuple[float, float], list[int]]]:
+    """(x, y, cap) points -> one label position per cluster of points closer than (dx, dy),
+    with every cap in it: caps whose points coincide (an arrival-bound rate) share a label
+    instead of printing over each other."""
+    groups: list[tuple[tuple[float, float], list[int]]] = []
+    for x, y, cap in points:
+        near = next((g for g in groups if abs(g[0][0] - x) <= dx and abs(g[0][1] - y) <= dy), None)
+        if near is None:
+            groups.append(((x, y), [cap]))
+        else:
+            near[1].append(cap)
+    return groups
 
 
 def _cdf(ax: Any, values: list[float], label: str, color: str) -> None:
