@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from quantkit.errors import KernelUnavailableError
+from quantkit.fused_kernels.cpu_build import DTYPE_CODES
 from quantkit.fused_kernels.w4a16_cpu import CpuInt4Layer, _check_status, _Layer, _library
 
 __all__ = ["CpuDecodeStep", "DecoderLayerParts", "DecoderDims", "bf16_activations_available"]
@@ -44,16 +46,13 @@ class _Dims(ctypes.Structure):
     ]
 
 
-# The activations' dtype inside the GEMVs (the C dtype codes): fp32, or bf16 for the
-# vdpbf16ps tile (see `w4a16_cpu_source.gemv_tile2_bf16`).
-_ACT_CODES = {torch.float32: 0, torch.bfloat16: 1}
-
-
 def bf16_activations_available() -> bool:
-    """True if the kernels here were built with the bf16 tile (the CPU has AVX512-BF16)."""
-    lib = _library()
-    lib.qk_has_bf16_dot.restype = ctypes.c_int
-    return bool(lib.qk_has_bf16_dot())
+    """True if the kernels build here with the bf16 tile (the CPU has AVX512-BF16), so that
+    the GEMVs can take bf16 activations (`w4a16_cpu_source.gemv_tile2_bf16`)."""
+    try:
+        return bool(_library().qk_has_bf16_dot())
+    except KernelUnavailableError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -154,8 +153,7 @@ class CpuDecodeStep:
             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
             ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
         ]  # fmt: skip
-        lib.qk_has_bf16_dot.restype = ctypes.c_int
-        if act_dtype not in _ACT_CODES:
+        if act_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
                 f"act_dtype: expected torch.float32 or torch.bfloat16, got {act_dtype}"
             )
@@ -164,7 +162,7 @@ class CpuDecodeStep:
                 "act_dtype: bfloat16 needs the AVX512-BF16 build of the kernels, got a CPU "
                 "without avx512_bf16"
             )
-        self.act_dtype, self._act = act_dtype, _ACT_CODES[act_dtype]
+        self.act_dtype, self._act = act_dtype, DTYPE_CODES[act_dtype]
         self._fn, self._work_fn = lib.qk_decode_step, lib.qk_decode_work
         self._args = (ctypes.addressof(self._layers), len(layers), ctypes.addressof(self._dims))
         self._work = torch.empty(0, dtype=torch.float32)  # grown to the most rows seen

@@ -85,6 +85,7 @@ def _library(variant: str | None = None) -> ctypes.CDLL:
     lib.qk_w4a16_gemv_layer.argtypes = [ctypes.POINTER(_Layer), *ctypes_of("pillpilii")]
     lib.qk_w4a16_gemv_layer.restype = ctypes.c_int
     lib.qk_w4_dequant.restype = ctypes.c_int
+    lib.qk_has_bf16_dot.restype = ctypes.c_int
     return lib
 
 
@@ -296,7 +297,8 @@ class CpuInt4Layer:
         code = DTYPE_CODES[x.dtype]
         status = self._fn(
             self._layer, x2.data_ptr(), code, m, x2.stride(0), out.data_ptr(), code, n,
-            DTYPE_CODES[torch.bfloat16] if bf16_activations else 0, torch.get_num_threads(),
+            DTYPE_CODES[torch.bfloat16 if bf16_activations else torch.float32],
+            torch.get_num_threads(),
         )  # fmt: skip
         if status:
             _check_status(status, "qk_w4a16_gemv")

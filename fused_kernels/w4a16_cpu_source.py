@@ -540,8 +540,8 @@ static void gemv_rows(const qk_w4_layer *L, float *xp, int xp_dt, int64_t M, voi
 #if defined(__AVX512BF16__)
                 /* bf16 activations (`gemv_x_dt`: power-of-two groups): rows in pairs, an odd
                    last row paired with itself and its second result dropped */
+                const uint16_t *xcb = (const uint16_t *)xp + m0 * kp;  /* the same, bf16 */
                 for (; xp_dt == DT_BF16 && n < n1; n += 2) {
-                    const uint16_t *xcb = (const uint16_t *)xp + m0 * kp;
                     const int64_t nb = n + 1 < n1 ? n + 1 : n;
                     const int32_t *wa = wq + n * wq_stride, *wb = wq + nb * wq_stride;
                     const float *sa = s + (n - n0) * n_groups, *ca = c + (n - n0) * n_groups;

@@ -27,6 +27,12 @@ import os
 import torch
 
 from quantkit.errors import GenerationError
+from quantkit.fused_kernels.decode_cpu import (
+    CpuDecodeStep,
+    DecoderDims,
+    DecoderLayerParts,
+    bf16_activations_available,
+)
 from quantkit.model import CausalLM
 from quantkit.quant_linear import QuantLinear
 
@@ -96,12 +102,6 @@ class CpuDecodePath:
         reason = self.unsupported(model)
         if reason is not None:
             return reason
-        from quantkit.fused_kernels.decode_cpu import (
-            CpuDecodeStep,
-            DecoderDims,
-            DecoderLayerParts,
-        )
-
         parts = []
         for layer in model.model.layers:
             kernels = self._layer_kernels(layer)
@@ -174,14 +174,6 @@ class CpuDecodePath:
     def unbound(self) -> CpuDecodePath:
         """A new path with the same settings, bound to nothing yet."""
         return CpuDecodePath(self.act_dtype)
-
-
-def bf16_activations_available() -> bool:
-    """True if the C step can run its GEMVs on bf16 activations here (AVX512-BF16)."""
-    from quantkit.fused_kernels.decode_cpu import bf16_activations_available as available
-    from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
-
-    return cpu_kernel_available() and available()
 
 
 def auto_act_dtype(model: CausalLM, *, quantized: bool) -> torch.dtype:

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.errors import GenerationError
+from quantkit.fused_kernels.bf16_gemv_cpu import bf16_gemv, bf16_gemv_available
 from quantkit.model import CausalLM
 
 HEAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -43,24 +44,16 @@ class CastHead(nn.Module):
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.detach().to(dtype).contiguous(), requires_grad=False)
-        self._gemv = dtype == torch.bfloat16 and self.weight.is_cpu and _bf16_gemv_available()
+        self._gemv = dtype == torch.bfloat16 and self.weight.is_cpu and bf16_gemv_available()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(x.shape[-1], 1)
         if self._gemv and x.dtype == torch.float32 and x.is_cpu and rows <= HEAD_GEMV_MAX_M:
-            from quantkit.fused_kernels.bf16_gemv_cpu import bf16_gemv
-
             x2 = x.reshape(rows, x.shape[-1])
             if x2.stride(-1) != 1:
                 x2 = x2.contiguous()
             return bf16_gemv(x2, self.weight).view(*x.shape[:-1], -1)
         return F.linear(x.to(self.weight.dtype), self.weight)
-
-
-def _bf16_gemv_available() -> bool:
-    from quantkit.fused_kernels.bf16_gemv_cpu import bf16_gemv_available
-
-    return bf16_gemv_available()
 
 
 def cpu_has_bf16() -> bool:
