@@ -174,7 +174,7 @@ def _machine(model: CausalLM) -> dict[str, Any]:
     C decode step rounds the GEMVs' activations to bf16 (`quantkit.cpu_decode.set_act_dtype`)."""
     device, dtype = model.device, model.dtype
     path = getattr(model, "decode_path", None)
-    if path is not None and path.act_dtype == torch.bfloat16 and path.unsupported(model) is None:
+    if path is not None and path.act_dtype == torch.bfloat16:  # set_act_dtype checked the model
         dtype = torch.bfloat16
     info: dict[str, Any] = {"device": str(device), "dtype": str(dtype).removeprefix("torch.")}
     try:
