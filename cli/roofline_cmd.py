@@ -6,9 +6,9 @@ import click
 import torch
 
 from quantkit.errors import SchemeError
-from quantkit.hardware import GPUS, cpu_peak_bandwidth, local_hardware
-from quantkit.planning import format_plan, plan, resolve_shape
-from quantkit.scheme import QuantScheme
+from quantkit.format.scheme import QuantScheme
+from quantkit.perf.hardware import GPUS, cpu_peak_bandwidth, local_hardware
+from quantkit.perf.planning import format_plan, plan, resolve_shape
 
 
 def _group_size(value: str, shape_in_features: list[int]) -> int:

@@ -19,17 +19,17 @@ from pathlib import Path
 
 import torch
 
-from quantkit.calibration import heldout_tokens
-from quantkit.cpu_decode import bf16_activations_available, set_act_dtype
 from quantkit.evals.perplexity import perplexity
-from quantkit.lm_head import set_head_dtype
-from quantkit.loader import LoadedModel, load_model
-from quantkit.model import CausalLM
+from quantkit.models.decoder import CausalLM
+from quantkit.quantize.calibration import heldout_tokens
+from quantkit.runtime.fast_path import bf16_activations_available, set_act_dtype
+from quantkit.runtime.head import set_head_dtype
+from quantkit.runtime.loader import LoadedModel, load_model
 
 
 def _load(ckpt: str | None) -> LoadedModel:
     if ckpt is None:
-        from quantkit.embedded import ensure_embedded_int4
+        from quantkit.quantize.embedded import ensure_embedded_int4
 
         ckpt = str(ensure_embedded_int4())
     return load_model(ckpt, dtype=torch.float32, device=torch.device("cpu"))

@@ -17,14 +17,14 @@ import statistics
 import time
 from pathlib import Path
 
-from quantkit.awq import AwqConfig
-from quantkit.calibration import calibration_samples, heldout_tokens, wiki_split
 from quantkit.evals.perplexity import perplexity
-from quantkit.model import build_model
-from quantkit.quantize import DEFAULT_CALIB_SAMPLES, load_dense, quantize_model
-from quantkit.scheme import QuantScheme
-from quantkit.sources import resolve_model
-from quantkit.tokenizer import load_tokenizer
+from quantkit.format.scheme import QuantScheme
+from quantkit.models.decoder import build_model
+from quantkit.quantize.awq import AwqConfig
+from quantkit.quantize.calibration import calibration_samples, heldout_tokens, wiki_split
+from quantkit.quantize.pipeline import DEFAULT_CALIB_SAMPLES, load_dense, quantize_model
+from quantkit.sources.resolve import resolve_model
+from quantkit.sources.tokenizer import load_tokenizer
 
 
 def _ppl(model, tokens) -> float:

@@ -55,8 +55,8 @@ class Row:
 
 
 def _quantkit_runner(model: Any, ids: list[int], *, batch: int, new_tokens: int, compile: bool):
-    from quantkit.generate import generate
-    from quantkit.sampling import SamplingParams
+    from quantkit.runtime.generate import generate
+    from quantkit.runtime.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens)
 
@@ -153,8 +153,8 @@ def profile_decode(model: Any, ids: list[int], *, steps: int = 32, top: int = 15
     """Self CPU time per op over `steps` decode steps of `model` (after a warm-up run)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from quantkit.generate import generate
-    from quantkit.sampling import SamplingParams
+    from quantkit.runtime.generate import generate
+    from quantkit.runtime.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=steps)
     generate(model, [ids], params)
@@ -212,12 +212,12 @@ def main(argv: list[str] | None = None) -> None:
 
     import transformers
 
-    from quantkit.embedded import ensure_embedded_int4
-    from quantkit.hardware import cpu_name, local_hardware
-    from quantkit.lm_head import cpu_has_bf16, set_head_dtype
-    from quantkit.loader import load_model
-    from quantkit.roofline import model_kv_bytes_per_token, model_read_bytes
-    from quantkit.sources import DEFAULT_MODEL, embedded_gguf_path, resolve_model
+    from quantkit.perf.hardware import cpu_name, local_hardware
+    from quantkit.perf.roofline import model_kv_bytes_per_token, model_read_bytes
+    from quantkit.quantize.embedded import ensure_embedded_int4
+    from quantkit.runtime.head import cpu_has_bf16, set_head_dtype
+    from quantkit.runtime.loader import load_model
+    from quantkit.sources.resolve import DEFAULT_MODEL, embedded_gguf_path, resolve_model
 
     dense_dir = resolve_model(DEFAULT_MODEL)
     int4 = load_model(args.int4 or ensure_embedded_int4())
@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     if cpu_has_bf16() and "int4" not in args.skip:
         # The head is half of the INT4 model's traffic: show both, not only the faster one.
         # ... and the CLI's default: bf16 activations in the GEMVs too, where the C step runs.
-        from quantkit.cpu_decode import auto_act_dtype, set_act_dtype
+        from quantkit.runtime.fast_path import auto_act_dtype, set_act_dtype
 
         bf16 = load_model(args.int4 or ensure_embedded_int4(), tokenizer=False).model
         set_head_dtype(bf16, torch.bfloat16)

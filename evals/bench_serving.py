@@ -1,6 +1,6 @@
 """The serving benchmark behind `quantkit bench`: one synthetic workload replayed through the
-continuous-batching engine (`quantkit.scheduler`) at several batch caps and arrival rates, static
-batching beside it, and a long-prompt workload with and without chunked prefill.
+continuous-batching engine (`quantkit.serving.engine`) at several batch caps and arrival rates,
+static batching beside it, and a long-prompt workload with and without chunked prefill.
 
 Settings, in the order they run:
 
@@ -12,7 +12,7 @@ Settings, in the order they run:
    chunked prefill of `chunk` tokens per step.
 
 Every setting of one workload replays the same requests (same seed). Each record holds the
-metrics of `quantkit.serving_stats` plus the raw TTFT and TPOT samples that the plots draw. A
+metrics of `quantkit.serving.metrics` plus the raw TTFT and TPOT samples that the plots draw. A
 short warm-up run comes first, so no setting pays for first-call initialization.
 """
 
@@ -33,11 +33,11 @@ import torch
 
 from quantkit.errors import GenerationError, HardwareError
 from quantkit.fused_kernels.bench import git_commit
-from quantkit.hardware import local_hardware
-from quantkit.model import CausalLM
-from quantkit.scheduler import EngineConfig, RunResult, run_engine
-from quantkit.serving_stats import SLO, StepCost, decode_points, summarize
-from quantkit.workload import LengthDist, WorkloadSpec, make_workload
+from quantkit.models.decoder import CausalLM
+from quantkit.perf.hardware import local_hardware
+from quantkit.serving.engine import EngineConfig, RunResult, run_engine
+from quantkit.serving.metrics import SLO, StepCost, decode_points, summarize
+from quantkit.serving.workload import LengthDist, WorkloadSpec, make_workload
 
 __all__ = [
     "BenchConfig",
@@ -171,7 +171,8 @@ def measure_matmul_flops(
 def _machine(model: CausalLM) -> dict[str, Any]:
     """Peak bandwidth and FLOP/s of the model's device, and where each number came from. The
     compute roof is that of the dtype the matmuls multiply in: the model's, or bf16 where the
-    C decode step rounds the GEMVs' activations to bf16 (`quantkit.cpu_decode.set_act_dtype`)."""
+    C decode step rounds the GEMVs' activations to bf16
+    (`quantkit.runtime.fast_path.set_act_dtype`)."""
     device, dtype = model.device, model.dtype
     path = getattr(model, "decode_path", None)
     if path is not None and path.act_dtype == torch.bfloat16:  # set_act_dtype checked the model

@@ -23,9 +23,9 @@ import torch
 from quantkit.errors import EvalError
 from quantkit.evals.perplexity import LogitAgreement, Perplexity, compare_logits, perplexity
 from quantkit.evals.task_data import LOCAL_TASKS, resolve_task_names
-from quantkit.loader import LoadedModel, load_model
-from quantkit.sources import resolve_model
-from quantkit.tokenizer import load_tokenizer
+from quantkit.runtime.loader import LoadedModel, load_model
+from quantkit.sources.resolve import resolve_model
+from quantkit.sources.tokenizer import load_tokenizer
 
 __all__ = ["Comparison", "ModelResult", "Row", "compare_models", "format_table", "write_json"]
 
@@ -170,7 +170,7 @@ def compare_models(
         _same_vocab(tokenizers[0], tok, name)
     held = None
     if ppl_tokens:
-        from quantkit.calibration import heldout_tokens
+        from quantkit.quantize.calibration import heldout_tokens
 
         held = heldout_tokens(tokenizers[0], max_tokens=ppl_tokens)
     metadata = {"data_dir": str(data_dir)} if data_dir else None

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from quantkit.model import CausalLM
+from quantkit.models.decoder import CausalLM
 
 __all__ = ["plan_batches", "score_continuations"]
 

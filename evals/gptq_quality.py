@@ -19,14 +19,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from quantkit.calibration import calibration_samples, heldout_tokens, wiki_split
 from quantkit.evals.perplexity import perplexity
-from quantkit.gptq import GptqConfig
-from quantkit.model import build_model
-from quantkit.quantize import QuantizeOutcome, load_dense, quantize_model
-from quantkit.scheme import QuantScheme
-from quantkit.sources import resolve_model
-from quantkit.tokenizer import load_tokenizer
+from quantkit.format.scheme import QuantScheme
+from quantkit.models.decoder import build_model
+from quantkit.quantize.calibration import calibration_samples, heldout_tokens, wiki_split
+from quantkit.quantize.gptq import GptqConfig
+from quantkit.quantize.pipeline import QuantizeOutcome, load_dense, quantize_model
+from quantkit.sources.resolve import resolve_model
+from quantkit.sources.tokenizer import load_tokenizer
 
 _KEYS = {"samples": int, "seq_len": int, "damp": float, "act_order": int, "sequential": int}
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from quantkit.errors import EvalError, MissingExtraError
 from quantkit.evals.task_data import LOCAL_TASKS, TASKS_DIR
-from quantkit.sources import quantkit_home
+from quantkit.sources.resolve import quantkit_home
 
 __all__ = ["local_task_manager", "offline_env", "run_lm_eval_cli", "simple_evaluate"]
 
@@ -165,8 +165,8 @@ def _check_pretrained(model_args: Any) -> None:
     checkpoint without tokenizer files is one error line, not one after lm-eval's set-up."""
     from lm_eval.utils import simple_parse_args_string
 
-    from quantkit.sources import resolve_model
-    from quantkit.tokenizer import load_tokenizer
+    from quantkit.sources.resolve import resolve_model
+    from quantkit.sources.tokenizer import load_tokenizer
 
     args = simple_parse_args_string(model_args) if isinstance(model_args, str) else model_args
     pretrained = (args or {}).get("pretrained")

@@ -27,10 +27,10 @@ from tqdm.auto import tqdm
 from quantkit.errors import EvalError, MissingExtraError
 from quantkit.evals.continuations import plan_batches, score_continuations
 from quantkit.evals.perplexity import perplexity
-from quantkit.generate import eos_token_ids, generate
-from quantkit.loader import LoadedModel, load_model
-from quantkit.model import CausalLM
-from quantkit.sampling import SamplingParams
+from quantkit.models.decoder import CausalLM
+from quantkit.runtime.generate import eos_token_ids, generate
+from quantkit.runtime.loader import LoadedModel, load_model
+from quantkit.runtime.sampling import SamplingParams
 
 try:  # the adapter subclasses lm-eval's base class, so this module needs lm-eval at import
     from lm_eval.api.model import TemplateLM

@@ -10,7 +10,7 @@ benchmarks folder, found in this order:
 3. `../shared/data/benchmarks` beside the repository root (a development checkout).
 
 The perplexity task reads the held-out split of the Wikipedia sample used for calibration
-(`quantkit.calibration.wiki_split`), so it never overlaps the AWQ calibration text.
+(`quantkit.quantize.calibration.wiki_split`), so it never overlaps the AWQ calibration text.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def load_benchmark(*, file: str, fields: list[str], data_dir: str | None = None,
 def load_wikipedia(**_: Any) -> Any:
     """`custom_dataset` of the perplexity task: {"test": one row {"page": text} per held-out
     article of the Wikipedia sample}."""
-    from quantkit.calibration import wiki_split
+    from quantkit.quantize.calibration import wiki_split
 
     return _dataset_dict([{"page": text} for text in wiki_split().heldout])
 

@@ -1,7 +1,8 @@
 """Fused quantized-matmul kernels, their pure-torch references, backend dispatch and benchmarks.
 
-Layer L1 of quantkit: imports only `quantkit.errors`, `quantkit.scheme` and `quantkit.packing`.
-Nothing heavy is imported here; Triton loads only when the triton backend is used.
+Layer L1 of quantkit: imports only `quantkit.errors`, `quantkit.format.scheme` and
+`quantkit.format.packing`. Nothing heavy is imported here; Triton loads only when the triton
+backend is used.
 
 - `dispatch`: `int4_linear`, `prepare_int4` / `PreparedInt4`, backend choice and fallbacks.
 - `w4a16_reference`: dequantize + fp32 matmul, the oracle of every W4A16 kernel.

@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
+from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.bench_fp8 import FP8_IMPLS, fp8_op
 from quantkit.fused_kernels.dispatch import prepare_int4
 from quantkit.fused_kernels.w4a16_reference import w4a16_linear_reference
-from quantkit.scheme import QuantScheme
 
 # (name, N = out, K = in, linears of this shape per decoder layer)
 SHAPE_SETS: dict[str, list[tuple[str, int, int, int]]] = {

@@ -19,8 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.fp8_dispatch import PreparedFp8, prepare_fp8
-from quantkit.scheme import QuantScheme
 
 FP8_IMPLS = ("fp8", "fp8-w8a8", "scaled-mm")
 _W8A16 = QuantScheme(method="fp8", bits=8, group_size=-1)
@@ -56,7 +56,7 @@ def fp8_op(
     if impl == "scaled-mm":
         if x.device.type != "cuda":
             raise SystemExit("--impls scaled-mm: expected a CUDA device (torch._scaled_mm)")
-        from quantkit.packing import quantize_fp8_per_token
+        from quantkit.format.packing import quantize_fp8_per_token
 
         x8, sx = quantize_fp8_per_token(x)
         scales = [s.float().reshape(1, n) for _, s in layers]

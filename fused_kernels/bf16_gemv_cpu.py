@@ -1,5 +1,5 @@
 """The CPU bf16 GEMV (`bf16_gemv_cpu_source`): fp32 activations times a bf16 weight, for the
-lm_head of quantized models (`quantkit.lm_head.CastHead`). Built on first use where the CPU has
+lm_head of quantized models (`quantkit.runtime.head.CastHead`). Built on first use where the CPU has
 AVX512-BF16; elsewhere `bf16_gemv_available()` is False and the caller keeps torch."""
 
 from __future__ import annotations

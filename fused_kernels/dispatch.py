@@ -6,7 +6,8 @@ Backends:
   `TRITON_INTERPRET=1` (tests; fp16/fp32 only).
 - `cpu`: a compiled C GEMV for decode and dequantize + MKL for prefill (`w4a16_cpu`); built with
   gcc on first use and cached under $QUANTKIT_HOME.
-- `reference`: dequantize with `quantkit.packing` and matmul in fp32 (`w4a16_reference`); runs
+- `reference`: dequantize with `quantkit.format.packing` and matmul in fp32 (`w4a16_reference`);
+runs
   anywhere, slowly.
 
 Default: CUDA -> triton, CPU -> cpu, anything else -> reference. `QUANTKIT_BACKEND` (or the
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from quantkit.errors import KernelUnavailableError, SchemeError
+from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.w4a16_checks import (
     check_int4_operands,
     check_int4_weights,
@@ -45,7 +47,6 @@ from quantkit.fused_kernels.w4a16_checks import (
     resolve_group_size,
 )
 from quantkit.fused_kernels.w4a16_reference import w4a16_linear_reference
-from quantkit.scheme import QuantScheme
 
 BACKENDS = ("triton", "cpu", "reference")
 

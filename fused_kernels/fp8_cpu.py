@@ -2,20 +2,20 @@
 MKL for prefill.
 
 y [..., N] = x [..., K] @ (w8 * s).T (+ bias), w8 float8_e4m3fn [N, K] and s [N, 1] as
-compressed-tensors stores them (`quantkit.packing`), read as stored: a call reads N*K bytes of
-weight plus the scales.
+compressed-tensors stores them (`quantkit.format.packing`), read as stored: a call reads N*K bytes
+of weight plus the scales.
 
 - M <= `GEMV_MAX_M[variant]`: `qk_fp8_gemv` (see `fp8_cpu_source`) converts e4m3 -> fp32 in
   registers (exactly) and streams each weight row once per 4 activation rows, fp32 accumulation,
   OpenMP over output rows with torch's threads.
 - larger M: `qk_fp8_dequant` writes fp32 row chunks of w8 * s (bit-identical to
-  `quantkit.packing.dequantize_fp8`) and MKL multiplies them; with bf16 activations on CPUs with
-  bf16 matmul instructions the chunks are rounded to bf16 and oneDNN multiplies (as
+  `quantkit.format.packing.dequantize_fp8`) and MKL multiplies them; with bf16 activations on CPUs
+  with bf16 matmul instructions the chunks are rounded to bf16 and oneDNN multiplies (as
   `w4a16_cpu`).
 - W8A8 (`act_dynamic`): no CPU multiplies fp8, so W8A8 is emulated with the GPU kernel's
   numerics: each activation row is rounded to fp8 with its own scale (bit-identical to
-  `quantkit.packing.quantize_fp8_per_token`, in C), the fp8 products are exact in fp32 and the
-  sum is scaled by sx * sw. It is as fast as W8A16 here, not faster: its use on CPU is to
+  `quantkit.format.packing.quantize_fp8_per_token`, in C), the fp8 products are exact in fp32 and
+  the sum is scaled by sx * sw. It is as fast as W8A16 here, not faster: its use on CPU is to
   measure what W8A8 costs in accuracy.
 
 The reference of the same function is `fp8_reference.fp8_linear_reference`; tests hold this
@@ -135,7 +135,7 @@ def dequantize_fp8_cpu(
     variant: str | None = None,
 ) -> torch.Tensor:
     """w8 * s as fp32 [N, K] (rows n0..n1 only with `rows`; s = 1 when weight_scale is None),
-    bit-identical to `quantkit.packing.dequantize_fp8`."""
+    bit-identical to `quantkit.format.packing.dequantize_fp8`."""
     w = _codes(weight)
     n0, n1 = rows or (0, w.shape[0])
     k = w.shape[1]
@@ -154,7 +154,7 @@ def quantize_per_token_cpu(
     x: torch.Tensor, *, variant: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [..., K] -> (float8_e4m3fn [..., K], fp32 scale [..., 1]) in C, bit-identical to
-    `quantkit.packing.quantize_fp8_per_token`."""
+    `quantkit.format.packing.quantize_fp8_per_token`."""
     if x.dtype not in DTYPE_CODES:
         raise KernelUnavailableError(
             f"cpu backend: expected activations in float32, bfloat16 or float16, got {x.dtype}"

@@ -6,10 +6,10 @@ byte per weight, passed as uint8) and `weight_scale` [N, 1] (one scale per outpu
 - `qk_fp8_gemv`: y [M, N] = x [M, K] @ (w8 * s).T (+ bias) for small M (decode). Streams each
   weight row once per chunk of <= 4 activation rows; OpenMP over output rows. With `act_quant`
   (W8A8) each activation row is first rounded to fp8 with its own scale (row absmax / 448),
-  bit-identical to `quantkit.packing.quantize_fp8_per_token`, and y = (x8 @ w8.T) * sx * sw.
+  bit-identical to `quantkit.format.packing.quantize_fp8_per_token`, and y = (x8 @ w8.T) * sx * sw.
 - `qk_fp8_gemv_layer`: the same with the layer's arguments in a struct bound once.
 - `qk_fp8_dequant`: rows [n0, n1) of w8 * s as fp32 (s = 1 when scale is NULL), bit-identical
-  to `quantkit.packing.dequantize_fp8` (NaN codes included); the prefill path hands these to
+  to `quantkit.format.packing.dequantize_fp8` (NaN codes included); the prefill path hands these to
   MKL.
 - `qk_fp8_quant_tokens`: the per-token activation quantization alone (codes and scales).
 - `qk_fp8_nan_rows`: flags the rows holding a NaN code (0x7F / 0xFF).

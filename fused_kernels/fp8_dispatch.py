@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 import torch
 
 from quantkit.errors import KernelUnavailableError, SchemeError
+from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.dispatch import resolve_backend
 from quantkit.fused_kernels.fp8_checks import check_fp8_weights
 from quantkit.fused_kernels.fp8_reference import fp8_linear_reference
 from quantkit.fused_kernels.w4a16_checks import check_prepared_input
-from quantkit.scheme import QuantScheme
 
 
 def _warn(message: str) -> None:

@@ -3,14 +3,14 @@
 The oracle of the FP8 kernels (`fp8_cpu`, `fp8_triton`) and the `reference` backend of
 `fp8_dispatch`.
 Weights are compressed-tensors `float-quantized`: float8_e4m3fn [N, K] with a per-output-channel
-scale [N, 1] (see `quantkit.packing`).
+scale [N, 1] (see `quantkit.format.packing`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from quantkit.packing import dequantize_fp8, quantize_fp8_per_token
+from quantkit.format.packing import dequantize_fp8, quantize_fp8_per_token
 
 
 def fp8_linear_reference(

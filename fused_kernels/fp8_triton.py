@@ -1,6 +1,7 @@
 """Triton FP8 kernels: y [M, N] = x [M, K] @ (w8 * s).T (+ bias), fp32 accumulation.
 
-W is read as compressed-tensors stores it (`quantkit.packing`): `weight` float8_e4m3fn [N, K],
+W is read as compressed-tensors stores it (`quantkit.format.packing`): `weight` float8_e4m3fn [N,
+K],
 `weight_scale` [N, 1], one scale per output row, so the scale is applied once per output in the
 epilogue, after the K loop, not per weight.
 
@@ -8,7 +9,7 @@ epilogue, after the K loop, not per weight.
   activation dtype (exact: every e4m3 value is an fp16 and a bf16 value) and fed to `tl.dot`.
 - W8A8 (`act_dynamic=True`), GPUs with fp8 tensor cores (sm_89+): `_quant_tokens_kernel` rounds
   each activation row to fp8 with its own scale (row absmax / 448), bit-identical to
-  `quantkit.packing.quantize_fp8_per_token`; the GEMM then runs `tl.dot` on fp8 operands and
+  `quantkit.format.packing.quantize_fp8_per_token`; the GEMM then runs `tl.dot` on fp8 operands and
   scales the fp32 result by sx * sw. On an older GPU this launcher refuses W8A8
   (`KernelUnavailableError`); `fp8_dispatch` falls back to W8A16 with one warning line.
 - `_fp8_gemm_kernel` (prefill, M > 16): tiles [BLOCK_M, BLOCK_N], K loop, grouped program order
@@ -40,7 +41,7 @@ from quantkit.errors import KernelUnavailableError
 from quantkit.fused_kernels.fp8_checks import check_fp8_activations, check_fp8_weights
 from quantkit.fused_kernels.w4a16_configs import GEMV_MAX_M, BlockConfig, gemv_block_m, m_bucket
 
-_EPS = 1e-10  # quantkit.packing's smallest scale
+_EPS = 1e-10  # quantkit.format.packing's smallest scale
 
 
 @triton.jit
@@ -267,7 +268,7 @@ def _check_device(device: torch.device, dtype: torch.dtype) -> None:
 
 def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (float8_e4m3fn [M, K], fp32 scale [M, 1]), bit-identical to
-    `quantkit.packing.quantize_fp8_per_token`."""
+    `quantkit.format.packing.quantize_fp8_per_token`."""
     _check_device(x.device, x.dtype)
     m, k = x.shape
     codes = torch.empty(m, k, dtype=torch.uint8, device=x.device)

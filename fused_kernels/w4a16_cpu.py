@@ -1,8 +1,8 @@
 """CPU W4A16 linear: a compiled C GEMV for decode, dequantize + MKL for prefill.
 
 y [..., N] = x [..., K] @ dequant(W).T (+ bias), W in compressed-tensors pack-quantized layout
-(see `quantkit.packing`), read as stored: no repack, so the bytes a call reads are exactly the
-checkpoint's `weight_packed` + `weight_scale` (+ `weight_zero_point`).
+(see `quantkit.format.packing`), read as stored: no repack, so the bytes a call reads are exactly
+the checkpoint's `weight_packed` + `weight_scale` (+ `weight_zero_point`).
 
 - M <= `GEMV_MAX_M[variant]`: `qk_w4a16_gemv` (see `w4a16_cpu_source`) streams the packed rows
   once per 4 activation rows, fp32 accumulation, OpenMP over output rows with torch's threads.

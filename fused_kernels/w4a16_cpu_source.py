@@ -8,7 +8,7 @@ rules. The kernels read the compressed-tensors tensors exactly as stored (no rep
   `row_chunk`); OpenMP over output rows.
 - `qk_w4a16_gemv_layer`: the same with the layer's arguments in a struct bound once.
 - `qk_w4_dequant`: rows [n0, n1) of dequant(W) as fp32 [n1 - n0, K], bit-identical to
-  `quantkit.packing.int4_dequantize`; the prefill path hands these to MKL.
+  `quantkit.format.packing.int4_dequantize`; the prefill path hands these to MKL.
 
 Why the GEMV is fast. A 32-element block of a row is 4 int32 words (16 bytes). The kernel loads
 the 4 words once into every 128-bit lane of a vector register and shifts lane l of vector j by
@@ -645,7 +645,7 @@ int qk_w4_dequant(
         float *orow = out + (n - n0) * K;
         for (int64_t g = 0; g < n_groups; g++) {
             /* (u - (8 + zp)) is exact in fp32 and one multiply follows, as in
-               quantkit.packing.int4_dequantize: the result is bit-identical to it. */
+               quantkit.format.packing.int4_dequantize: the result is bit-identical to it. */
             float s = load_f(scale, n * s_stride + g, s_dt);
             float z = (float)(zero_of(zp, zp_stride, n, g) + 8);
             int64_t k = g * gs, kend = k + gs;

@@ -7,23 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.packing import int4_dequantize, unpack_int4, unpack_zero_points
-
-
-def dequantize_packed_int4(
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_zero_point: torch.Tensor | None,
-    *,
-    in_features: int,
-    group_size: int,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """compressed-tensors pack-quantized tensors -> dense W [N, K] in `dtype`."""
-    n = weight_packed.shape[0]
-    codes = unpack_int4(weight_packed, in_features)
-    zero = None if weight_zero_point is None else unpack_zero_points(weight_zero_point, n)
-    return int4_dequantize(codes, weight_scale, zero, group_size=group_size, dtype=dtype)
+from quantkit.format.packing import dequantize_packed_int4
 
 
 def w4a16_linear_reference(

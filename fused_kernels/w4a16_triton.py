@@ -1,6 +1,6 @@
 """Triton W4A16 kernels: y [M, N] = x [M, K] @ dequant(W).T (+ bias), fp32 accumulation.
 
-W is read as compressed-tensors stores it (see `quantkit.packing`), with no repack:
+W is read as compressed-tensors stores it (see `quantkit.format.packing`), with no repack:
 `weight_packed` int32 [N, ceil(K/8)] (nibble of element k of a row: word k // 8, bits
 4 * (k % 8)), `weight_scale` [N, K/G], `weight_zero_point` int32 [ceil(N/8), K/G] packed along
 N (row n: word n // 8, bits 4 * (n % 8)), or no zero point (symmetric). Each K step of BLOCK_K
@@ -19,7 +19,7 @@ interpreter and for fp32 activations).
   meet in an fp32 buffer by atomic add (their order varies: results can differ in the last bits
   between runs when SPLIT_K > 1).
 - `_w4_dequant_kernel`: writes the tile the other two compute with (codes, zero points,
-  dequantized W); tests compare it bit for bit with `quantkit.packing`.
+  dequantized W); tests compare it bit for bit with `quantkit.format.packing`.
 
 This module imports Triton at its top (the kernels are decorated at import); nothing imports it
 except `dispatch` and tests, lazily. Under `TRITON_INTERPRET=1` (set before this module is

@@ -107,8 +107,8 @@ def _generate_batch(
     max_new: int,
     eos: set[int],
 ) -> tuple[list[float], list[float]]:
-    from quantkit.generate import encode_prompt, generate
-    from quantkit.sampling import SamplingParams
+    from quantkit.runtime.generate import encode_prompt, generate
+    from quantkit.runtime.sampling import SamplingParams
 
     prompts = [
         encode_prompt(loaded.tokenizer, default_schema_prompt(item.schema, max_schema_chars=1500))
@@ -144,9 +144,9 @@ def _load_model(spec: str | None) -> tuple[Any, str]:
     (quantized once on first use), float32 activations, the same automatic lm_head dtype."""
     import torch
 
-    from quantkit.embedded import ensure_embedded_int4
-    from quantkit.lm_head import auto_head_dtype, set_head_dtype
-    from quantkit.loader import load_model
+    from quantkit.quantize.embedded import ensure_embedded_int4
+    from quantkit.runtime.head import auto_head_dtype, set_head_dtype
+    from quantkit.runtime.loader import load_model
 
     loaded = load_model(spec or ensure_embedded_int4(), dtype=torch.float32)
     set_head_dtype(loaded.model, auto_head_dtype(loaded.model, quantized=loaded.scheme is not None))
@@ -191,7 +191,7 @@ def run_bench(
 ) -> dict[str, Any]:
     """The benchmark over `items` (see the module docstring); the report as a dict.
     checkpoint: called with the report so far after every schema (e.g. to save it)."""
-    from quantkit.generate import eos_token_ids
+    from quantkit.runtime.generate import eos_token_ids
 
     started = time.perf_counter()
     loaded, model_desc = _load_model(model)

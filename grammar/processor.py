@@ -1,6 +1,6 @@
 """The grammar as a `LogitsProcessor`: one outlines-core Guide per row, a bitmask per step.
 
-Each call (one per decode step, as `quantkit.sampling.LogitsProcessor` requires):
+Each call (one per decode step, as `quantkit.runtime.sampling.LogitsProcessor` requires):
 
 1. advance every live row's Guide by the token the previous step sampled for it (the last
    column of input_ids); a row whose token was an EOS, or -1 (the caller already finished it),

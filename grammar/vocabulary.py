@@ -132,7 +132,8 @@ class TokenVocabulary:
         """The byte map of a Hugging Face fast tokenizer.
 
         eos_token_ids: ids that end a sequence besides the tokenizer's own eos_token_id (pass
-            `quantkit.generate.eos_token_ids(...)` so generation_config.json's are included).
+            `quantkit.runtime.generate.eos_token_ids(...)` so generation_config.json's are
+            included).
         vocab_size: the model's logits width (config.json vocab_size); default: the tokenizer's
             size. Tokens with ids >= vocab_size cannot be produced by the model and are dropped.
         """

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from quantkit.arch import arch_for
-from quantkit.awq import AwqConfig, _fold, awq_quantize
-from quantkit.model import build_model
-from quantkit.rtn import rtn_quantize_weight
-from quantkit.scheme import QuantScheme
+from quantkit.format.scheme import QuantScheme
+from quantkit.models.decoder import build_model
+from quantkit.models.families import arch_for
+from quantkit.quantize.awq import AwqConfig, _fold, awq_quantize
+from quantkit.quantize.rtn import rtn_quantize_weight
 
 
 def _tiny(path: Path):

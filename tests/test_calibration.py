@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit import calibration
-from quantkit.calibration import (
+from quantkit.errors import CalibrationError
+from quantkit.quantize import calibration
+from quantkit.quantize.calibration import (
     WikiSplit,
     calibration_samples,
     heldout_tokens,
@@ -24,7 +25,6 @@ from quantkit.calibration import (
     wiki_articles,
     wiki_split,
 )
-from quantkit.errors import CalibrationError
 
 N_WORDS = 5000
 EOS = N_WORDS  # id of "<eos>" in the tiny tokenizer
@@ -273,8 +273,8 @@ def test_missing_gensim_says_how_to_install(monkeypatch) -> None:
 
 @pytest.mark.slow
 def test_real_wikipedia_split_with_the_embedded_tokenizer() -> None:
-    from quantkit.sources import DEFAULT_MODEL, resolve_model
-    from quantkit.tokenizer import load_tokenizer
+    from quantkit.sources.resolve import DEFAULT_MODEL, resolve_model
+    from quantkit.sources.tokenizer import load_tokenizer
 
     # Deliberately the shared cache (parsed articles and the converted model).
     home_env = os.environ.get("QUANTKIT_HOME")

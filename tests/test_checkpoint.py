@@ -14,7 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantkit.checkpoint import (
+from quantkit.errors import CheckpointError, SchemeError
+from quantkit.format.checkpoint import (
     dequantize_checkpoint_tensors,
     fp8_tensors,
     int4_tensors,
@@ -23,9 +24,7 @@ from quantkit.checkpoint import (
     scheme_from_quantization_config,
     scheme_to_quantization_config,
 )
-from quantkit.errors import CheckpointError, SchemeError
-from quantkit.fused_kernels.fp8_reference import fp8_linear_reference
-from quantkit.packing import (
+from quantkit.format.packing import (
     dequantize_fp8,
     int4_dequantize,
     int4_qparams,
@@ -33,8 +32,9 @@ from quantkit.packing import (
     quantize_fp8,
     quantize_fp8_per_token,
 )
-from quantkit.quant_linear import QuantLinear
-from quantkit.scheme import QuantScheme
+from quantkit.format.scheme import QuantScheme
+from quantkit.fused_kernels.fp8_reference import fp8_linear_reference
+from quantkit.runtime.quant_linear import QuantLinear
 
 N, K = 20, 64
 MODULES = ["model.layers.0.mlp.up_proj", "model.layers.1.self_attn.o_proj"]

@@ -71,10 +71,10 @@ def test_bench_reports_the_activation_dtype(
 ) -> None:
     """An INT4 model on the C step: `auto` takes bf16 activations where the CPU has AVX512-BF16,
     and the roofline's compute roof is then a bf16 matmul's."""
-    from quantkit.checkpoint import save_checkpoint
-    from quantkit.cpu_decode import bf16_activations_available
-    from quantkit.quantize import quantize_model
-    from quantkit.scheme import QuantScheme
+    from quantkit.format.checkpoint import save_checkpoint
+    from quantkit.format.scheme import QuantScheme
+    from quantkit.quantize.pipeline import quantize_model
+    from quantkit.runtime.fast_path import bf16_activations_available
 
     outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("rtn", 4, "auto"))
     ckpt = save_checkpoint(

@@ -74,9 +74,9 @@ def _one_error_line(code: int, err: str, *needles: str) -> None:
 
 @pytest.fixture(scope="module")
 def rtn_ckpt(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from quantkit.checkpoint import save_checkpoint
-    from quantkit.quantize import quantize_model
-    from quantkit.scheme import QuantScheme
+    from quantkit.format.checkpoint import save_checkpoint
+    from quantkit.format.scheme import QuantScheme
+    from quantkit.quantize.pipeline import quantize_model
 
     outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("rtn", 4, "auto"))
     return save_checkpoint(
@@ -94,13 +94,13 @@ def rtn_ckpt(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def no_wiki(monkeypatch: pytest.MonkeyPatch, tiny_model_dir: Path) -> None:
     """Held-out 'Wikipedia' tokens from hand-made text: parsing the real dump into a fresh
     QUANTKIT_HOME takes minutes on a busy 2-core machine."""
-    import quantkit.calibration
+    import quantkit.quantize.calibration
 
     def fake(tokenizer, *, max_tokens, **_):
         text = " ".join(f"The {w} is better than the {v}." for w in WORDS for v in WORDS)
         return torch.tensor(tokenizer.encode(text))[:max_tokens]
 
-    monkeypatch.setattr(quantkit.calibration, "heldout_tokens", fake)
+    monkeypatch.setattr(quantkit.quantize.calibration, "heldout_tokens", fake)
 
 
 def test_lm_eval_local_task_end_to_end(capsys, tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -31,9 +31,9 @@ def _one_line_error(code: int, err: str, *needles: str) -> None:
 
 @pytest.fixture(scope="module")
 def int4_ckpt(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from quantkit.checkpoint import save_checkpoint
-    from quantkit.quantize import quantize_model
-    from quantkit.scheme import QuantScheme
+    from quantkit.format.checkpoint import save_checkpoint
+    from quantkit.format.scheme import QuantScheme
+    from quantkit.quantize.pipeline import quantize_model
 
     outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("rtn", 4, "auto"))
     out = tmp_path_factory.mktemp("ckpt") / "tiny-rtn-int4"
@@ -98,7 +98,7 @@ def test_head_dtype_option(int4_ckpt: Path, capsys) -> None:
 
 
 def test_act_dtype_option(int4_ckpt: Path, capsys) -> None:
-    from quantkit.cpu_decode import bf16_activations_available
+    from quantkit.runtime.fast_path import bf16_activations_available
 
     common = ["generate", str(int4_ckpt), "--prompt", "Flat is", "--max-new-tokens", "3", "--json"]
     code, out, err = run(capsys, *common, "--act-dtype", "float32")
@@ -121,7 +121,7 @@ def test_act_dtype_option(int4_ckpt: Path, capsys) -> None:
 def test_default_model_is_the_cached_int4_checkpoint(
     int4_ckpt: Path, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import quantkit.embedded
+    import quantkit.quantize.embedded
 
     calls: list[bool] = []
 
@@ -129,14 +129,14 @@ def test_default_model_is_the_cached_int4_checkpoint(
         calls.append(True)
         return int4_ckpt
 
-    monkeypatch.setattr(quantkit.embedded, "ensure_embedded_int4", fake)
+    monkeypatch.setattr(quantkit.quantize.embedded, "ensure_embedded_int4", fake)
     code, out, err = run(capsys, "generate", "--prompt", "Hi", "--max-new-tokens", "2", "--json")
     assert code == 0, err
     assert calls and json.loads(out)["model"] == str(int4_ckpt)
 
 
 def test_embedded_checkpoint_is_made_once(tmp_path: Path, monkeypatch) -> None:
-    import quantkit.embedded as embedded
+    import quantkit.quantize.embedded as embedded
 
     made: list[Path] = []
 

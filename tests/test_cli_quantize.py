@@ -144,10 +144,10 @@ def test_existing_output_without_force(tmp_path: Path, tiny_model_dir: Path, cap
 def test_interrupt_leaves_nothing(
     tmp_path: Path, tiny_model_dir: Path, calib_txt: Path, capsys, monkeypatch
 ) -> None:
-    import quantkit.awq
+    import quantkit.quantize.awq
 
     calls = {"n": 0}
-    real = quantkit.awq._search_clip
+    real = quantkit.quantize.awq._search_clip
 
     def interrupt_midway(*args, **kwargs):
         calls["n"] += 1
@@ -155,7 +155,7 @@ def test_interrupt_leaves_nothing(
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(quantkit.awq, "_search_clip", interrupt_midway)
+    monkeypatch.setattr(quantkit.quantize.awq, "_search_clip", interrupt_midway)
     out = tmp_path / "ckpt"
     code, _, err = run(
         capsys,
@@ -186,8 +186,8 @@ def test_interrupt_leaves_nothing(
 def test_fp8_quantize_and_run(tmp_path: Path, tiny_model_dir: Path, capsys, extra, desc) -> None:
     import torch
 
-    from quantkit.loader import load_model
-    from quantkit.quant_linear import QuantLinear
+    from quantkit.runtime.loader import load_model
+    from quantkit.runtime.quant_linear import QuantLinear
 
     out = tmp_path / "fp8"
     code, stdout, err = run(
@@ -219,9 +219,9 @@ def test_w8a8_perplexity_includes_activation_quantization(tiny_model_dir: Path) 
     (the activations are rounded to fp8 per token only at run time)."""
     import torch
 
-    from quantkit.model import build_model
-    from quantkit.quantize import quantize_model
-    from quantkit.scheme import QuantScheme
+    from quantkit.format.scheme import QuantScheme
+    from quantkit.models.decoder import build_model
+    from quantkit.quantize.pipeline import quantize_model
 
     outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("fp8", 8, activations="dynamic"))
     ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0))

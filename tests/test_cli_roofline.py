@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.planning import KNOWN_MODELS, resolve_shape
-from quantkit.roofline import ModelShape
+from quantkit.perf.planning import KNOWN_MODELS, resolve_shape
+from quantkit.perf.roofline import ModelShape
 from tests.conftest import run_cli as run
 
 

@@ -7,16 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit.checkpoint import save_checkpoint
+from quantkit.format.checkpoint import save_checkpoint
+from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.decode_cpu import CpuDecodeStep, DecoderDims
 from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
-from quantkit.fusion import fuse_projections
-from quantkit.generate import generate
-from quantkit.loader import load_model
-from quantkit.model import build_model
-from quantkit.quantize import quantize_model
-from quantkit.sampling import SamplingParams
-from quantkit.scheme import QuantScheme
+from quantkit.models.decoder import build_model
+from quantkit.quantize.pipeline import quantize_model
+from quantkit.runtime.fusion import fuse_projections
+from quantkit.runtime.generate import generate
+from quantkit.runtime.loader import load_model
+from quantkit.runtime.sampling import SamplingParams
 from tests.conftest import make_hf_model
 
 pytestmark = pytest.mark.skipif(not cpu_kernel_available(), reason="needs gcc for the C kernel")
@@ -193,7 +193,7 @@ def test_fusion_keeps_state_dict_and_outputs(tiny_llama_dir: Path, llama_ckpt: P
 
 
 def test_dense_fusion_shares_memory(tiny_llama_dir: Path) -> None:
-    from quantkit.sources import load_state_dict, read_config
+    from quantkit.sources.resolve import load_state_dict, read_config
 
     model = build_model(read_config(tiny_llama_dir), load_state_dict(tiny_llama_dir))
     fuse_projections(model)
@@ -243,8 +243,8 @@ def test_int4_modules_deepcopy_after_use(llama_ckpt: Path) -> None:
 def test_act_dtype_is_checked_and_rebinds(llama_ckpt: Path, tiny_llama_dir: Path) -> None:
     """set_act_dtype: only fp32/bf16; bf16 only where the C step runs the model (INT4) on an
     AVX512-BF16 CPU; a change rebinds the bound step; auto picks bf16 only for such a model."""
-    from quantkit.cpu_decode import auto_act_dtype, bf16_activations_available, set_act_dtype
     from quantkit.errors import GenerationError
+    from quantkit.runtime.fast_path import auto_act_dtype, bf16_activations_available, set_act_dtype
 
     model = load_model(llama_ckpt, tokenizer=False).model
     dense = load_model(tiny_llama_dir, tokenizer=False).model

@@ -191,7 +191,7 @@ def test_embedded_model_matches_transformers() -> None:
     """The dense embedded SmolLM2-135M: 20 real ARC-Easy-style requests, HFLM vs QuantkitLM."""
     from lm_eval.models.huggingface import HFLM
 
-    from quantkit.sources import resolve_model
+    from quantkit.sources.resolve import resolve_model
 
     path = resolve_model("smollm2-135m", progress=False)  # the shared cache, see _env
     ctx = [

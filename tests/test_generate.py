@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from quantkit.errors import GenerationError
-from quantkit.generate import (
+from quantkit.runtime.generate import (
     StreamEvent,
     encode_prompt,
     eos_token_ids,
     generate,
 )
-from quantkit.loader import LoadedModel, load_model
-from quantkit.sampling import SamplingParams
-from quantkit.textstream import IncrementalDetokenizer, StopStringStream
+from quantkit.runtime.loader import LoadedModel, load_model
+from quantkit.runtime.sampling import SamplingParams
+from quantkit.runtime.textstream import IncrementalDetokenizer, StopStringStream
 
 GREEDY = SamplingParams(max_new_tokens=24)
 _REAL_HOME = os.environ.get("QUANTKIT_HOME")
@@ -322,8 +322,8 @@ def test_embedded_model_greedy_matches_transformers(monkeypatch: pytest.MonkeyPa
 def test_bf16_head_halves_its_bytes_and_keeps_the_logits(
     tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import quantkit.lm_head as lm_head
-    from quantkit.roofline import model_read_bytes
+    import quantkit.runtime.head as lm_head
+    from quantkit.perf.roofline import model_read_bytes
 
     model = load_model(tiny_model_dir, tokenizer=False).model
     ids = torch.tensor(_prompts([20], seed=10))

@@ -10,13 +10,23 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from quantkit.arch import arch_for
-from quantkit.ct_config import scheme_from_quantization_config, scheme_to_quantization_config
 from quantkit.errors import CheckpointError, SchemeError
-from quantkit.gptq import GptqConfig, Hessian, gptq_fp8, gptq_quantize_fp8, gptq_round, output_error
-from quantkit.model import build_model
-from quantkit.packing import FP8_MAX, fp8_codes, fp8_row_scale
-from quantkit.scheme import QuantScheme
+from quantkit.format.compressed_tensors import (
+    scheme_from_quantization_config,
+    scheme_to_quantization_config,
+)
+from quantkit.format.packing import FP8_MAX, fp8_codes, fp8_row_scale
+from quantkit.format.scheme import QuantScheme
+from quantkit.models.decoder import build_model
+from quantkit.models.families import arch_for
+from quantkit.quantize.gptq import (
+    GptqConfig,
+    Hessian,
+    gptq_fp8,
+    gptq_quantize_fp8,
+    gptq_round,
+    output_error,
+)
 from tests.conftest import run_cli as run
 from tests.test_cli_quantize import _one_line_error
 
@@ -196,9 +206,9 @@ def calib_txt(tmp_path: Path) -> Path:
 def test_cli_gptq_round_trip(
     tmp_path: Path, tiny_model_dir: Path, calib_txt: Path, capsys, extra: list[str], desc: str
 ) -> None:
-    from quantkit.checkpoint import load_checkpoint
-    from quantkit.loader import load_model
-    from quantkit.quant_linear import QuantLinear
+    from quantkit.format.checkpoint import load_checkpoint
+    from quantkit.runtime.loader import load_model
+    from quantkit.runtime.quant_linear import QuantLinear
 
     out = tmp_path / "gptq"
     args = ["quantize", str(tiny_model_dir), "--bits", "8", "--method", "gptq", "-o", str(out)]
@@ -229,7 +239,7 @@ def test_cli_gptq_round_trip(
 def test_checkpoint_without_rounding_field_reads_as_nearest(
     tmp_path: Path, tiny_model_dir: Path, capsys
 ) -> None:
-    from quantkit.checkpoint import load_checkpoint
+    from quantkit.format.checkpoint import load_checkpoint
 
     out = tmp_path / "fp8"
     args = ["--bits", "8", "--method", "fp8", "-o", str(out), "--eval-tokens", "0"]
@@ -265,7 +275,7 @@ def test_cli_gptq_errors(
 def test_cli_bits_8_defaults_to_gptq_on_128_windows(
     tmp_path: Path, tiny_model_dir: Path, calib_txt: Path, capsys
 ) -> None:
-    from quantkit.checkpoint import load_checkpoint
+    from quantkit.format.checkpoint import load_checkpoint
 
     out = tmp_path / "gptq"
     args = ["--bits", "8", "--calib", str(calib_txt), "--calib-seq-len", "16"]

@@ -172,13 +172,13 @@ def embedded_stand_in(
     computed, so a longer context is a config change), standing in for the embedded model."""
     import shutil
 
-    import quantkit.embedded
+    import quantkit.quantize.embedded
 
     model = tmp_path / "embedded"
     shutil.copytree(tiny_model_dir, model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 1024}))
-    monkeypatch.setattr(quantkit.embedded, "ensure_embedded_int4", lambda: model)
+    monkeypatch.setattr(quantkit.quantize.embedded, "ensure_embedded_int4", lambda: model)
     return model
 
 

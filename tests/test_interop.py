@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit.checkpoint import (
+from quantkit.format.checkpoint import (
     LoadedCheckpoint,
     dequantize_checkpoint_tensors,
     fp8_tensors,
@@ -22,7 +22,7 @@ from quantkit.checkpoint import (
     save_checkpoint,
     scheme_to_quantization_config,
 )
-from quantkit.packing import (
+from quantkit.format.packing import (
     int4_qparams,
     int4_quantize,
     pack_int4,
@@ -31,8 +31,8 @@ from quantkit.packing import (
     unpack_int4,
     unpack_zero_points,
 )
-from quantkit.quant_linear import QuantLinear
-from quantkit.scheme import QuantScheme
+from quantkit.format.scheme import QuantScheme
+from quantkit.runtime.quant_linear import QuantLinear
 
 transformers = pytest.importorskip("transformers")
 ct_helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
@@ -76,7 +76,7 @@ def source(tmp_path_factory: pytest.TempPathFactory):
 
 
 def quantize_and_save(source, scheme: QuantScheme, out: Path) -> LoadedCheckpoint:
-    """RTN-quantize every decoder Linear with quantkit.packing, save, load back."""
+    """RTN-quantize every decoder Linear with quantkit.format.packing, save, load back."""
     src_dir, model = source
     tensors: dict[str, torch.Tensor] = {}
     modules = []

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quantkit.fused_kernels.bf16_gemv_cpu import bf16_gemv, bf16_gemv_available
-from quantkit.lm_head import HEAD_GEMV_MAX_M, CastHead
+from quantkit.runtime.head import HEAD_GEMV_MAX_M, CastHead
 
 pytestmark = pytest.mark.skipif(
     not bf16_gemv_available(), reason="the bf16 GEMV needs a CPU with AVX512-BF16"

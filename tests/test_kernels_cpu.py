@@ -13,9 +13,15 @@ import torch
 
 import quantkit.fused_kernels.w4a16_cpu as cpu
 from quantkit.errors import KernelUnavailableError
+from quantkit.format.packing import (
+    dequantize_packed_int4,
+    int4_qparams,
+    int4_quantize,
+    pack_int4,
+    pack_zero_points,
+)
 from quantkit.fused_kernels.cpu_build import build_library, supported_variants
-from quantkit.fused_kernels.w4a16_reference import dequantize_packed_int4, w4a16_linear_reference
-from quantkit.packing import int4_qparams, int4_quantize, pack_int4, pack_zero_points
+from quantkit.fused_kernels.w4a16_reference import w4a16_linear_reference
 
 VARIANTS = supported_variants()
 
@@ -219,7 +225,7 @@ def _bf16_weights(wp, scale, zp, *, n: int, k: int, g: int) -> torch.Tensor:
     """The weights the bf16 tile multiplies: u * s + c in one fp32 rounding (an FMA; u the
     stored nibble, c = -(stored zero nibble) * s in fp32, as `tile_params` makes it), then
     rounded to bf16."""
-    from quantkit.packing import unpack_int4, unpack_zero_points
+    from quantkit.format.packing import unpack_int4, unpack_zero_points
 
     u = unpack_int4(wp, k).double() + 8
     s = scale.float()

@@ -12,6 +12,8 @@ import torch
 
 import quantkit.fused_kernels.w4a16_cpu as cpu
 from quantkit.errors import KernelUnavailableError, SchemeError
+from quantkit.format.packing import int4_qparams, int4_quantize, pack_int4, pack_zero_points
+from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.dispatch import (
     PreparedInt4,
     choose_backend,
@@ -20,8 +22,6 @@ from quantkit.fused_kernels.dispatch import (
     resolve_backend,
 )
 from quantkit.fused_kernels.w4a16_reference import w4a16_linear_reference
-from quantkit.packing import int4_qparams, int4_quantize, pack_int4, pack_zero_points
-from quantkit.scheme import QuantScheme
 
 SCHEME = QuantScheme(method="awq", group_size=64)
 

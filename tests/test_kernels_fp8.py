@@ -2,8 +2,8 @@
 
 Every instruction-set variant this CPU runs (avx512, avx2, generic C) is built into a temporary
 $QUANTKIT_HOME. Exact where the math is exact: e4m3 -> fp32 for all 256 codes, dequantize, and
-the per-token activation quantization of W8A8 (bit-identical to `quantkit.packing`, on a fixed
-example with rounding ties, a carry into the exponent, subnormals and -0). The GEMV and the
+the per-token activation quantization of W8A8 (bit-identical to `quantkit.format.packing`, on a
+fixed example with rounding ties, a carry into the exponent, subnormals and -0). The GEMV and the
 prefill path are held to the reference over odd shapes (K not a multiple of 64, N odd, M = 1..5
 and past the GEMV limit), every activation and scale dtype, bias, W8A16 and W8A8. The Triton
 kernels are tested in test_kernels_fp8_triton.py.
@@ -19,12 +19,12 @@ import torch
 
 import quantkit.fused_kernels.fp8_cpu as fc
 from quantkit.errors import KernelUnavailableError, SchemeError
+from quantkit.format.packing import dequantize_fp8, quantize_fp8, quantize_fp8_per_token
+from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels import fp8_dispatch
 from quantkit.fused_kernels.cpu_build import supported_variants
 from quantkit.fused_kernels.fp8_dispatch import fp8_linear, prepare_fp8, resolve_fp8_backend
 from quantkit.fused_kernels.fp8_reference import fp8_linear_reference
-from quantkit.packing import dequantize_fp8, quantize_fp8, quantize_fp8_per_token
-from quantkit.scheme import QuantScheme
 
 VARIANTS = supported_variants()
 W8A16 = QuantScheme(method="fp8", bits=8, group_size=-1)
@@ -308,7 +308,7 @@ def test_dispatch_errors() -> None:
 
 
 def test_quant_linear_runs_the_cpu_kernel_once_prepared() -> None:
-    from quantkit.quant_linear import QuantLinear
+    from quantkit.runtime.quant_linear import QuantLinear
 
     linear = torch.nn.Linear(256, 72).bfloat16()
     for scheme in (W8A16, W8A8):

@@ -8,7 +8,7 @@ numpy, so the W8A8 GEMM's fp8 `tl.dot` runs here too.
 The sweep covers M {1, 3, 16, 33} x N {64, 200, 576} x K {128, 384, 1000} x {W8A16, W8A8} x
 {fp16, fp32} with a pairwise covering subset plus odd-shaped extras; every case runs the path
 `auto` picks (GEMV for M <= 16, GEMM above) and, for M <= 16, the GEMM too. Per-token
-activation quantization is bit-exact against `quantkit.packing` on the fixed example of
+activation quantization is bit-exact against `quantkit.format.packing` on the fixed example of
 test_kernels_fp8.py. `test_fp8_kernels_compile_for_hopper` lowers the kernels, the fp8 `tl.dot`
 included, to sm_90 code without a GPU.
 """
@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from quantkit.errors import KernelUnavailableError
+from quantkit.format.packing import dequantize_fp8, quantize_fp8, quantize_fp8_per_token
 from quantkit.fused_kernels.fp8_reference import fp8_linear_reference
-from quantkit.packing import dequantize_fp8, quantize_fp8, quantize_fp8_per_token
 from tests.test_kernels_fp8 import fixed_token
 from tests.test_kernels_triton import pairwise_cases
 
@@ -165,8 +165,8 @@ def test_triton_rejects_bad_inputs(tk) -> None:
 
 @interpreted
 def test_dispatch_runs_triton_and_falls_back_from_w8a8(tk, monkeypatch) -> None:
+    from quantkit.format.scheme import QuantScheme
     from quantkit.fused_kernels.fp8_dispatch import prepare_fp8
-    from quantkit.scheme import QuantScheme
 
     monkeypatch.setenv("QUANTKIT_BACKEND", "triton")
     w8a8 = QuantScheme(method="fp8", bits=8, group_size=-1, activations="dynamic")
@@ -245,7 +245,7 @@ _GPU_SCRIPT = textwrap.dedent(
     import torch
     from quantkit.fused_kernels.fp8_triton import fp8_dot_supported, fp8_linear_triton
     from quantkit.fused_kernels.fp8_triton import quantize_per_token_triton
-    from quantkit.packing import quantize_fp8, quantize_fp8_per_token
+    from quantkit.format.packing import quantize_fp8, quantize_fp8_per_token
 
     acts = [False] + ([True] if fp8_dot_supported(torch.device("cuda")) else [])
     tols = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}

@@ -33,8 +33,8 @@ import pytest
 import torch
 
 from quantkit.errors import KernelUnavailableError
-from quantkit.fused_kernels.w4a16_reference import dequantize_packed_int4, w4a16_linear_reference
-from quantkit.packing import (
+from quantkit.format.packing import (
+    dequantize_packed_int4,
     int4_qparams,
     int4_quantize,
     pack_int4,
@@ -42,6 +42,7 @@ from quantkit.packing import (
     unpack_int4,
     unpack_zero_points,
 )
+from quantkit.fused_kernels.w4a16_reference import w4a16_linear_reference
 
 # find_spec, not import: importing triton here would decorate its library before a later
 # module of the session could set TRITON_INTERPRET.
@@ -129,7 +130,7 @@ def tk():
 
 
 def make_layer(n: int, k: int, group: int, symmetric: bool, *, seed: int = 0) -> dict:
-    """Random W quantized with quantkit.packing, as compressed-tensors tensors."""
+    """Random W quantized with quantkit.format.packing, as compressed-tensors tensors."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen)
     g = k if group == -1 else group
@@ -192,7 +193,7 @@ def test_sweep_is_pairwise_covering() -> None:
     "n,k,group,symmetric", [(77, 384, 128, False), (64, 200, -1, False), (40, 96, 32, True)]
 )
 def test_kernel_unpacking_is_bit_exact(tk, n: int, k: int, group: int, symmetric: bool) -> None:
-    """The tile the matmul kernels compute with equals quantkit.packing's, bit for bit."""
+    """The tile the matmul kernels compute with equals quantkit.format.packing's, bit for bit."""
     layer = make_layer(n, k, group, symmetric)
     wp, scale, zp = layer["weight_packed"], layer["weight_scale"], layer["weight_zero_point"]
     codes, zeros, w = tk.dequantize_triton(wp, scale, zp, in_features=k, group_size=group)
@@ -242,8 +243,8 @@ def test_triton_rejects_bad_inputs(tk) -> None:
 
 @interpreted
 def test_dispatch_runs_triton_under_interpreter(tk, monkeypatch) -> None:
+    from quantkit.format.scheme import QuantScheme
     from quantkit.fused_kernels.dispatch import int4_linear, prepare_int4, resolve_backend
-    from quantkit.scheme import QuantScheme
 
     monkeypatch.setenv("QUANTKIT_BACKEND", "triton")
     assert resolve_backend(torch.device("cpu")) == "triton"
@@ -305,9 +306,9 @@ def test_kernels_compile_for_hopper(tmp_path) -> None:
 _GPU_SCRIPT = textwrap.dedent(
     """
     import torch
-    from quantkit.fused_kernels.w4a16_reference import dequantize_packed_int4
+    from quantkit.format.packing import dequantize_packed_int4
     from quantkit.fused_kernels.w4a16_triton import is_interpreted, w4a16_linear_triton
-    from quantkit.packing import int4_qparams, int4_quantize, pack_int4, pack_zero_points
+    from quantkit.format.packing import int4_qparams, int4_quantize, pack_int4, pack_zero_points
 
     assert not is_interpreted()
     # error / sum |x| |W|: weight rounding to the activation dtype (half an ulp) plus output

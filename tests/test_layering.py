@@ -1,6 +1,10 @@
-"""DESIGN.md's layers, enforced: nothing imports upward.
+"""The layers of ARCHITECTURE.md, enforced: each package imports only what its rule allows.
 
-cli -> evals, grammar -> quantkit runtime (L2) -> fused_kernels (L1) -> errors/scheme/packing (L0)
+    cli -> evals, grammar -> serving, perf -> quantize -> runtime -> fused_kernels
+        -> sources -> models -> format -> paths -> errors
+
+Read an arrow as "may import". A package may import itself and everything its rule lists;
+anything else, in particular anything above it, fails this test with the offending line.
 """
 
 from __future__ import annotations
@@ -11,27 +15,50 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-L0 = {"quantkit.errors", "quantkit.scheme", "quantkit.packing", "quantkit"}
+
+# The installed name of each top-level folder (pyproject.toml's package-dir table).
 FOLDERS = {
-    "cli": ("quantkit.cli", 4),
-    "evals": ("quantkit.evals", 3),
-    "grammar": ("quantkit.grammar", 3),
-    "fused_kernels": ("quantkit.fused_kernels", 1),
+    "quantkit": "quantkit",
+    "fused_kernels": "quantkit.fused_kernels",
+    "grammar": "quantkit.grammar",
+    "evals": "quantkit.evals",
+    "cli": "quantkit.cli",
+}
+
+_CORE = ("errors", "paths", "format", "models", "sources")
+# package (under quantkit.) -> the packages it may import besides itself.
+RULES: dict[str, frozenset[str]] = {
+    "": frozenset(),  # quantkit/__init__.py: the version, nothing else
+    "errors": frozenset(),
+    "paths": frozenset({"errors"}),
+    "format": frozenset({"errors", "paths"}),
+    "models": frozenset({"errors", "paths", "format"}),
+    "sources": frozenset({"errors", "paths", "format", "models"}),
+    "fused_kernels": frozenset({"errors", "paths", "format"}),
+    "runtime": frozenset({*_CORE, "fused_kernels"}),
+    "quantize": frozenset({*_CORE, "fused_kernels", "runtime"}),
+    "perf": frozenset({*_CORE, "fused_kernels", "runtime"}),
+    "serving": frozenset({*_CORE, "fused_kernels", "runtime", "perf"}),
+    # The core never imports grammar (generate takes any LogitsProcessor); evals and grammar
+    # stand side by side and do not import each other.
+    "grammar": frozenset({*_CORE, "fused_kernels", "runtime", "quantize", "perf", "serving"}),
+    "evals": frozenset({*_CORE, "fused_kernels", "runtime", "quantize", "perf", "serving"}),
+    "cli": frozenset(
+        {*_CORE, "fused_kernels", "runtime", "quantize", "perf", "serving", "grammar", "evals"}
+    ),
 }
 
 
-def layer_of(module: str) -> int:
-    for prefix, level in (pkg for pkg in FOLDERS.values()):
-        if module == prefix or module.startswith(prefix + "."):
-            return level
-    if module in L0:
-        return 0
-    return 2  # the quantkit runtime
+def package_of(module: str) -> str:
+    """'quantkit.runtime.loader' -> 'runtime'; 'quantkit' -> ''."""
+    parts = module.split(".")
+    assert parts[0] == "quantkit", module
+    return parts[1] if len(parts) > 1 else ""
 
 
 def _modules() -> list[tuple[str, Path]]:
     out = []
-    for folder, (pkg, _) in {**FOLDERS, "quantkit": ("quantkit", 2)}.items():
+    for folder, pkg in FOLDERS.items():
         for path in sorted((ROOT / folder).rglob("*.py")):
             rel = path.relative_to(ROOT / folder).with_suffix("")
             parts = [p for p in rel.parts if p != "__init__"]
@@ -39,56 +66,71 @@ def _modules() -> list[tuple[str, Path]]:
     return out
 
 
-def _imports(path: Path) -> list[str]:
-    tree = ast.parse(path.read_text())
-    names = []
-    for node in ast.walk(tree):
+def imports_of(source: str) -> list[tuple[int, str]]:
+    """(line, module) for every quantkit import in `source` ("from quantkit.x import y" counts
+    as quantkit.x: the package rule does not care which attribute is taken)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            names += [a.name for a in node.names]
+            out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
-            names.append(node.module)
-            names += [f"{node.module}.{a.name}" for a in node.names]
-    return [n for n in names if n == "quantkit" or n.startswith("quantkit.")]
+            if node.module == "quantkit":  # from quantkit import runtime
+                out += [(node.lineno, f"quantkit.{a.name}") for a in node.names]
+            else:
+                out.append((node.lineno, node.module))
+    return [(line, n) for line, n in out if n == "quantkit" or n.startswith("quantkit.")]
+
+
+def violations(module: str, source: str) -> list[str]:
+    own = package_of(module)
+    allowed = RULES[own] | {own}
+    bad = []
+    for line, target in imports_of(source):
+        if target == "quantkit" or target == "quantkit.__version__":
+            continue
+        theirs = package_of(target)
+        if theirs not in RULES:
+            bad.append(f"{module}:{line} imports {target}, which is in no layer")
+        elif theirs not in allowed:
+            bad.append(
+                f"{module}:{line} imports {target}: {own or 'quantkit'} may import only "
+                f"{', '.join(sorted(RULES[own])) or 'nothing'}"
+            )
+    return bad
+
+
+def test_every_package_has_a_rule() -> None:
+    packages = {package_of(m) for m, _ in _modules()}
+    assert packages <= set(RULES), sorted(packages - set(RULES))
+    # Every sub-package of quantkit/ on disk is in the table, including ones with one module.
+    on_disk = {p.name for p in (ROOT / "quantkit").iterdir() if (p / "__init__.py").exists()}
+    on_disk |= {p.stem for p in (ROOT / "quantkit").glob("*.py") if p.stem != "__init__"}
+    assert on_disk <= set(RULES), sorted(on_disk - set(RULES))
 
 
 @pytest.mark.parametrize("module,path", _modules(), ids=lambda v: str(v))
-def test_no_upward_imports(module: str, path: Path) -> None:
-    own = layer_of(module)
-    for target in _imports(path):
-        # "from quantkit.x import name": judge by the module, not the imported attribute.
-        level = layer_of(target) if target.count(".") <= 1 or _is_module(target) else None
-        if level is None:
-            level = layer_of(target.rsplit(".", 1)[0])
-        assert level <= own, f"{module} (layer {own}) imports {target} (layer {level})"
-        if own == 3:  # evals and grammar do not import each other
-            assert not (
-                module.startswith("quantkit.evals") and target.startswith("quantkit.grammar")
-            )
-            assert not (
-                module.startswith("quantkit.grammar") and target.startswith("quantkit.evals")
-            )
+def test_no_forbidden_imports(module: str, path: Path) -> None:
+    assert violations(module, path.read_text()) == []
 
 
-def _is_module(name: str) -> bool:
-    parts = name.split(".")
-    if parts[1] in {"cli", "evals", "grammar", "fused_kernels"}:
-        folder = ROOT / {"fused_kernels": "fused_kernels"}.get(parts[1], parts[1])
-        rest = parts[2:]
-    else:
-        folder, rest = ROOT / "quantkit", parts[1:]
-    target = folder.joinpath(*rest)
-    return target.with_suffix(".py").exists() or (target / "__init__.py").exists()
-
-
-def test_layer_table_sanity() -> None:
-    assert layer_of("quantkit.packing") == 0
-    assert layer_of("quantkit.fused_kernels.dispatch") == 1
-    assert layer_of("quantkit.model") == 2
-    assert layer_of("quantkit.evals.perplexity") == 3
-    assert layer_of("quantkit.cli.main") == 4
-
-
-def test_l0_imports_nothing_above_itself() -> None:
-    for name in ("errors", "scheme", "packing"):
-        for target in _imports(ROOT / "quantkit" / f"{name}.py"):
-            assert target in L0 or target.rsplit(".", 1)[0] in L0, f"{name} imports {target}"
+@pytest.mark.parametrize(
+    "module,source,expected",
+    [
+        # a lower package reaching up: format must not know the runtime
+        ("quantkit.format.checkpoint", "from quantkit.runtime.quant_linear import Q", 1),
+        ("quantkit.models.decoder", "import quantkit.serving.engine", 1),
+        ("quantkit.fused_kernels.dispatch", "from quantkit.runtime import fast_path", 1),
+        ("quantkit.runtime.loader", "from quantkit.quantize.awq import awq_quantize", 1),
+        ("quantkit.perf.roofline", "from quantkit.serving.types import DecodeStep", 1),
+        ("quantkit.grammar.compiler", "from quantkit.evals.harness import x", 1),
+        ("quantkit.evals.harness", "from quantkit import grammar", 1),
+        ("quantkit.runtime.generate", "from quantkit.nowhere import x", 1),
+        # allowed: downward, sideways into itself, the version
+        ("quantkit.runtime.loader", "from quantkit.format.checkpoint import load_checkpoint", 0),
+        ("quantkit.serving.metrics", "from quantkit.perf.roofline import DecodeRoofline", 0),
+        ("quantkit.cli.main", "from quantkit import __version__", 0),
+        ("quantkit.quantize.awq", "from quantkit.quantize.rtn import rtn_quantize_weight", 0),
+    ],
+)
+def test_the_rules_catch_a_bad_import(module: str, source: str, expected: int) -> None:
+    assert len(violations(module, source)) == expected

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit.checkpoint import save_checkpoint
 from quantkit.errors import CheckpointError, ModelSourceError
-from quantkit.loader import load_model
-from quantkit.model import build_model
-from quantkit.quant_linear import QuantLinear
-from quantkit.quantize import quantize_model
-from quantkit.scheme import QuantScheme
+from quantkit.format.checkpoint import save_checkpoint
+from quantkit.format.scheme import QuantScheme
+from quantkit.models.decoder import build_model
+from quantkit.quantize.pipeline import quantize_model
+from quantkit.runtime.loader import load_model
+from quantkit.runtime.quant_linear import QuantLinear
 
 
 @pytest.mark.parametrize("group_size,symmetric", [(32, False), (-1, True)])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from quantkit.errors import ModelSourceError
-from quantkit.model import ModelConfig, build_model
+from quantkit.models.decoder import ModelConfig, build_model
 from tests.conftest import make_hf_model
 
 

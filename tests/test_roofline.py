@@ -17,7 +17,7 @@ from quantkit.errors import (
     QuantkitError,
     SchemeError,
 )
-from quantkit.hardware import (
+from quantkit.perf.hardware import (
     GB,
     GPUS,
     GiB,
@@ -29,8 +29,8 @@ from quantkit.hardware import (
     peak_bandwidth,
     ridge_point,
 )
-from quantkit.planning import format_plan, plan
-from quantkit.roofline import (
+from quantkit.perf.planning import format_plan, plan
+from quantkit.perf.roofline import (
     KiB,
     ModelShape,
     bytes_per_decode_step,
@@ -315,7 +315,7 @@ def test_cpu_bandwidth_is_measured_once_and_cached(_home: Path) -> None:
 
 
 def _quantize_linears(model, scheme) -> None:  # type: ignore[no-untyped-def]
-    from quantkit.quant_linear import QuantLinear
+    from quantkit.runtime.quant_linear import QuantLinear
 
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
@@ -325,8 +325,8 @@ def _quantize_linears(model, scheme) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_loaded_model_bytes_match_the_shape_arithmetic(tiny_llama_dir: Path) -> None:
-    from quantkit.loader import load_model
-    from quantkit.scheme import QuantScheme
+    from quantkit.format.scheme import QuantScheme
+    from quantkit.runtime.loader import load_model
 
     loaded = load_model(tiny_llama_dir, tokenizer=False)
     shape = ModelShape.from_config(loaded.config)
@@ -342,7 +342,7 @@ def test_loaded_model_bytes_match_the_shape_arithmetic(tiny_llama_dir: Path) -> 
 
 
 def test_decode_roofline_arithmetic(tiny_llama_dir: Path) -> None:
-    from quantkit.loader import load_model
+    from quantkit.runtime.loader import load_model
 
     model = load_model(tiny_llama_dir, tokenizer=False).model
     cpu = Hardware("test CPU", 16 * GiB, 10 * GB, None, None, source="given")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from quantkit.errors import GenerationError
-from quantkit.sampling import (
+from quantkit.runtime.sampling import (
     LogitsProcessor,
     RepetitionPenalty,
     SamplingParams,

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from quantkit.errors import GenerationError
-from quantkit.generate import generate
-from quantkit.loader import LoadedModel, load_model
-from quantkit.sampling import SamplingParams
-from quantkit.scheduler import EngineConfig, RunResult, VirtualClock, run_engine
-from quantkit.workload import Request
+from quantkit.runtime.generate import generate
+from quantkit.runtime.loader import LoadedModel, load_model
+from quantkit.runtime.sampling import SamplingParams
+from quantkit.serving.engine import EngineConfig, RunResult, VirtualClock, run_engine
+from quantkit.serving.workload import Request
 
 # (prompt tokens, max new tokens, arrival in engine steps): arrivals staggered so that requests
 # join while others decode, more requests than slots, prompts longer than the chunks below.
@@ -205,12 +205,12 @@ def test_decode_steps_take_the_models_one_call_path(
 ) -> None:
     """Also with bf16 activations in the GEMVs (`set_act_dtype`): the engine and `generate`
     alone share the mode, and every request still gets the tokens it gets alone."""
-    from quantkit.checkpoint import save_checkpoint
-    from quantkit.cpu_decode import ACT_DTYPES, bf16_activations_available, set_act_dtype
+    from quantkit.format.checkpoint import save_checkpoint
+    from quantkit.format.scheme import QuantScheme
     from quantkit.fused_kernels.decode_cpu import CpuDecodeStep
     from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
-    from quantkit.quantize import quantize_model
-    from quantkit.scheme import QuantScheme
+    from quantkit.quantize.pipeline import quantize_model
+    from quantkit.runtime.fast_path import ACT_DTYPES, bf16_activations_available, set_act_dtype
 
     if not cpu_kernel_available():
         pytest.skip("needs gcc for the C kernel (as tests/test_cpu_decode.py)")

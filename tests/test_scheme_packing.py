@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quantkit.errors import SchemeError
-from quantkit.packing import (
+from quantkit.format.packing import (
     fake_quantize_int4,
     int4_dequantize,
     int4_qparams,
@@ -18,7 +18,7 @@ from quantkit.packing import (
     unpack_int4,
     unpack_zero_points,
 )
-from quantkit.scheme import QuantScheme
+from quantkit.format.scheme import QuantScheme
 
 SMOLLM_LAYERS = [("model.layers.0.self_attn.q_proj", 576), ("model.layers.0.mlp.down_proj", 1536)]
 

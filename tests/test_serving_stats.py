@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from quantkit.errors import GenerationError
-from quantkit.loader import load_model
-from quantkit.scheduler import DecodeStep, EngineConfig, RequestResult, RunResult
-from quantkit.serving_stats import SLO, StepCost, decode_points, parse_duration, summarize
+from quantkit.runtime.loader import load_model
+from quantkit.serving.engine import DecodeStep, EngineConfig, RequestResult, RunResult
+from quantkit.serving.metrics import SLO, StepCost, decode_points, parse_duration, summarize
 
 
 @pytest.mark.parametrize(

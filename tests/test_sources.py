@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from quantkit import gguf_convert, sources
 from quantkit.errors import CheckpointError, ModelSourceError
-from quantkit.sources import (
+from quantkit.sources import gguf as gguf_convert
+from quantkit.sources import resolve as sources
+from quantkit.sources.resolve import (
     DEFAULT_MODEL,
     convert_gguf,
     load_state_dict,
@@ -23,7 +24,7 @@ from quantkit.sources import (
     resolve_model,
     unpermute_qk,
 )
-from quantkit.tokenizer import load_tokenizer
+from quantkit.sources.tokenizer import load_tokenizer
 
 HIDDEN, N_HEAD, N_KV, HEAD_DIM, FFN, N_LAYER = 64, 4, 2, 16, 128, 2
 MERGES = ["t h", "th e", "Ġ the", "i n", "a n"]
@@ -463,7 +464,7 @@ def test_source_key_is_the_content_not_the_install(tmp_path: Path) -> None:
     a changed byte in the header does not."""
     import os
 
-    from quantkit.gguf_convert import source_key
+    from quantkit.sources.gguf import source_key
 
     data = bytes(range(256)) * (3 * 4096 + 7)  # ~3 MiB: first and last MiB both hashed
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from quantkit.stats import GenerationStats, Timer, percentile
+from quantkit.runtime.stats import GenerationStats, Timer, percentile
 
 
 def _stats(**overrides: object) -> GenerationStats:

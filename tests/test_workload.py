@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from quantkit.errors import GenerationError
-from quantkit.workload import LengthDist, WorkloadSpec, make_workload, parse_rate
+from quantkit.serving.workload import LengthDist, WorkloadSpec, make_workload, parse_rate
 
 
 def _spec(**kw) -> WorkloadSpec:

@@ -9,14 +9,14 @@ from typing import Any
 
 import torch
 
-from quantkit.checkpoint import load_checkpoint
-from quantkit.cpu_decode import enable_cpu_decode
-from quantkit.fusion import fuse_projections
-from quantkit.model import CausalLM, build_model
-from quantkit.quant_linear import QuantLinear
-from quantkit.scheme import QuantScheme
-from quantkit.sources import resolve_model
-from quantkit.tokenizer import load_tokenizer
+from quantkit.format.checkpoint import load_checkpoint
+from quantkit.format.scheme import QuantScheme
+from quantkit.models.decoder import CausalLM, build_model
+from quantkit.runtime.fast_path import enable_cpu_decode
+from quantkit.runtime.fusion import fuse_projections
+from quantkit.runtime.quant_linear import QuantLinear
+from quantkit.sources.resolve import resolve_model
+from quantkit.sources.tokenizer import load_tokenizer
 
 
 @dataclass
@@ -49,9 +49,10 @@ def load_model(
             modules[name] = QuantLinear.from_tensors(local, scheme=loaded.scheme, bias=bias)
     model = build_model(loaded.config, loaded.tensors, dtype=dtype, modules=modules)
     model = model.to(device)
-    # q/k/v and gate/up as one matmul each (row views, no extra memory; see quantkit.fusion).
+    # q/k/v and gate/up as one matmul each (row views, no extra memory; see
+    # quantkit.runtime.fusion).
     fuse_projections(model)
-    # INT4 on CPU: one-token steps run every layer in one C call (quantkit.cpu_decode).
+    # INT4 on CPU: one-token steps run every layer in one C call (quantkit.runtime.fast_path).
     enable_cpu_decode(model)
     tok = load_tokenizer(path) if tokenizer else None
     return LoadedModel(model, tok, loaded.config, loaded.scheme, path, loaded.report)

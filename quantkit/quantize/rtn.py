@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.packing import int4_dequantize, int4_qparams, int4_quantize
-from quantkit.scheme import QuantScheme
+from quantkit.format.packing import int4_dequantize, int4_qparams, int4_quantize
+from quantkit.format.scheme import QuantScheme
 
 
 @dataclass

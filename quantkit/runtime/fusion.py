@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from quantkit.quant_linear import QuantLinear
+from quantkit.runtime.quant_linear import QuantLinear
 
 __all__ = ["FusedLinear", "fuse", "fuse_projections"]
 

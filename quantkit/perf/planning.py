@@ -4,7 +4,7 @@ Given a model shape (a config.json, the embedded model, or a well-known model by
 small built-in table, so planning needs no weights) and a machine (a GPU from the table or this
 CPU measured): weight bytes, KV bytes per token, how many users of a context fit, arithmetic
 intensity of decode and prefill against the ridge point, and the decode ceiling. The arithmetic
-itself is `quantkit.roofline`'s.
+itself is `quantkit.perf.roofline`'s.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import GenerationError, ModelSourceError
-from quantkit.hardware import GB, TFLOPS, GiB, Hardware, lookup_gpu, ridge_point
-from quantkit.roofline import (
+from quantkit.perf.hardware import GB, TFLOPS, GiB, Hardware, lookup_gpu, ridge_point
+from quantkit.perf.roofline import (
     DecodeTraffic,
     KiB,
     ModelShape,

@@ -12,7 +12,7 @@ from dataclasses import replace
 from typing import Any
 
 from quantkit.errors import CheckpointError, SchemeError
-from quantkit.scheme import INT_GROUP_SIZES, ROUNDINGS, QuantScheme
+from quantkit.format.scheme import INT_GROUP_SIZES, ROUNDINGS, QuantScheme
 
 INT_FORMAT = "pack-quantized"
 FLOAT_FORMAT = "float-quantized"

@@ -4,7 +4,7 @@ A checkpoint is an ordinary Hugging Face model directory: `config.json` with a
 `quantization_config`, `*.safetensors` (sharded with `model.safetensors.index.json` when large),
 the source's tokenizer files and `generation_config.json`, and `quantkit.json` (format version,
 the scheme, the quantized modules and the quantizer's report). The tensor layout per quantized
-Linear is documented once, in `quantkit.packing`:
+Linear is documented once, in `quantkit.format.packing`:
 
 - INT4 (`pack-quantized`): `weight_packed` int32 [N, ceil(K/8)], `weight_scale` [N, K/G] in the
   model dtype, `weight_zero_point` int32 [ceil(N/8), K/G] (asymmetric only), `weight_shape` [2].
@@ -28,15 +28,17 @@ from typing import Any
 
 import torch
 
-from quantkit.ct_config import scheme_from_quantization_config, scheme_to_quantization_config
 from quantkit.errors import CheckpointError
-from quantkit.fused_kernels.w4a16_reference import dequantize_packed_int4
-from quantkit.packing import dequantize_fp8
+from quantkit.format.compressed_tensors import (
+    scheme_from_quantization_config,
+    scheme_to_quantization_config,
+)
+from quantkit.format.packing import dequantize_fp8, dequantize_packed_int4
+from quantkit.format.scheme import QuantScheme
 
 # The per-module tensor contract lives beside QuantLinear (which holds those tensors); it is
 # re-exported here because writing a checkpoint starts from it.
-from quantkit.quant_linear import check_module_tensors, fp8_tensors, int4_tensors
-from quantkit.scheme import QuantScheme
+from quantkit.format.tensors import check_module_tensors, fp8_tensors, int4_tensors
 
 __all__ = [
     "LoadedCheckpoint",

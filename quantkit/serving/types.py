@@ -1,4 +1,4 @@
-"""What one run of the continuous-batching engine (`quantkit.scheduler`) is configured with and
+"""What one run of the continuous-batching engine (`quantkit.serving.engine`) is configured with and
 what it records: `EngineConfig`, the per-request results, the decode-step and prefill records,
 and the virtual clock the run is timed on."""
 

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantkit.arch import arch_for
 from quantkit.errors import ModelSourceError
+from quantkit.models.families import arch_for
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
         self.cache: KVCache | None = None
-        self.fused_qkv: Any = None  # a `quantkit.fusion.FusedLinear`, set by fuse_projections
+        self.fused_qkv: Any = (
+            None  # a `quantkit.runtime.fusion.FusedLinear`, set by fuse_projections
+        )
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, H] -> q [B, T, Hq, D] with RoPE not yet applied, k, v [B, T, Hkv, D]."""
@@ -229,7 +231,9 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
-        self.fused_gate_up: Any = None  # a `quantkit.fusion.FusedLinear`, see fuse_projections
+        self.fused_gate_up: Any = (
+            None  # a `quantkit.runtime.fusion.FusedLinear`, see fuse_projections
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.fused_gate_up
@@ -277,7 +281,7 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = Body(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        # A `quantkit.cpu_decode.CpuDecodePath` (see enable_cpu_decode): every layer of a
+        # A `quantkit.runtime.fast_path.CpuDecodePath` (see enable_cpu_decode): every layer of a
         # one-token-per-row step in one C call. Bound to each cache by setup_cache.
         self.decode_path: Any = None
 

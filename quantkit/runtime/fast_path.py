@@ -33,8 +33,8 @@ from quantkit.fused_kernels.decode_cpu import (
     DecoderLayerParts,
     bf16_activations_available,
 )
-from quantkit.model import CausalLM
-from quantkit.quant_linear import QuantLinear
+from quantkit.models.decoder import CausalLM
+from quantkit.runtime.quant_linear import QuantLinear
 
 __all__ = [
     "ACT_DTYPES",

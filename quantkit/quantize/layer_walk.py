@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from quantkit.model import CausalLM
+from quantkit.models.decoder import CausalLM
 
 
 @dataclass

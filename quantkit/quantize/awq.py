@@ -22,18 +22,18 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from quantkit.arch import Arch, ScaleGroup
-from quantkit.layerwise import (
+from quantkit.format.packing import fake_quantize_int4
+from quantkit.format.scheme import QuantScheme
+from quantkit.models.decoder import CausalLM
+from quantkit.models.families import Arch, ScaleGroup
+from quantkit.quantize.layer_walk import (
     LayerErrorReport,
     PhaseClock,
     first_layer_inputs,
     layer_call,
     run_chunked,
 )
-from quantkit.model import CausalLM
-from quantkit.packing import fake_quantize_int4
-from quantkit.rtn import Int4Weights, group_size_for, rtn_quantize_weight
-from quantkit.scheme import QuantScheme
+from quantkit.quantize.rtn import Int4Weights, group_size_for, rtn_quantize_weight
 
 
 @dataclass(frozen=True)

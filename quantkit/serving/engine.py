@@ -50,9 +50,9 @@ from typing import Any
 import torch
 
 from quantkit.errors import GenerationError
-from quantkit.model import CausalLM, KVCache
-from quantkit.sampling import SamplingParams, make_generator, sample
-from quantkit.serving_run import (
+from quantkit.models.decoder import CausalLM, KVCache
+from quantkit.runtime.sampling import SamplingParams, make_generator, sample
+from quantkit.serving.types import (
     DecodeStep,
     EngineConfig,
     PrefillChunk,
@@ -60,7 +60,7 @@ from quantkit.serving_run import (
     RunResult,
     VirtualClock,
 )
-from quantkit.workload import Request
+from quantkit.serving.workload import Request
 
 __all__ = [
     "DecodeStep",

@@ -5,7 +5,8 @@ so its speed is bounded by memory bandwidth: ceiling tok/s = peak bytes/s / byte
 and MBU (model bandwidth utilization) = achieved tok/s / that ceiling. This module holds that
 arithmetic for a model shape (`weight_bytes`, intensities, users that fit) and for a loaded
 model (`model_read_bytes`, `decode_roofline`: the bytes its real tensors move). The machines'
-peaks live in `quantkit.hardware`, the article's planning questions in `quantkit.planning`.
+peaks live in `quantkit.perf.hardware`, the article's planning questions in
+`quantkit.perf.planning`.
 
 Units, chosen to reproduce the article's numbers:
 - bandwidth: decimal GB/s (1e9 bytes/s), as vendors publish it; weight and traffic bytes are
@@ -28,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from quantkit.errors import GenerationError, ModelSourceError, SchemeError
-from quantkit.hardware import GB, Hardware
+from quantkit.perf.hardware import GB, Hardware
 
 if TYPE_CHECKING:
-    from quantkit.model import CausalLM
+    from quantkit.models.decoder import CausalLM
 
 KiB = 2**10
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from quantkit.errors import GenerationError
 from quantkit.fused_kernels.bf16_gemv_cpu import bf16_gemv, bf16_gemv_available
-from quantkit.model import CausalLM
+from quantkit.models.decoder import CausalLM
 
 HEAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

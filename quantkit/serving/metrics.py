@@ -1,13 +1,13 @@
 """Serving metrics of one engine run: throughput, TTFT/TPOT percentiles, goodput, MBU, and the
 decode steps placed on the roofline.
 
-Definitions (times on the run's virtual clock, see `quantkit.scheduler`):
+Definitions (times on the run's virtual clock, see `quantkit.serving.engine`):
 
 - throughput: output tokens (the first one, from the prefill, included) and completed requests
   per second of the run, first arrival to last token.
 - TTFT: arrival -> first token, so it includes queueing; percentiles over requests.
 - TPOT: the gap between two consecutive tokens of one request, one sample per token after the
-  first, percentiles over every such gap of every request (as `quantkit.stats` times each
+  first, percentiles over every such gap of every request (as `quantkit.runtime.stats` times each
   decode step). A long prefill that stalls the running requests shows up in the tail of these
   gaps, which is what chunked prefill shortens. `req_tpot_ms_*` are the per-request means
   ((last - first token) / (tokens - 1)), the figure an SLO on TPOT is checked against.
@@ -27,10 +27,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from quantkit.errors import GenerationError
-from quantkit.model import CausalLM
-from quantkit.roofline import model_kv_bytes_per_token, model_read_bytes
-from quantkit.serving_run import DecodeStep, RunResult
-from quantkit.stats import percentile
+from quantkit.models.decoder import CausalLM
+from quantkit.perf.roofline import model_kv_bytes_per_token, model_read_bytes
+from quantkit.runtime.stats import percentile
+from quantkit.serving.types import DecodeStep, RunResult
 
 __all__ = [
     "SLO",

@@ -9,8 +9,8 @@ would alone, and RoPE positions equal cache slots, as `CausalLM` requires.
 Rows that finish early (EOS, a stop string, their token limit) keep riding along in the static
 batch, frozen at their last slot, until every row is done; their outputs are discarded.
 
-What is timed (see `quantkit.stats`): TTFT = prefill + sampling + handling of the first token;
-then one latency per decode step, each including its sampling and the detokenization and
+What is timed (see `quantkit.runtime.stats`): TTFT = prefill + sampling + handling of the first
+token; then one latency per decode step, each including its sampling and the detokenization and
 callback of its tokens, so TTFT + the steps add up to the wall time of the call.
 """
 
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from quantkit.errors import GenerationError
-from quantkit.model import CausalLM
-from quantkit.sampling import (
+from quantkit.models.decoder import CausalLM
+from quantkit.runtime.sampling import (
     LogitsProcessor,
     SamplingParams,
     apply_processors,
@@ -34,8 +34,8 @@ from quantkit.sampling import (
     make_generator,
     sample,
 )
-from quantkit.stats import GenerationStats, Timer
-from quantkit.textstream import IncrementalDetokenizer, StopStringStream
+from quantkit.runtime.stats import GenerationStats, Timer
+from quantkit.runtime.textstream import IncrementalDetokenizer, StopStringStream
 
 __all__ = [
     "GenerationResult",

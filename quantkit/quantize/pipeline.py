@@ -15,16 +15,17 @@ from typing import Any
 
 import torch
 
-from quantkit.arch import arch_for
-from quantkit.awq import AwqConfig, LayerReport, awq_quantize
-from quantkit.checkpoint import LoadedCheckpoint, dequantize_checkpoint_tensors
-from quantkit.gptq import GptqConfig, GptqLayerReport, gptq_quantize_fp8
-from quantkit.model import CausalLM, build_model
-from quantkit.packing import int4_dequantize, int4_quantize, quantize_fp8
-from quantkit.quant_linear import QuantLinear, fp8_tensors, int4_tensors
-from quantkit.rtn import Int4Weights, group_size_for, rtn_quantize_weight
-from quantkit.scheme import QuantScheme
-from quantkit.sources import load_state_dict, read_config
+from quantkit.format.checkpoint import LoadedCheckpoint, dequantize_checkpoint_tensors
+from quantkit.format.packing import int4_dequantize, int4_quantize, quantize_fp8
+from quantkit.format.scheme import QuantScheme
+from quantkit.format.tensors import fp8_tensors, int4_tensors
+from quantkit.models.decoder import CausalLM, build_model
+from quantkit.models.families import arch_for
+from quantkit.quantize.awq import AwqConfig, LayerReport, awq_quantize
+from quantkit.quantize.gptq import GptqConfig, GptqLayerReport, gptq_quantize_fp8
+from quantkit.quantize.rtn import Int4Weights, group_size_for, rtn_quantize_weight
+from quantkit.runtime.quant_linear import QuantLinear
+from quantkit.sources.resolve import load_state_dict, read_config
 
 # Calibration windows for the activation statistics (x 512 tokens). See cli/quantize_cmd.py.
 DEFAULT_CALIB_SAMPLES = 64

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import CheckpointError, ModelSourceError
-from quantkit.gguf_convert import (
+from quantkit.sources.gguf import (
     INDEX_NAME,
     SOURCE_MARKER,
     SUPPORTED_GGUF_ARCHITECTURES,

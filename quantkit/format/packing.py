@@ -191,3 +191,19 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_EPS)
     x8 = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return x8, scale
+
+
+def dequantize_packed_int4(
+    weight_packed: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero_point: torch.Tensor | None,
+    *,
+    in_features: int,
+    group_size: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """compressed-tensors pack-quantized tensors -> dense W [N, K] in `dtype`."""
+    n = weight_packed.shape[0]
+    codes = unpack_int4(weight_packed, in_features)
+    zero = None if weight_zero_point is None else unpack_zero_points(weight_zero_point, n)
+    return int4_dequantize(codes, weight_scale, zero, group_size=group_size, dtype=dtype)

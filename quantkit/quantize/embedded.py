@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from quantkit.sources import DEFAULT_MODEL, quantkit_home
+from quantkit.sources.resolve import DEFAULT_MODEL, quantkit_home
 
 EMBEDDED_INT4_NAME = f"{DEFAULT_MODEL}-awq-int4"
 
@@ -76,13 +76,13 @@ def ensure_embedded_int4(
 def _quantize_embedded(target: Path, *, home: Path | None, progress: bool) -> None:
     from tqdm.auto import tqdm
 
-    from quantkit.awq import AwqConfig, LayerReport
-    from quantkit.calibration import calibration_samples, wiki_split
-    from quantkit.checkpoint import save_checkpoint
-    from quantkit.quantize import DEFAULT_CALIB_SAMPLES, quantize_model
-    from quantkit.scheme import QuantScheme
-    from quantkit.sources import resolve_model
-    from quantkit.tokenizer import load_tokenizer
+    from quantkit.format.checkpoint import save_checkpoint
+    from quantkit.format.scheme import QuantScheme
+    from quantkit.quantize.awq import AwqConfig, LayerReport
+    from quantkit.quantize.calibration import calibration_samples, wiki_split
+    from quantkit.quantize.pipeline import DEFAULT_CALIB_SAMPLES, quantize_model
+    from quantkit.sources.resolve import resolve_model
+    from quantkit.sources.tokenizer import load_tokenizer
 
     # The `quantkit quantize` defaults: 64 x 512 calibration tokens, seed 0, group size auto.
     n_samples, seq_len, seed = DEFAULT_CALIB_SAMPLES, 512, 0

@@ -35,16 +35,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quantkit.arch import Arch
-from quantkit.layerwise import (
+from quantkit.format.packing import fp8_codes, fp8_row_scale
+from quantkit.models.decoder import CausalLM
+from quantkit.models.families import Arch
+from quantkit.quantize.layer_walk import (
     LayerErrorReport,
     PhaseClock,
     first_layer_inputs,
     layer_call,
     run_chunked,
 )
-from quantkit.model import CausalLM
-from quantkit.packing import fp8_codes, fp8_row_scale
 
 # (columns [N, m] of the weight, their original column indices [m]) -> the dequantized values
 # the checkpoint will hold for them [N, m]. The indices let a group-wise (INT4) rounding pick its

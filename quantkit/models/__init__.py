@@ -1,0 +1,1 @@
+"""Model families (one registry entry each) and the decoder built from config.json."""

@@ -1,0 +1,1 @@
+"""Planning and measuring: the roofline, the planning arithmetic and the hardware table/probe."""

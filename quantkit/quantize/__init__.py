@@ -1,0 +1,2 @@
+"""Offline quantization: calibration text, the layer walk, the algorithms (rtn, awq, gptq) and the
+pipeline."""

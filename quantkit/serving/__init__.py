@@ -1,0 +1,1 @@
+"""The continuous-batching engine, its request/step types, workloads and metrics."""
