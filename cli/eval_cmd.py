@@ -10,7 +10,7 @@ import torch
 from quantkit.errors import EvalError
 from quantkit.evals.compare import compare_models, format_table, write_json
 from quantkit.evals.task_data import LOCAL_TASKS
-from quantkit.sources.resolve import quantkit_home
+from quantkit.paths import quantkit_home
 
 
 @click.command("eval")

@@ -21,7 +21,7 @@ from typing import Any
 
 from quantkit.errors import EvalError, MissingExtraError
 from quantkit.evals.task_data import LOCAL_TASKS, TASKS_DIR
-from quantkit.sources.resolve import quantkit_home
+from quantkit.paths import quantkit_home
 
 __all__ = ["local_task_manager", "offline_env", "run_lm_eval_cli", "simple_evaluate"]
 

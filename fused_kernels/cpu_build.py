@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from quantkit.errors import KernelUnavailableError
+from quantkit.paths import quantkit_home
 
 # Instruction-set variants, best first, with the CPU flags each needs. AVX-512 moves 1.5x the
 # bytes/s of AVX2 at 14336x4096, M=1 on one Zen 5 core (15.9 vs 10.3 GB/s): the AVX2 loop is
@@ -38,12 +39,6 @@ _VARIANTS: dict[str, tuple[frozenset[str], list[str]]] = {
     "generic": (frozenset(), []),
 }
 _BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11"]
-
-
-def quantkit_home() -> Path:
-    """`$QUANTKIT_HOME`, default `~/.cache/quantkit`."""
-    home = os.environ.get("QUANTKIT_HOME")
-    return Path(home).expanduser() if home else Path.home() / ".cache" / "quantkit"
 
 
 def cpu_flags() -> frozenset[str]:

@@ -33,7 +33,7 @@ from quantkit.errors import GrammarError
 from quantkit.grammar.budget import CompletionPlan, byte_vocabulary, completion_plan
 from quantkit.grammar.constraints import Grammar
 from quantkit.grammar.vocabulary import TokenVocabulary, import_outlines_core
-from quantkit.sources.resolve import quantkit_home
+from quantkit.paths import quantkit_home
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from quantkit.errors import CheckpointError, ModelSourceError
+from quantkit.paths import quantkit_home
 from quantkit.sources import gguf as gguf_convert
 from quantkit.sources import resolve as sources
 from quantkit.sources.resolve import (
     DEFAULT_MODEL,
     convert_gguf,
     load_state_dict,
-    quantkit_home,
     read_config,
     resolve_model,
     unpermute_qk,

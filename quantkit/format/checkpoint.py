@@ -18,7 +18,6 @@ Facts checked against compressed-tensors 0.20.1: its `PackedQuantizationCompress
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import uuid
 from collections.abc import Mapping
@@ -39,6 +38,7 @@ from quantkit.format.scheme import QuantScheme
 # The per-module tensor contract lives beside QuantLinear (which holds those tensors); it is
 # re-exported here because writing a checkpoint starts from it.
 from quantkit.format.tensors import check_module_tensors, fp8_tensors, int4_tensors
+from quantkit.paths import replace_dir
 
 __all__ = [
     "LoadedCheckpoint",
@@ -129,7 +129,7 @@ def save_checkpoint(
         (tmp / METADATA_NAME).write_text(metadata_text)
         # config.json last: a directory with a config.json looks like a model to every tool.
         (tmp / "config.json").write_text(config_text)
-        _replace_dir(tmp, out)
+        replace_dir(tmp, out)
     except BaseException:
         # BaseException on purpose: KeyboardInterrupt must clean up too, then propagate.
         shutil.rmtree(tmp, ignore_errors=True)
@@ -202,24 +202,6 @@ def _write_tensors(
         weight_map.update(dict.fromkeys(shard, fname))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _replace_dir(new: Path, out: Path) -> None:
-    """Rename `new` to `out`; an existing `out` is moved aside first and deleted only after."""
-    if not out.exists():
-        os.replace(new, out)
-        return
-    old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-    os.replace(out, old)
-    try:
-        os.replace(new, out)
-    except BaseException:
-        os.replace(old, out)  # put the previous checkpoint back untouched
-        raise
-    if old.is_dir():
-        shutil.rmtree(old)
-    else:
-        old.unlink()
 
 
 # --------------------------------------------------------------------------- load

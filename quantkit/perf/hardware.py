@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import HardwareError
-from quantkit.sources.resolve import quantkit_home
+from quantkit.paths import quantkit_home
 
 GiB = 2**30
 GB = 1e9

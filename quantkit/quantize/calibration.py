@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import CalibrationError
-from quantkit.sources.resolve import quantkit_home
+from quantkit.paths import quantkit_home
 
 __all__ = [
     "HELDOUT_EVERY",

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
-from quantkit.sources.resolve import DEFAULT_MODEL, quantkit_home
+from quantkit.paths import file_lock, quantkit_home
+from quantkit.sources.resolve import DEFAULT_MODEL
 
 EMBEDDED_INT4_NAME = f"{DEFAULT_MODEL}-awq-int4"
 
@@ -27,23 +27,6 @@ def embedded_int4_dir(*, home: Path | None = None) -> Path:
 
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-@contextmanager
-def _file_lock(lock_path: Path) -> Iterator[None]:
-    # Two first uses at once must quantize once: the second waits, then finds the directory.
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock; the atomic rename still prevents half directories
-        yield
-        return
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def ensure_embedded_int4(
@@ -60,7 +43,7 @@ def ensure_embedded_int4(
     target = embedded_int4_dir(home=home)
     if (target / "config.json").is_file():
         return target
-    with _file_lock(target.parent / f"{target.name}.lock"):
+    with file_lock(target.parent / f"{target.name}.lock"):
         if (target / "config.json").is_file():  # another process made it while we waited
             return target
         log(

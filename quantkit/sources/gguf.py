@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import ModelSourceError
+from quantkit.paths import replace_dir
 
 
 def source_key(gguf_path: Path) -> str:
@@ -279,7 +280,7 @@ def convert_gguf(
         marker = {"source": gguf_path.name, "key": key or source_key(gguf_path)}
         (tmp / SOURCE_MARKER).write_text(json.dumps(marker, indent=2))
         _make_readable(tmp)
-        _replace_dir(tmp, target)
+        replace_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -311,14 +312,3 @@ def _make_readable(folder: Path) -> None:
     os.chmod(folder, 0o777 & ~umask)
     for f in folder.iterdir():
         os.chmod(f, 0o666 & ~umask)
-
-
-def _replace_dir(new: Path, target: Path) -> None:
-    """Move the finished `new` to `target`, replacing an existing (stale) `target`."""
-    if target.exists():
-        stale = target.with_name(f".{target.name}.stale-{os.getpid()}")
-        os.replace(target, stale)
-        os.replace(new, target)
-        shutil.rmtree(stale, ignore_errors=True)
-    else:
-        os.replace(new, target)

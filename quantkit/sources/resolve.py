@@ -18,17 +18,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from quantkit.errors import CheckpointError, ModelSourceError
+from quantkit.paths import file_lock, quantkit_home
 from quantkit.sources.gguf import (
     INDEX_NAME,
     SOURCE_MARKER,
@@ -46,7 +44,6 @@ __all__ = [
     "embedded_gguf_path",
     "hf_tensor_name",
     "load_state_dict",
-    "quantkit_home",
     "read_config",
     "resolve_model",
     "unpermute_qk",
@@ -55,14 +52,6 @@ __all__ = [
 DEFAULT_MODEL = "smollm2-135m"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _HINT = "pass a local Hugging Face directory with *.safetensors, a .gguf file, or smollm2-135m"
-
-
-def quantkit_home(home: Path | None = None) -> Path:
-    """The cache root: `home` if given, else $QUANTKIT_HOME, else ~/.cache/quantkit."""
-    if home is not None:
-        return Path(home).expanduser()
-    env = os.environ.get("QUANTKIT_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "quantkit"
 
 
 # --------------------------------------------------------------------------- resolve
@@ -179,7 +168,7 @@ def _cached_conversion(gguf_path: Path, target: Path, *, progress: bool) -> Path
     target.parent.mkdir(parents=True, exist_ok=True)
     # Two processes asking for the same model (tests, a second CLI) convert it once: the
     # second waits on the lock, then finds the finished directory.
-    with _file_lock(target.with_name(target.name + ".lock")):
+    with file_lock(target.with_name(target.name + ".lock")):
         if _is_current(target, key):
             return target
         print(
@@ -189,21 +178,6 @@ def _cached_conversion(gguf_path: Path, target: Path, *, progress: bool) -> Path
         )
         convert_gguf(gguf_path, target, progress=progress, key=key)
     return target
-
-
-@contextmanager
-def _file_lock(lock_path: Path) -> Iterator[None]:
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock; the atomic rename still prevents half directories
-        yield
-        return
-    with open(lock_path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 # --------------------------------------------------------------------------- read
