@@ -1,4 +1,4 @@
-"""The CPU bf16 GEMV (`bf16_gemv_cpu_source`): fp32 activations times a bf16 weight, for the
+"""The CPU bf16 GEMV (`csrc/bf16_gemv.c`): fp32 activations times a bf16 weight, for the
 lm_head of quantized models (`quantkit.runtime.head.CastHead`). Built on first use where the CPU has
 AVX512-BF16; elsewhere `bf16_gemv_available()` is False and the caller keeps torch."""
 
@@ -10,9 +10,7 @@ import functools
 import torch
 
 from quantkit.errors import KernelUnavailableError
-from quantkit.fused_kernels.bf16_gemv_cpu_source import C_SOURCE
-from quantkit.fused_kernels.cpu_build import ctypes_of, load_library
-from quantkit.fused_kernels.cpu_common_source import COMMON_SOURCE
+from quantkit.fused_kernels import cpu_abi
 
 __all__ = ["bf16_gemv", "bf16_gemv_available"]
 
@@ -20,15 +18,10 @@ __all__ = ["bf16_gemv", "bf16_gemv_available"]
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
-        lib = load_library("qk_bf16_gemv", COMMON_SOURCE + C_SOURCE)
+        lib = cpu_abi.load("qk_bf16_gemv")  # typed by `cpu_abi`
     except KernelUnavailableError:
         return None
-    lib.qk_bf16_gemv_available.restype = ctypes.c_int
-    if not lib.qk_bf16_gemv_available():
-        return None
-    lib.qk_bf16_gemv.argtypes = ctypes_of("plllpllpli")
-    lib.qk_bf16_gemv.restype = ctypes.c_int
-    return lib
+    return lib if lib.qk_bf16_gemv_available() else None
 
 
 def bf16_gemv_available() -> bool:

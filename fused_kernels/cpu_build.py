@@ -1,4 +1,4 @@
-"""Build a C source into a shared library once per machine and load it with ctypes.
+"""Build the C kernels (`csrc/`) into shared libraries once per machine and load them with ctypes.
 
 Why ctypes and plain C rather than `torch.utils.cpp_extension.load_inline`: the CPU kernels need
 no torch headers, so a build is one gcc call (~1 s) instead of a C++ compile of the torch headers
@@ -7,16 +7,25 @@ no torch headers, so a build is one gcc call (~1 s) instead of a C++ compile of 
 loaded a library of that soname, so the dynamic linker reuses it and our parallel regions share
 torch's thread pool instead of starting a second one that competes for the same cores.
 
+The C lives in `csrc/` (package data): one .c file per library is its translation unit and
+`#include "..."`s the rest (`common.h`, `quantkit_kernels.h`, and for the INT4 library `decode.c`
+includes `w4a16.c`). A build reads that file and every file it includes, transitively, copies
+exactly what it read into a temporary directory and compiles it there, so the library always
+matches what was hashed.
+
 Builds are cached under `$QUANTKIT_HOME/kernels` (default `~/.cache/quantkit/kernels`), keyed by
-the source, the flags, the compiler's version and the instruction-set variant, and written
-atomically (compile to a temporary name, then rename), so concurrent first uses are safe.
+every source file (name and content), the flags, the compiler's version and the instruction-set
+variant, and written atomically (compile to a temporary name, then rename), so concurrent first
+uses are safe.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.resources
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -80,11 +89,52 @@ def _variant_flags(variant: str) -> list[str]:
     return _VARIANTS[variant][1] + extra
 
 
+# `#include "name"`: a file of csrc/ in the same translation unit (`<...>` ones are the
+# compiler's, covered by its version).
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def kernel_sources(entry: str) -> dict[str, str]:
+    """The files of the translation unit `csrc/<entry>`: {name: text}, the entry first, then each
+    `#include "name"` (relative to `csrc/`, transitively, each once) in the order first met.
+
+    Every quoted include counts, whatever `#if` it sits in, so the set covers all variants.
+    """
+    root = importlib.resources.files("quantkit.fused_kernels").joinpath("csrc")
+    files: dict[str, str] = {}
+    todo = [entry]
+    while todo:
+        name = todo.pop(0)
+        if name in files:
+            continue
+        try:
+            files[name] = root.joinpath(name).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise KernelUnavailableError(
+                f"cpu backend: expected the kernel source csrc/{name} in the installed package, "
+                f"got {type(exc).__name__}: {exc}"
+            ) from exc
+        todo += _INCLUDE.findall(files[name])
+    return files
+
+
 def build_library(name: str, source: str, *, variant: str | None = None) -> Path:
-    """Compile `source` (C) into `$QUANTKIT_HOME/kernels/<name>-<variant>-<hash>.so` once.
+    """Compile the C text `source` (one file, no local includes) like `build_kernels`."""
+    return _build(name, {f"{name}.c": source}, variant)
+
+
+def build_kernels(name: str, entry: str, *, variant: str | None = None) -> Path:
+    """Compile `csrc/<entry>` (with the files it includes, see `kernel_sources`) into
+    `$QUANTKIT_HOME/kernels/<name>-<variant>-<hash>.so` once.
 
     Returns the path of the library; a later call with the same inputs returns the cached file.
     """
+    return _build(name, kernel_sources(entry), variant)
+
+
+def _build(name: str, files: dict[str, str], variant: str | None) -> Path:
+    """Compile the translation unit `files` (the first is the one compiled, the others are what
+    it includes) for `variant`; the cache key covers every file's name and text."""
     variant = variant or cpu_variant()
     if variant not in supported_variants():
         raise KernelUnavailableError(
@@ -94,15 +144,19 @@ def build_library(name: str, source: str, *, variant: str | None = None) -> Path
     cc = _compiler()
     flags = _BASE_FLAGS + _variant_flags(variant)
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([source, " ".join(flags), version]).encode()).hexdigest()
+    parts = [part for item in files.items() for part in item] + [" ".join(flags), version]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     out_dir = quantkit_home() / "kernels"
     target = out_dir / f"{name}-{variant}-{key[:16]}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{name}-") as tmp:
-        src = Path(tmp) / f"{name}.c"
-        src.write_text(source)
+        for rel, text in files.items():  # exactly the hashed text, not a second read
+            path = Path(tmp) / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+        src = Path(tmp) / next(iter(files))
         lib = Path(tmp) / f"{name}.so"
         proc = subprocess.run(
             [cc, *flags, str(src), "-o", str(lib)], capture_output=True, text=True
@@ -116,23 +170,13 @@ def build_library(name: str, source: str, *, variant: str | None = None) -> Path
     return target
 
 
-def load_library(name: str, source: str, *, variant: str | None = None) -> ctypes.CDLL:
-    """Build (if needed) and dlopen the library for `source`."""
-    return ctypes.CDLL(str(build_library(name, source, variant=variant)))
+def load_kernels(name: str, entry: str, *, variant: str | None = None) -> ctypes.CDLL:
+    """Build (if needed) and dlopen the library for `csrc/<entry>`. The caller sets the
+    functions' ctypes types (`cpu_abi.load` does both)."""
+    return ctypes.CDLL(str(build_kernels(name, entry, variant=variant)))
 
 
-# ----------------------------------------------------------------- ctypes helpers for launchers
+# ------------------------------------------------------------------------ shared with the launchers
 
-# dtype codes the C kernels take for activations, scales, bias and output.
+# dtype codes the C kernels take for activations, scales, bias and output (`csrc/common.h`).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_KINDS = {"p": ctypes.c_void_p, "i": ctypes.c_int, "l": ctypes.c_int64}
-
-
-def ctypes_of(signature: str) -> list[type]:
-    """C argument types from one letter each (p = pointer, i = int, l = int64; spaces ignored)."""
-    return [_KINDS[c] for c in signature.replace(" ", "")]
-
-
-def struct_fields(fields: list[tuple[str, str]]) -> list[tuple[str, type]]:
-    """`_fields_` of a ctypes.Structure from (name, kind) pairs, kinds as in `ctypes_of`."""
-    return [(name, _KINDS[kind]) for name, kind in fields]

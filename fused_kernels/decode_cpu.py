@@ -1,4 +1,4 @@
-"""The CPU decode step (`decode_cpu_source`): all decoder layers for one new token of each of
+"""The CPU decode step (`csrc/decode.c`): all decoder layers for one new token of each of
 R sequences, one C call.
 
 `CpuDecodeStep` binds a model's layers once (weights through their `CpuInt4Layer`s, norms and
@@ -12,43 +12,23 @@ everything else.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from quantkit.errors import KernelUnavailableError
+from quantkit.fused_kernels.cpu_abi import DecoderDims as _Dims
+from quantkit.fused_kernels.cpu_abi import DecoderLayer as _DecoderLayer
 from quantkit.fused_kernels.cpu_build import DTYPE_CODES
-from quantkit.fused_kernels.w4a16_cpu import CpuInt4Layer, _check_status, _Layer, _library
+from quantkit.fused_kernels.w4a16_cpu import CpuInt4Layer, _check_status, _library
 
 __all__ = ["CpuDecodeStep", "DecoderLayerParts", "DecoderDims", "bf16_activations_available"]
 
 
-class _DecoderLayer(ctypes.Structure):
-    """Mirror of the C struct `qk_decoder_layer`."""
-
-    _fields_ = [
-        ("qkv", _Layer), ("o", _Layer), ("gate_up", _Layer), ("down", _Layer),
-        ("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p),
-        ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
-    ]  # fmt: skip
-
-
-class _Dims(ctypes.Structure):
-    """Mirror of the C struct `qk_decoder_dims`."""
-
-    _fields_ = [
-        *[(n, ctypes.c_int64) for n in ("hidden", "heads", "kv_heads", "head_dim", "inter")],
-        ("slots", ctypes.c_int64),
-        ("cache_rows", ctypes.c_int64),
-        ("eps", ctypes.c_double),
-    ]
-
-
 def bf16_activations_available() -> bool:
     """True if the kernels build here with the bf16 tile (the CPU has AVX512-BF16), so that
-    the GEMVs can take bf16 activations (`w4a16_cpu_source.gemv_tile2_bf16`)."""
+    the GEMVs can take bf16 activations (`gemv_tile2_bf16` in csrc/w4a16.c)."""
     try:
         return bool(_library().qk_has_bf16_dot())
     except KernelUnavailableError:
@@ -142,17 +122,7 @@ class CpuDecodeStep:
             self.cache_rows, dims.eps,
         )  # fmt: skip
         self.hidden, self.head_dim = dims.hidden, dims.head_dim
-        lib = _library()
-        lib.qk_decode_work.restype = ctypes.c_int64
-        lib.qk_decode_work.argtypes = [
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-        ]  # fmt: skip
-        lib.qk_decode_step.restype = ctypes.c_int
-        lib.qk_decode_step.argtypes = [
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
-        ]  # fmt: skip
+        lib = _library()  # qk_decode_work, qk_decode_step: typed by `cpu_abi`
         if act_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(
                 f"act_dtype: expected torch.float32 or torch.bfloat16, got {act_dtype}"
@@ -164,7 +134,7 @@ class CpuDecodeStep:
             )
         self.act_dtype, self._act = act_dtype, DTYPE_CODES[act_dtype]
         self._fn, self._work_fn = lib.qk_decode_step, lib.qk_decode_work
-        self._args = (ctypes.addressof(self._layers), len(layers), ctypes.addressof(self._dims))
+        self._args = (self._layers, len(layers), self._dims)  # layers, n_layers, d
         self._work = torch.empty(0, dtype=torch.float32)  # grown to the most rows seen
 
     def _work_for(self, rows: int, threads: int) -> torch.Tensor:

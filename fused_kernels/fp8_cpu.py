@@ -5,7 +5,7 @@ y [..., N] = x [..., K] @ (w8 * s).T (+ bias), w8 float8_e4m3fn [N, K] and s [N,
 compressed-tensors stores them (`quantkit.format.packing`), read as stored: a call reads N*K bytes
 of weight plus the scales.
 
-- M <= `GEMV_MAX_M[variant]`: `qk_fp8_gemv` (see `fp8_cpu_source`) converts e4m3 -> fp32 in
+- M <= `GEMV_MAX_M[variant]`: `qk_fp8_gemv` (see `csrc/fp8.c`) converts e4m3 -> fp32 in
   registers (exactly) and streams each weight row once per 4 activation rows, fp32 accumulation,
   OpenMP over output rows with torch's threads.
 - larger M: `qk_fp8_dequant` writes fp32 row chunks of w8 * s (bit-identical to
@@ -30,16 +30,10 @@ import functools
 import torch
 
 from quantkit.errors import KernelUnavailableError
-from quantkit.fused_kernels.cpu_build import (
-    DTYPE_CODES,
-    cpu_variant,
-    ctypes_of,
-    load_library,
-    struct_fields,
-)
-from quantkit.fused_kernels.cpu_common_source import COMMON_SOURCE
+from quantkit.fused_kernels import cpu_abi
+from quantkit.fused_kernels.cpu_abi import Fp8Layer
+from quantkit.fused_kernels.cpu_build import DTYPE_CODES, cpu_variant
 from quantkit.fused_kernels.fp8_checks import check_fp8_activations, check_fp8_weights
-from quantkit.fused_kernels.fp8_cpu_source import C_SOURCE
 from quantkit.fused_kernels.w4a16_cpu import has_bf16_matmul
 
 # Largest M that takes the GEMV; above it dequantize + MKL. Measured at 4096x4096 on one Zen 5
@@ -53,39 +47,12 @@ GEMV_MAX_M_BF16 = 64
 # fp32 rows dequantized per MKL call in the prefill path (as `w4a16_cpu`).
 _PREFILL_CHUNK_BYTES = 8 << 20
 
-# One letter per C argument (p = pointer, i = int, l = int64), grouped as in the C source:
-# x, x dtype, M, K, x stride, act_quant | w, N, stride | scale, dtype, stride | bias, dtype |
-# out, dtype, stride | threads.
-_GEMV_SIGNATURE = "pilll i pll pil pi pil i"
-# w, n0, n1, K, stride | scale, dtype, stride | out, threads
-_DEQUANT_SIGNATURE = "pllll pil pi"
-
-
-class _Layer(ctypes.Structure):
-    """Mirror of the C struct `qk_fp8_layer` (all integers int64: no padding questions)."""
-
-    _fields_ = struct_fields(
-        [
-            ("w", "p"), ("N", "l"), ("K", "l"), ("w_stride", "l"), ("scale", "p"),
-            ("s_dt", "l"), ("s_stride", "l"), ("bias", "p"), ("b_dt", "l"), ("act_quant", "l"),
-        ]
-    )  # fmt: skip
-
 
 @functools.cache
 def _library(variant: str | None = None) -> ctypes.CDLL:
     """The compiled kernels for `variant` (default: the best this CPU runs), built on first use
     (one gcc call, cached on disk; functools.cache keeps the loaded handle, not tensors)."""
-    lib = load_library("qk_fp8_cpu", COMMON_SOURCE + C_SOURCE, variant=variant)
-    lib.qk_fp8_gemv.argtypes = ctypes_of(_GEMV_SIGNATURE)
-    lib.qk_fp8_gemv_layer.argtypes = [ctypes.POINTER(_Layer), *ctypes_of("pillpili")]
-    lib.qk_fp8_dequant.argtypes = ctypes_of(_DEQUANT_SIGNATURE)
-    lib.qk_fp8_quant_tokens.argtypes = ctypes_of("pilll pp")
-    lib.qk_fp8_nan_rows.argtypes = ctypes_of("plll p")
-    lib.qk_fp8_nan_rows.restype = ctypes.c_int64
-    for fn in ("qk_fp8_gemv", "qk_fp8_gemv_layer", "qk_fp8_dequant", "qk_fp8_quant_tokens"):
-        getattr(lib, fn).restype = ctypes.c_int
-    return lib
+    return cpu_abi.load("qk_fp8_cpu", variant=variant)  # csrc/fp8.c, typed by `cpu_abi`
 
 
 def fp8_cpu_available() -> bool:
@@ -114,7 +81,7 @@ def _codes(weight: torch.Tensor) -> torch.Tensor:
 def nan_safe_scale(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """weight_scale, or an fp32 copy with NaN in the rows of `weight` holding a NaN code.
 
-    The GEMV reads a NaN code as 480 (it does not test every weight, see `fp8_cpu_source`); a
+    The GEMV reads a NaN code as 480 (it does not test every weight, see `csrc/fp8.c`); a
     NaN scale makes such a row's outputs NaN, as the reference's are.
     """
     w = _codes(weight)
@@ -275,7 +242,7 @@ class CpuFp8Layer:
         self.in_features, self.out_features = k, n
         self._max_m = GEMV_MAX_M[variant or cpu_variant()]
         self._max_m_bf16 = min(self._max_m, GEMV_MAX_M_BF16) if has_bf16_matmul() else self._max_m
-        self._layer = _Layer(
+        self._layer = Fp8Layer(
             w.data_ptr(), n, k, w.stride(0), scale.data_ptr(), DTYPE_CODES[scale.dtype],
             scale.stride(0), None if b is None else b.data_ptr(),
             0 if b is None else DTYPE_CODES[b.dtype], int(act_dynamic),

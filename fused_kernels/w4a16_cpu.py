@@ -4,10 +4,10 @@ y [..., N] = x [..., K] @ dequant(W).T (+ bias), W in compressed-tensors pack-qu
 (see `quantkit.format.packing`), read as stored: no repack, so the bytes a call reads are exactly
 the checkpoint's `weight_packed` + `weight_scale` (+ `weight_zero_point`).
 
-- M <= `GEMV_MAX_M[variant]`: `qk_w4a16_gemv` (see `w4a16_cpu_source`) streams the packed rows
+- M <= `GEMV_MAX_M[variant]`: `qk_w4a16_gemv` (see `csrc/w4a16.c`) streams the packed rows
   once per 4 activation rows, fp32 accumulation, OpenMP over output rows with torch's threads.
 - larger M: `qk_w4_dequant` writes fp32 row chunks of W and MKL multiplies them (fp32 MKL is
-  the fastest prefill on CPUs without bf16 instructions, see DESIGN.md); with bf16 activations
+  the fastest prefill on CPUs without bf16 instructions, see ARCHITECTURE.md); with bf16 activations
   on CPUs with bf16 matmul instructions the chunks are rounded to bf16 and oneDNN multiplies.
 
 The kernel is built once per machine by `cpu_build` (needs gcc). The reference of the same
@@ -22,18 +22,10 @@ import functools
 import torch
 
 from quantkit.errors import KernelUnavailableError
-from quantkit.fused_kernels.cpu_build import (
-    DTYPE_CODES,
-    cpu_flags,
-    cpu_variant,
-    ctypes_of,
-    load_library,
-    struct_fields,
-)
-from quantkit.fused_kernels.cpu_common_source import COMMON_SOURCE
-from quantkit.fused_kernels.decode_cpu_source import DECODE_SOURCE
+from quantkit.fused_kernels import cpu_abi
+from quantkit.fused_kernels.cpu_abi import W4Layer
+from quantkit.fused_kernels.cpu_build import DTYPE_CODES, cpu_flags, cpu_variant
 from quantkit.fused_kernels.w4a16_checks import check_int4_operands
-from quantkit.fused_kernels.w4a16_cpu_source import C_SOURCE
 
 # Largest M that takes the GEMV; above it fp32 MKL on dequantized chunks wins. Crossovers
 # measured at 4096x4096 g128 on one Zen 5 core (CPU time, GEMV vs dequant+MKL): avx512 M=512
@@ -48,25 +40,6 @@ GEMV_MAX_M_BF16 = 16
 # reads them, and bound the temporary memory for 14336x4096 layers.
 _PREFILL_CHUNK_BYTES = 8 << 20
 
-# C signatures, one letter per argument (p = pointer, i = int, l = int64), grouped as in the C
-# source: x, x dtype, M, K, x stride | weights, N, stride | scale, dtype, groups, stride |
-# zero points, stride, group size | bias, dtype | out, dtype, stride | threads.
-_GEMV_SIGNATURE = "pilll pll pill pll pi pil i"
-# weights, n0, n1, K, stride | scale, dtype, groups, stride | zero points, stride | out, threads
-_DEQUANT_SIGNATURE = "pllll pill pl pi"
-
-
-class _Layer(ctypes.Structure):
-    """Mirror of the C struct `qk_w4_layer` (all integers int64, so no padding questions)."""
-
-    _fields_ = struct_fields(
-        [
-            ("wq", "p"), ("N", "l"), ("K", "l"), ("wq_stride", "l"), ("scale", "p"),
-            ("s_dt", "l"), ("n_groups", "l"), ("s_stride", "l"), ("zp", "p"),
-            ("zp_stride", "l"), ("group_size", "l"), ("bias", "p"), ("b_dt", "l"),
-        ]
-    )  # fmt: skip
-
 
 @functools.cache
 def _variant(variant: str | None) -> str:
@@ -77,16 +50,9 @@ def _variant(variant: str | None) -> str:
 def _library(variant: str | None = None) -> ctypes.CDLL:
     """The compiled kernels for `variant` (default: the best this CPU runs), built on first use
     (one gcc call, cached on disk; functools.cache keeps the loaded handle, not tensors)."""
-    # One library: the decode step (`decode_cpu`) calls the GEMV's static functions.
-    lib = load_library("qk_w4a16_cpu", COMMON_SOURCE + C_SOURCE + DECODE_SOURCE, variant=variant)
-    lib.qk_w4a16_gemv.argtypes = ctypes_of(_GEMV_SIGNATURE)
-    lib.qk_w4a16_gemv.restype = ctypes.c_int
-    lib.qk_w4_dequant.argtypes = ctypes_of(_DEQUANT_SIGNATURE)
-    lib.qk_w4a16_gemv_layer.argtypes = [ctypes.POINTER(_Layer), *ctypes_of("pillpilii")]
-    lib.qk_w4a16_gemv_layer.restype = ctypes.c_int
-    lib.qk_w4_dequant.restype = ctypes.c_int
-    lib.qk_has_bf16_dot.restype = ctypes.c_int
-    return lib
+    # One library: the decode step (`decode_cpu`, csrc/decode.c) calls the GEMV's static
+    # functions; its functions are typed from `cpu_abi` (csrc/quantkit_kernels.h).
+    return cpu_abi.load("qk_w4a16_cpu", variant=variant)
 
 
 def cpu_kernel_available() -> bool:
@@ -222,7 +188,7 @@ def has_bf16_matmul() -> bool:
     """True if the CPU multiplies bf16 natively (AVX512-BF16 or AMX), where oneDNN's bf16 matmul
     beats fp32 MKL: SmolLM2 576x576 at M=512 on one Zen 5 core took 0.87 ms with dequantize ->
     bf16 -> matmul against 3.1 ms for the GEMV and 3.4 ms for fp32 MKL. Without these
-    instructions bf16 matmuls are emulated and ~7x slower than fp32 (DESIGN.md)."""
+    instructions bf16 matmuls are emulated and ~7x slower than fp32 (ARCHITECTURE.md)."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
@@ -259,7 +225,7 @@ class CpuInt4Layer:
         self.group_size, self.variant = group_size, variant
         self._max_m = GEMV_MAX_M[_variant(variant)]
         self._max_m_bf16 = min(self._max_m, GEMV_MAX_M_BF16) if has_bf16_matmul() else self._max_m
-        self._layer = _Layer(
+        self._layer = W4Layer(
             wp.data_ptr(), wp.shape[0], in_features, wp.stride(0),
             scale.data_ptr(), DTYPE_CODES[scale.dtype], scale.shape[1], scale.stride(0),
             None if zp is None else zp.data_ptr(), 0 if zp is None else zp.stride(0), group_size,

@@ -1,14 +1,14 @@
-"""C prelude shared by the CPU kernel sources (`w4a16_cpu_source`, `fp8_cpu_source`): headers,
-the dtype codes, exact fp16/bf16 <-> fp32 conversions (as torch rounds), and the vector types
-and macros both GEMVs build on. Each launcher compiles its source with this in front, so the
-two libraries stay independent while the helpers exist once.
+/* common.h: the C prelude shared by the CPU kernels (`w4a16.c`, `fp8.c`, `bf16_gemv.c`):
+   headers, the dtype codes, exact fp16/bf16 <-> fp32 conversions (as torch rounds), and the
+   vector types and macros the GEMVs build on. Each library's translation unit includes it first
+   (before any function, for the f16c pragma below), so the libraries stay independent while the
+   helpers exist once. Everything here is static: nothing of it is exported.
 
-dtype codes: 0 = fp32, 1 = bf16, 2 = fp16 (activations, scales, bias, output).
-"""
+   dtype codes: 0 = fp32, 1 = bf16, 2 = fp16 (activations, scales, bias, output). */
 
-from __future__ import annotations
+#ifndef QK_COMMON_H
+#define QK_COMMON_H
 
-COMMON_SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -120,4 +120,5 @@ static inline float VF_HSUM(__m256 a) {
 #else
 #define VEC 8
 #endif
-"""
+
+#endif /* QK_COMMON_H */

@@ -1,45 +1,33 @@
-"""C source of the CPU decode step: every decoder layer of an INT4 Llama-family model for one
-new token of each of R sequences, in one call and one OpenMP parallel region.
+/* decode.c: the CPU decode step, every decoder layer of an INT4 Llama-family model for one
+   new token of each of R sequences, in one call and one OpenMP parallel region.
 
-Why. At SmolLM2-135M sizes a decode step moves ~57 MB of INT4 weights, ~2 ms at this machine's
-bandwidth, but ran 14 ms as PyTorch ops and 120 kernel calls: each op and each call pays Python,
-dispatch and thread wake-up costs, and there are ~40 of them a layer. Here the whole body is one
-ctypes call; the two threads stay in one parallel region and meet at barriers (~1 us) between
-phases. The GEMVs are `gemv_rows` of `w4a16_cpu_source` (appended to that source, so they share
-its kernels) over all R rows at once, so each weight is read once per step and dequantized once
-per chunk of rows; the rest (RMSNorm, RoPE, the KV write, attention over the cache, SiLU) is
-plain C on a few KB of activations.
+   Why. At SmolLM2-135M sizes a decode step moves ~57 MB of INT4 weights, ~2 ms at this machine's
+   bandwidth, but ran 14 ms as PyTorch ops and 120 kernel calls: each op and each call pays Python,
+   dispatch and thread wake-up costs, and there are ~40 of them a layer. Here the whole body is one
+   ctypes call; the two threads stay in one parallel region and meet at barriers (~1 us) between
+   phases. The GEMVs are `gemv_rows` of `w4a16.c` (this file includes it: one translation unit,
+   so they share its static kernels) over all R rows at once, so each weight is read once per
+   step and dequantized once per chunk of rows; the rest (RMSNorm, RoPE, the KV write, attention
+   over the cache, SiLU) is plain C on a few KB of activations.
 
-Layer, with x the residual stream [R][H] (fp32, updated in place), row r at cache row slot[r],
-position pos[r]:
-  h = rmsnorm(x) ; qkv = W_qkv h ; rope(q), rope(k) ; cache[slot][pos] = k, v
-  a = softmax(q k^T / sqrt(D)) v over positions 0..pos of its own cache row (GQA: q head h reads
-      kv head h / (Hq/Hkv))
-  x += W_o a ; h = rmsnorm(x) ; g, u = W_gate_up h ; x += W_down (silu(g) * u)
-Each row attends to its own cache row's positions <= pos only, so it computes what it would
-alone (the causal mask of a right-padded or continuous batch). Rows may share a cache row at
-distinct positions: every row's K/V is written before any row attends, so R consecutive tokens
-of one sequence are a causal prefill. RoPE takes the cos/sin rows torch computed
-for each row's position (the HF rotate-half layout), so the rotation is exactly the PyTorch
-path's. Return value: 0, 1 = unsupported group layout, 2 = the work buffer is too small, 3 = a
-slot or position outside the cache.
-"""
+   Layer, with x the residual stream [R][H] (fp32, updated in place), row r at cache row slot[r],
+   position pos[r]:
+     h = rmsnorm(x) ; qkv = W_qkv h ; rope(q), rope(k) ; cache[slot][pos] = k, v
+     a = softmax(q k^T / sqrt(D)) v over positions 0..pos of its own cache row (GQA: q head h reads
+         kv head h / (Hq/Hkv))
+     x += W_o a ; h = rmsnorm(x) ; g, u = W_gate_up h ; x += W_down (silu(g) * u)
+   Each row attends to its own cache row's positions <= pos only, so it computes what it would
+   alone (the causal mask of a right-padded or continuous batch). Rows may share a cache row at
+   distinct positions: every row's K/V is written before any row attends, so R consecutive tokens
+   of one sequence are a causal prefill. RoPE takes the cos/sin rows torch computed
+   for each row's position (the HF rotate-half layout), so the rotation is exactly the PyTorch
+   path's. Return value: 0, 1 = unsupported group layout, 2 = the work buffer is too small, 3 = a
+   slot or position outside the cache. */
 
-from __future__ import annotations
-
-DECODE_SOURCE = r"""
+/* The INT4 library's translation unit: the GEMV kernels (and through them `common.h` and
+   `quantkit_kernels.h`, which declares qk_decoder_layer and qk_decoder_dims), then the step. */
+#include "w4a16.c"
 #include <math.h>
-
-typedef struct {
-    qk_w4_layer qkv, o, gate_up, down;
-    const float *in_norm, *post_norm;  /* [H] */
-    float *k_cache, *v_cache;          /* this layer's cache: [cache_rows][Hkv][slots][D] */
-} qk_decoder_layer;
-
-typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, inter, slots, cache_rows;
-    double eps;
-} qk_decoder_dims;
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
@@ -303,4 +291,3 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
     }
     return 0;
 }
-"""

@@ -1,38 +1,39 @@
-"""C source of the CPU FP8 kernels, compiled once per machine by `cpu_build` (gcc + ctypes).
+/* fp8.c: the CPU FP8 kernels, compiled once per machine by `cpu_build` (gcc + ctypes). The
+   exported functions and the layer struct are declared in `quantkit_kernels.h`.
 
-The weights are read as compressed-tensors stores them: `weight` float8_e4m3fn [N, K] (one
-byte per weight, passed as uint8) and `weight_scale` [N, 1] (one scale per output row).
+   The weights are read as compressed-tensors stores them: `weight` float8_e4m3fn [N, K] (one
+   byte per weight, passed as uint8) and `weight_scale` [N, 1] (one scale per output row).
 
-- `qk_fp8_gemv`: y [M, N] = x [M, K] @ (w8 * s).T (+ bias) for small M (decode). Streams each
-  weight row once per chunk of <= 4 activation rows; OpenMP over output rows. With `act_quant`
-  (W8A8) each activation row is first rounded to fp8 with its own scale (row absmax / 448),
-  bit-identical to `quantkit.format.packing.quantize_fp8_per_token`, and y = (x8 @ w8.T) * sx * sw.
-- `qk_fp8_gemv_layer`: the same with the layer's arguments in a struct bound once.
-- `qk_fp8_dequant`: rows [n0, n1) of w8 * s as fp32 (s = 1 when scale is NULL), bit-identical
-  to `quantkit.format.packing.dequantize_fp8` (NaN codes included); the prefill path hands these to
-  MKL.
-- `qk_fp8_quant_tokens`: the per-token activation quantization alone (codes and scales).
-- `qk_fp8_nan_rows`: flags the rows holding a NaN code (0x7F / 0xFF).
+   - `qk_fp8_gemv`: y [M, N] = x [M, K] @ (w8 * s).T (+ bias) for small M (decode). Streams each
+     weight row once per chunk of <= 4 activation rows; OpenMP over output rows. With `act_quant`
+     (W8A8) each activation row is first rounded to fp8 with its own scale (row absmax / 448),
+     bit-identical to `quantkit.format.packing.quantize_fp8_per_token`, and
+     y = (x8 @ w8.T) * sx * sw.
+   - `qk_fp8_gemv_layer`: the same with the layer's arguments in a struct bound once.
+   - `qk_fp8_dequant`: rows [n0, n1) of w8 * s as fp32 (s = 1 when scale is NULL), bit-identical
+     to `quantkit.format.packing.dequantize_fp8` (NaN codes included); the prefill path hands
+     these to MKL.
+   - `qk_fp8_quant_tokens`: the per-token activation quantization alone (codes and scales).
+   - `qk_fp8_nan_rows`: flags the rows holding a NaN code (0x7F / 0xFF).
 
-e4m3 -> fp32 in registers, exactly. A code b (sign, 4 exponent bits with bias 7, 3 mantissa
-bits) sign-extended to 16 bits and shifted left by 7 puts the sign at bit 15, the exponent at
-bits 13..10 and the mantissa at bits 9..7; `& 0xBF80` clears bit 14. Read as IEEE fp16 (5
-exponent bits, bias 15) that is exactly b / 2^8, subnormals included (an e4m3 subnormal m * 2^-9
-becomes the fp16 subnormal m * 2^-17) and zero and -0 too; `vcvtph2ps` widens it to fp32
-exactly. So 16 weights cost a sign-extending load, a shift, an and and one conversion, no
-fp32 denormal is ever formed (the result does not depend on DAZ/FTZ), and the 2^8 folds into
-the row's scale (exact: a power of two). The one code this misreads is NaN (0x7F reads as
-480): the GEMV does not test for it per weight; a NaN code sets that row's scale to NaN
-instead (`qk_fp8_nan_rows`, at bind time), which gives the reference's NaN row. The dequantize
-path patches NaN lanes directly, so it is bit-exact for all 256 codes.
+   e4m3 -> fp32 in registers, exactly. A code b (sign, 4 exponent bits with bias 7, 3 mantissa
+   bits) sign-extended to 16 bits and shifted left by 7 puts the sign at bit 15, the exponent at
+   bits 13..10 and the mantissa at bits 9..7; `& 0xBF80` clears bit 14. Read as IEEE fp16 (5
+   exponent bits, bias 15) that is exactly b / 2^8, subnormals included (an e4m3 subnormal m * 2^-9
+   becomes the fp16 subnormal m * 2^-17) and zero and -0 too; `vcvtph2ps` widens it to fp32
+   exactly. So 16 weights cost a sign-extending load, a shift, an and and one conversion, no
+   fp32 denormal is ever formed (the result does not depend on DAZ/FTZ), and the 2^8 folds into
+   the row's scale (exact: a power of two). The one code this misreads is NaN (0x7F reads as
+   480): the GEMV does not test for it per weight; a NaN code sets that row's scale to NaN
+   instead (`qk_fp8_nan_rows`, at bind time), which gives the reference's NaN row. The dequantize
+   path patches NaN lanes directly, so it is bit-exact for all 256 codes.
 
-dtype codes: 0 = fp32, 1 = bf16, 2 = fp16 (x, scales, bias, output). Return value: 0 on
-success, 2 = out of memory.
-"""
+   dtype codes: 0 = fp32, 1 = bf16, 2 = fp16 (x, scales, bias, output). Return value: 0 on
+   success, 2 = out of memory. */
 
-from __future__ import annotations
+#include "common.h"
+#include "quantkit_kernels.h"
 
-C_SOURCE = r"""
 /* e4m3 code -> fp32, exactly as torch converts float8_e4m3fn (NaN = sign | 0x7FF00000). */
 static inline float fp8_to_float(uint8_t b) {
     uint32_t sign = (uint32_t)(b & 0x80) << 24, e = (b >> 3) & 0xF, m = b & 7;
@@ -57,9 +58,9 @@ static inline uint8_t float_to_fp8(float f) {
 }
 
 /* BLK codes (one 64-byte line with AVX-512) per inner step; VEC lanes per vector and the VF_*
-   macros come from `cpu_common_source`. */
+   macros come from `common.h`. */
 #if defined(__AVX512F__)
-/* 32 codes -> two vectors of fp32 values, each code / 2^8 (see the module docstring): one
+/* 32 codes -> two vectors of fp32 values, each code / 2^8 (see the comment at the top): one
    widening load, one shift and one and for both halves. Converting 16 at a time (a load, shift
    and and per vector) moved 39.9 instead of 41.2 GB/s at 4096x14336, M = 1, 2 threads. */
 static inline void cvt_codes2(const uint8_t *p, __m512 *lo, __m512 *hi) {
@@ -247,17 +248,7 @@ int qk_fp8_gemv(
     return 0;
 }
 
-/* One layer's static arguments, bound once (`CpuFp8Layer`): a decode call passes 9 arguments
-   instead of 18 (each ctypes conversion costs ~0.1-0.2 us). */
-typedef struct {
-    const uint8_t *w;
-    int64_t N, K, w_stride;
-    const void *scale;
-    int64_t s_dt, s_stride;
-    const void *bias;
-    int64_t b_dt, act_quant;
-} qk_fp8_layer;
-
+/* qk_fp8_layer, one layer's static arguments bound once: `quantkit_kernels.h`. */
 int qk_fp8_gemv_layer(const qk_fp8_layer *L, const void *x, int x_dt, int64_t M,
                       int64_t x_stride, void *out, int o_dt, int64_t o_stride, int n_threads)
 {
@@ -314,4 +305,3 @@ int64_t qk_fp8_nan_rows(const uint8_t *w, int64_t N, int64_t K, int64_t w_stride
     }
     return count;
 }
-"""

@@ -1,21 +1,21 @@
-"""C source of the CPU bf16 GEMV (`bf16_gemv_cpu`): y [M, N] = bf16(x) [M, K] @ W.T in fp32, for
-a bf16 weight W [N, K] and a few fp32 activation rows. It serves the lm_head of a quantized
-model, the largest single read of a decode step (SmolLM2-135M: 49152 x 576, 57 MB in bf16).
+/* bf16_gemv.c: the CPU bf16 GEMV (`bf16_gemv_cpu`): y [M, N] = bf16(x) [M, K] @ W.T in fp32, for
+   a bf16 weight W [N, K] and a few fp32 activation rows. It serves the lm_head of a quantized
+   model, the largest single read of a decode step (SmolLM2-135M: 49152 x 576, 57 MB in bf16).
 
-Why not oneDNN. torch's bf16 `F.linear` on the same operands ran 1.77 ms for one row and 2.34
-ms for 8 (2 threads, AVX512-BF16 EPYC): the 8-row call paid ~0.6 ms of compute over the one-row
-stream. Here each weight row is read once per call and multiplied into up to 8 activation rows
-(vdpbf16ps: 32 products a row per instruction, summed in fp32), two weight rows at a time so
-each activation vector loaded serves both. x is rounded to bf16 (to nearest even) once, as
-`x.to(torch.bfloat16)` does; the outputs stay fp32 where oneDNN's are rounded to bf16.
+   Why not oneDNN. torch's bf16 `F.linear` on the same operands ran 1.77 ms for one row and 2.34
+   ms for 8 (2 threads, AVX512-BF16 EPYC): the 8-row call paid ~0.6 ms of compute over the one-row
+   stream. Here each weight row is read once per call and multiplied into up to 8 activation rows
+   (vdpbf16ps: 32 products a row per instruction, summed in fp32), two weight rows at a time so
+   each activation vector loaded serves both. x is rounded to bf16 (to nearest even) once, as
+   `x.to(torch.bfloat16)` does; the outputs stay fp32 where oneDNN's are rounded to bf16.
 
-Needs AVX512-BF16 (the `avx512` build on a CPU with avx512_bf16, see `cpu_build`); other builds
-return 4 and the caller keeps torch. Return value: 0, 2 = out of memory, 4 = not in this build.
-"""
+   Needs AVX512-BF16 (the `avx512` build on a CPU with avx512_bf16, see `cpu_build`); other
+   builds return 4 and the caller keeps torch. Return value: 0, 2 = out of memory, 4 = not in
+   this build. */
 
-from __future__ import annotations
+#include "common.h"
+#include "quantkit_kernels.h"
 
-C_SOURCE = r"""
 #if defined(__AVX512BF16__)
 #define ROWS_PER_TILE 64  /* weight rows a thread takes at a time: 72 KB at K = 576 */
 #define PF_ROWS 16  /* software prefetch distance, in weight rows */
@@ -109,4 +109,3 @@ int qk_bf16_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
     return 0;
 #endif
 }
-"""

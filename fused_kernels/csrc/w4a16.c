@@ -1,40 +1,40 @@
-"""C source of the CPU W4A16 kernels, compiled once per machine by `cpu_build` (gcc + ctypes).
+/* w4a16.c: the CPU W4A16 kernels, compiled once per machine by `cpu_build` (gcc + ctypes); the
+   library is built from `decode.c`, which includes this file (see there). The exported
+   functions and the layer struct are declared in `quantkit_kernels.h`.
 
-It lives in a .py module (not a .c file) so that it ships with the package without package-data
-rules. The kernels read the compressed-tensors tensors exactly as stored (no repack):
+   The kernels read the compressed-tensors tensors exactly as stored (no repack):
 
-- `qk_w4a16_gemv`: y [M, N] = x [M, K] @ dequant(W).T (+ bias), for small M (decode). Streams
-  each packed row once per chunk of activation rows (8 with AVX-512, else <= 4, see
-  `row_chunk`); OpenMP over output rows.
-- `qk_w4a16_gemv_layer`: the same with the layer's arguments in a struct bound once.
-- `qk_w4_dequant`: rows [n0, n1) of dequant(W) as fp32 [n1 - n0, K], bit-identical to
-  `quantkit.format.packing.int4_dequantize`; the prefill path hands these to MKL.
+   - `qk_w4a16_gemv`: y [M, N] = x [M, K] @ dequant(W).T (+ bias), for small M (decode). Streams
+     each packed row once per chunk of activation rows (8 with AVX-512, else <= 4, see
+     `row_chunk`); OpenMP over output rows.
+   - `qk_w4a16_gemv_layer`: the same with the layer's arguments in a struct bound once.
+   - `qk_w4_dequant`: rows [n0, n1) of dequant(W) as fp32 [n1 - n0, K], bit-identical to
+     `quantkit.format.packing.int4_dequantize`; the prefill path hands these to MKL.
 
-Why the GEMV is fast. A 32-element block of a row is 4 int32 words (16 bytes). The kernel loads
-the 4 words once into every 128-bit lane of a vector register and shifts lane l of vector j by
-4 * ((VEC/4) * j + (l >> 2)): after `& 0xF` the nibbles come out in a fixed permutation of the
-block (lane l of vector j = element 8 * (l & 3) + (VEC/4) * j + (l >> 2)). Rather than permute
-4-bit weights on every call, the activations (a few KB) are permuted once per call to match, so
-the inner loop dequantizes (u * s - (8 + zp) * s, shared by all activation rows: with AVX-512
-a shift and a 16-entry table lookup, with AVX2 shift, and, int->float, one FMA) and does one
-FMA per activation row. Compiled for AVX-512 (16 lanes), AVX2 (8 lanes) or plain C, picked
-from the CPU's flags by `cpu_build`.
+   Why the GEMV is fast. A 32-element block of a row is 4 int32 words (16 bytes). The kernel loads
+   the 4 words once into every 128-bit lane of a vector register and shifts lane l of vector j by
+   4 * ((VEC/4) * j + (l >> 2)): after `& 0xF` the nibbles come out in a fixed permutation of the
+   block (lane l of vector j = element 8 * (l & 3) + (VEC/4) * j + (l >> 2)). Rather than permute
+   4-bit weights on every call, the activations (a few KB) are permuted once per call to match, so
+   the inner loop dequantizes (u * s - (8 + zp) * s, shared by all activation rows: with AVX-512
+   a shift and a 16-entry table lookup, with AVX2 shift, and, int->float, one FMA) and does one
+   FMA per activation row. Compiled for AVX-512 (16 lanes), AVX2 (8 lanes) or plain C, picked
+   from the CPU's flags by `cpu_build`.
 
-Measured at N=14336, K=4096, g128, M=1, weights streamed from DRAM, one Zen 5 core (CPU
-time, the machine being shared): 15.9 GB/s of packed weight with AVX-512, 10.3 GB/s with AVX2,
-against 36-38 GB/s for a one-core 256 MB copy (read + write bytes). The AVX2 loop is bound by
-its ~5 vector ops per 8 weights, not by memory, so the op count per weight is what the layout
-and the loop structure minimise; the AVX-512 loop needs the software prefetch described below.
+   Measured at N=14336, K=4096, g128, M=1, weights streamed from DRAM, one Zen 5 core (CPU
+   time, the machine being shared): 15.9 GB/s of packed weight with AVX-512, 10.3 GB/s with AVX2,
+   against 36-38 GB/s for a one-core 256 MB copy (read + write bytes). The AVX2 loop is bound by
+   its ~5 vector ops per 8 weights, not by memory, so the op count per weight is what the layout
+   and the loop structure minimise; the AVX-512 loop needs the software prefetch described below.
 
-dtype codes: 0 = fp32, 1 = bf16, 2 = fp16 (x, scales, bias, output). Return value: 0 on
-success, 1 = unsupported group layout (groups must be multiples of 32 or per channel), 2 = out
-of memory.
-"""
+   dtype codes: 0 = fp32, 1 = bf16, 2 = fp16 (x, scales, bias, output). Return value: 0 on
+   success, 1 = unsupported group layout (groups must be multiples of 32 or per channel), 2 = out
+   of memory. */
 
-from __future__ import annotations
+#include "common.h"
+#include "quantkit_kernels.h"
 
-C_SOURCE = r"""
-/* VEC (the fp32 lanes, `cpu_common_source`). A 32-element block (4 words) becomes NV vectors:
+/* VEC (the fp32 lanes, `common.h`). A 32-element block (4 words) becomes NV vectors:
    lane l of vector j holds element 8 * (l & 3) + (VEC / 4) * j + (l >> 2) of the block. */
 #if defined(__AVX512F__)
 typedef __m512i vi;
@@ -402,18 +402,7 @@ static inline __attribute__((always_inline)) void gemv_tile2_bf16(
    4096x4096, M = 1, 2 threads, against 24.5 with 16 and 22 with 8 (longer contiguous runs). */
 #define RT 32
 
-/* One layer's static arguments, bound once (`CpuInt4Layer`), so that a decode call passes 9
-   arguments instead of 21: each ctypes argument conversion costs ~0.1-0.2 us. */
-typedef struct {
-    const int32_t *wq;
-    int64_t N, K, wq_stride;
-    const void *scale;
-    int64_t s_dt, n_groups, s_stride;
-    const int32_t *zp;
-    int64_t zp_stride, group_size;
-    const void *bias;
-    int64_t b_dt;
-} qk_w4_layer;
+/* qk_w4_layer, one layer's static arguments bound once: `quantkit_kernels.h`. */
 
 /* Blocks per group and log2 of it (-1 when not a power of two); 1 for an unsupported layout. */
 static int group_layout(const qk_w4_layer *L, int64_t *bpg, int *gsh) {
@@ -667,4 +656,3 @@ int qk_w4_dequant(
     }
     return 0;
 }
-"""

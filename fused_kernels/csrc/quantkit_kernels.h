@@ -1,0 +1,129 @@
+/* quantkit_kernels.h: every function the CPU kernel libraries export, and the structs they take
+   by pointer. This is the ABI the Python loaders call through ctypes: `cpu_abi.py` mirrors each
+   prototype and struct, and tests/test_kernels_c_abi.py parses this file and holds the two to
+   each other (types and names, in order), so keep to its plain style: one typedef'd struct or one
+   prototype per declaration, named parameters, no macros.
+
+   Libraries (`cpu_abi.LIBRARIES`): qk_w4a16_cpu is built from decode.c (which includes w4a16.c),
+   qk_fp8_cpu from fp8.c, qk_bf16_gemv from bf16_gemv.c; each translation unit includes this
+   header, so gcc checks every definition against its prototype here.
+
+   dtype codes (the *_dt arguments and fields): 0 = fp32, 1 = bf16, 2 = fp16. Pointers are to the
+   tensors' data; strides are in elements. */
+
+#ifndef QUANTKIT_KERNELS_H
+#define QUANTKIT_KERNELS_H
+
+#include <stdint.h>
+
+/* ---- structs (all integers int64_t: no padding questions) ---- */
+
+/* One INT4 layer's static arguments, bound once (`CpuInt4Layer`), so that a decode call passes 9
+   arguments instead of 21: each ctypes argument conversion costs ~0.1-0.2 us. */
+typedef struct {
+    const int32_t *wq;
+    int64_t N, K, wq_stride;
+    const void *scale;
+    int64_t s_dt, n_groups, s_stride;
+    const int32_t *zp;
+    int64_t zp_stride, group_size;
+    const void *bias;
+    int64_t b_dt;
+} qk_w4_layer;
+
+/* One decoder layer of the decode step (decode.c). */
+typedef struct {
+    qk_w4_layer qkv, o, gate_up, down;
+    const float *in_norm, *post_norm;  /* [H] */
+    float *k_cache, *v_cache;          /* this layer's cache: [cache_rows][Hkv][slots][D] */
+} qk_decoder_layer;
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter, slots, cache_rows;
+    double eps;
+} qk_decoder_dims;
+
+/* One FP8 layer's static arguments, bound once (`CpuFp8Layer`): a decode call passes 9 arguments
+   instead of 18 (each ctypes conversion costs ~0.1-0.2 us). */
+typedef struct {
+    const uint8_t *w;
+    int64_t N, K, w_stride;
+    const void *scale;
+    int64_t s_dt, s_stride;
+    const void *bias;
+    int64_t b_dt, act_quant;
+} qk_fp8_layer;
+
+/* ---- w4a16.c (library qk_w4a16_cpu). Return value: 0, 1 = unsupported group layout,
+   2 = out of memory. ---- */
+
+/* 1 when this build has the bf16 tile (the CPU has AVX512-BF16), else 0. */
+int qk_has_bf16_dot(void);
+
+/* out [M, N] = x [M, K] @ dequant(W).T (+ bias), W the layer bound in L. act_dt: DT_BF16 rounds
+   x to bf16 for the bf16 tile where the layer's groups allow, else fp32. */
+int qk_w4a16_gemv_layer(const qk_w4_layer *L, const void *x, int x_dt, int64_t M,
+                        int64_t x_stride, void *out, int o_dt, int64_t o_stride, int act_dt,
+                        int n_threads);
+
+/* The same with every argument passed (fp32 activations). */
+int qk_w4a16_gemv(const void *x, int x_dt, int64_t M, int64_t K, int64_t x_stride,
+                  const int32_t *wq, int64_t N, int64_t wq_stride,
+                  const void *scale, int s_dt, int64_t n_groups, int64_t s_stride,
+                  const int32_t *zp, int64_t zp_stride, int64_t group_size,
+                  const void *bias, int b_dt, void *out, int o_dt, int64_t o_stride,
+                  int n_threads);
+
+/* Rows [n0, n1) of dequant(W) as fp32 [n1 - n0, K] into out. */
+int qk_w4_dequant(const int32_t *wq, int64_t n0, int64_t n1, int64_t K, int64_t wq_stride,
+                  const void *scale, int s_dt, int64_t n_groups, int64_t s_stride,
+                  const int32_t *zp, int64_t zp_stride, float *out, int n_threads);
+
+/* ---- decode.c (library qk_w4a16_cpu) ---- */
+
+/* Floats of work buffer qk_decode_step needs for these layers, R rows and n_threads threads. */
+int64_t qk_decode_work(const qk_decoder_layer *layers, int64_t n_layers,
+                       const qk_decoder_dims *d, int64_t R, int n_threads);
+
+/* Every layer on x [R][H] in place. Return value: 0, 1 = unsupported group layout, 2 = the work
+   buffer is too small, 3 = a slot or position outside the cache. */
+int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_decoder_dims *d,
+                   float *x, int64_t R, const int64_t *slot, const int64_t *pos,
+                   const float *cos_, const float *sin_, int act_dt, float *work,
+                   int64_t work_floats, int n_threads);
+
+/* ---- fp8.c (library qk_fp8_cpu). Return value: 0, 2 = out of memory. ---- */
+
+/* out [M, N] = x [M, K] @ (w8 * s).T (+ bias); act_quant: W8A8 (x rounded to fp8 per row). */
+int qk_fp8_gemv(const void *x, int x_dt, int64_t M, int64_t K, int64_t x_stride, int act_quant,
+                const uint8_t *w, int64_t N, int64_t w_stride, const void *scale, int s_dt,
+                int64_t s_stride, const void *bias, int b_dt, void *out, int o_dt,
+                int64_t o_stride, int n_threads);
+
+/* The same with the layer's arguments bound in L. */
+int qk_fp8_gemv_layer(const qk_fp8_layer *L, const void *x, int x_dt, int64_t M,
+                      int64_t x_stride, void *out, int o_dt, int64_t o_stride, int n_threads);
+
+/* Rows [n0, n1) of w8 * s as fp32 (s = 1 when scale is NULL). */
+int qk_fp8_dequant(const uint8_t *w, int64_t n0, int64_t n1, int64_t K, int64_t w_stride,
+                   const void *scale, int s_dt, int64_t s_stride, float *out, int n_threads);
+
+/* x [M, K] -> fp8 codes [M, K] and one fp32 scale per row. */
+int qk_fp8_quant_tokens(const void *x, int x_dt, int64_t M, int64_t K, int64_t x_stride,
+                        uint8_t *codes, float *scales);
+
+/* flags[n] = 1 where row n holds a NaN code (0x7F / 0xFF); returns how many rows do. */
+int64_t qk_fp8_nan_rows(const uint8_t *w, int64_t N, int64_t K, int64_t w_stride,
+                        uint8_t *flags);
+
+/* ---- bf16_gemv.c (library qk_bf16_gemv). Return value: 0, 2 = out of memory, 4 = not in
+   this build. ---- */
+
+/* 1 when this build has the kernel (AVX512-BF16), else 0. */
+int qk_bf16_gemv_available(void);
+
+/* y [M, N] (fp32) = bf16(x) [M, K] (fp32) @ W.T, W bf16 [N, K]. */
+int qk_bf16_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const uint16_t *w,
+                 int64_t N, int64_t w_stride, float *y, int64_t y_stride, int n_threads);
+
+#endif /* QUANTKIT_KERNELS_H */
