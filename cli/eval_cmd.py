@@ -57,7 +57,8 @@ from quantkit.paths import quantkit_home
 @click.option(
     "--data-dir",
     type=click.Path(file_okay=False, path_type=Path),
-    help="Folder of the benchmark .jsonl files (default: $QUANTKIT_DATA/benchmarks).",
+    help="Folder of the benchmark .jsonl files (default: $QUANTKIT_DATA/benchmarks; the "
+    "benchmark tasks need one of the two).",
 )
 @click.option(
     "--cache",

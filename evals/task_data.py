@@ -5,9 +5,12 @@ never calls `datasets.load_dataset` for them: no hub, no download, no dataset ca
 multiple-choice and cloze sets are JSON-lines files (llm-foundry's local eval data) in the
 benchmarks folder, found in this order:
 
-1. `data_dir=PATH` from lm-eval's `--metadata` (or `TaskManager(metadata=...)`),
-2. `$QUANTKIT_DATA/benchmarks`, where $QUANTKIT_DATA is the project's data folder,
-3. `../shared/data/benchmarks` beside the repository root (a development checkout).
+1. `data_dir=PATH` from lm-eval's `--metadata` (or `TaskManager(metadata=...)`; `quantkit eval
+   --data-dir PATH` passes it so),
+2. `$QUANTKIT_DATA/benchmarks`, where $QUANTKIT_DATA is the project's data folder.
+
+There is no default: with neither, the loaders raise an EvalError that names both. The tests
+use the small subset in the repository's `tests/data/benchmarks`.
 
 The perplexity task reads the held-out split of the Wikipedia sample used for calibration
 (`quantkit.quantize.calibration.wiki_split`), so it never overlaps the AWQ calibration text.
@@ -47,17 +50,21 @@ LOCAL_TASKS: dict[str, str] = {
     "wikipedia": "quantkit_wikipedia",
 }
 _ALIASES = {"openbook_qa": "openbookqa", "lambada_openai": "lambada", "wiki": "wikipedia"}
-_REPO_DEFAULT = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "benchmarks"
 
 
 def benchmarks_dir(data_dir: str | Path | None = None) -> Path:
-    """The folder holding the benchmark .jsonl files (see the module docstring for the order)."""
+    """The folder holding the benchmark .jsonl files (see the module docstring for the order);
+    EvalError when neither `data_dir` nor $QUANTKIT_DATA names one."""
     if data_dir:
         return Path(data_dir).expanduser()
     env = os.environ.get(DATA_ENV)
     if env:
         return Path(env).expanduser() / "benchmarks"
-    return _REPO_DEFAULT
+    raise EvalError(
+        f"no benchmark data: pass --data-dir DIR (quantkit eval) or --metadata data_dir=DIR "
+        f"(quantkit lm-eval) naming the folder of arc_easy.jsonl, piqa.jsonl, ..., or set "
+        f"{DATA_ENV} to a folder holding benchmarks/arc_easy.jsonl, benchmarks/piqa.jsonl, ..."
+    )
 
 
 def read_jsonl(path: Path, *, fields: tuple[str, ...]) -> list[dict[str, Any]]:

@@ -11,18 +11,38 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["BenchSchema", "category_of", "classify_error", "default_bench_dir", "sample_schemas"]
+from quantkit.errors import EvalError
+
+__all__ = [
+    "BENCH_ENV",
+    "DATA_ENV",
+    "BenchSchema",
+    "category_of",
+    "classify_error",
+    "default_bench_dir",
+    "sample_schemas",
+]
+
+BENCH_ENV = "QUANTKIT_JSONSCHEMABENCH"  # JSONSchemaBench's root folder itself
+DATA_ENV = "QUANTKIT_DATA"  # the project's data folder: JSONSchemaBench is its jsonschemabench/
 
 # Published compile coverage ("compliance") on GlaiveAI-2K, JSONSchemaBench paper, table 3.
 PUBLISHED_GLAIVE = {"Outlines": 0.96, "XGrammar": 0.93, "Guidance": 0.98}
 
 
 def default_bench_dir() -> Path:
-    """$QUANTKIT_JSONSCHEMABENCH, else ../shared/data/jsonschemabench beside the repository."""
-    env = os.environ.get("QUANTKIT_JSONSCHEMABENCH")
+    """$QUANTKIT_JSONSCHEMABENCH, else $QUANTKIT_DATA/jsonschemabench; EvalError when neither is
+    set (there is no default: pass --data to the bench modules or set one of the two)."""
+    env = os.environ.get(BENCH_ENV)
     if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / "shared" / "data" / "jsonschemabench"
+        return Path(env).expanduser()
+    data = os.environ.get(DATA_ENV)
+    if data:
+        return Path(data).expanduser() / "jsonschemabench"
+    raise EvalError(
+        f"no JSONSchemaBench data: pass --data DIR or set {BENCH_ENV}=DIR (a folder holding "
+        f"maskbench/data/*.json), or set {DATA_ENV} to a folder holding jsonschemabench/"
+    )
 
 
 def category_of(name: str) -> str:

@@ -26,21 +26,30 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantkit.errors import GrammarError
+from quantkit.errors import EvalError, GrammarError
 from quantkit.grammar.acceptance import accepts_text
-from quantkit.grammar.bench_data import classify_error
+from quantkit.grammar.bench_data import DATA_ENV, classify_error
 from quantkit.grammar.constraints import json_schema_grammar
 
-__all__ = ["KeywordReport", "default_suite_dir", "main", "run_suite"]
+__all__ = ["SUITE_ENV", "KeywordReport", "default_suite_dir", "main", "run_suite"]
+
+SUITE_ENV = "QUANTKIT_JSON_SCHEMA_TEST_SUITE"  # the test suite's root folder itself
 
 
 def default_suite_dir() -> Path:
-    """$QUANTKIT_JSON_SCHEMA_TEST_SUITE, else ../shared/data/json-schema-test-suite beside the
-    repository (where the project keeps its shared data)."""
-    env = os.environ.get("QUANTKIT_JSON_SCHEMA_TEST_SUITE")
+    """$QUANTKIT_JSON_SCHEMA_TEST_SUITE, else $QUANTKIT_DATA/json-schema-test-suite; EvalError
+    when neither is set (there is no default: pass --data or set one of the two)."""
+    env = os.environ.get(SUITE_ENV)
     if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / "shared" / "data" / "json-schema-test-suite"
+        return Path(env).expanduser()
+    data = os.environ.get(DATA_ENV)
+    if data:
+        return Path(data).expanduser() / "json-schema-test-suite"
+    raise EvalError(
+        f"no JSON-Schema-Test-Suite data: pass --data DIR or set {SUITE_ENV}=DIR (a folder "
+        f"holding tests/draft2020-12/*.json), or set {DATA_ENV} to a folder holding "
+        f"json-schema-test-suite/"
+    )
 
 
 @dataclass
@@ -127,11 +136,21 @@ def print_reports(reports: list[KeywordReport]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m quantkit.grammar.bench_testsuite")
-    parser.add_argument("--data", type=Path, default=None, help="the test suite's root folder")
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="the test suite's root folder (default: $QUANTKIT_JSON_SCHEMA_TEST_SUITE, else "
+        "$QUANTKIT_DATA/json-schema-test-suite)",
+    )
     parser.add_argument("--draft", default="draft2020-12")
     parser.add_argument("--json", type=Path, default=None, help="also write the report here")
     args = parser.parse_args(argv)
-    folder = (args.data or default_suite_dir()) / "tests" / args.draft
+    try:
+        folder = (args.data or default_suite_dir()) / "tests" / args.draft
+    except EvalError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not folder.is_dir():
         print(f"error: expected the test suite at {folder}, found nothing", file=sys.stderr)
         return 2

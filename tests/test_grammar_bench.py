@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
+from quantkit.errors import EvalError
 from quantkit.grammar.acceptance import accepts_text
 from quantkit.grammar.bench_data import (
+    BENCH_ENV,
+    DATA_ENV,
     category_of,
     classify_error,
     default_bench_dir,
@@ -18,9 +22,40 @@ from quantkit.grammar.bench_data import (
 from quantkit.grammar.bench_report import print_report, recompile_summary, totals
 from quantkit.grammar.constraints import json_schema_grammar
 
-DATA = default_bench_dir()
-HAVE_DATA = (DATA / "maskbench" / "data").is_dir()
+# A JSONSchemaBench subset in the benchmark's layout: 3 schemas per category, 1 of Github_ultra
+# (see tests/data/jsonschemabench/README.md).
+FIXTURE_DATA = Path(__file__).resolve().parent / "data"
 _REAL_HOME = os.environ.get("QUANTKIT_HOME")
+
+
+@pytest.fixture()
+def bench_dir(monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The subset, found as the bench finds its data: through $QUANTKIT_DATA."""
+    monkeypatch.delenv(BENCH_ENV, raising=False)
+    monkeypatch.setenv(DATA_ENV, str(FIXTURE_DATA))
+    folder = default_bench_dir()
+    assert folder == FIXTURE_DATA / "jsonschemabench"
+    return folder
+
+
+def test_bench_dir_comes_from_the_variables_or_the_error_names_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(DATA_ENV, str(tmp_path / "data"))
+    monkeypatch.setenv(BENCH_ENV, str(tmp_path / "bench"))
+    assert default_bench_dir() == tmp_path / "bench"
+    monkeypatch.delenv(BENCH_ENV)
+    assert default_bench_dir() == tmp_path / "data" / "jsonschemabench"
+    monkeypatch.delenv(DATA_ENV)
+    with pytest.raises(EvalError) as err:
+        default_bench_dir()
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("no JSONSchemaBench data: pass --data DIR")
+    assert BENCH_ENV in msg and DATA_ENV in msg
+    from quantkit.grammar.bench_jsonschema import main
+
+    assert main(["--no-generate"]) == 2
+    assert capsys.readouterr().err == f"error: {msg}\n"
 
 
 def test_category_and_error_classes() -> None:
@@ -34,22 +69,27 @@ def test_category_and_error_classes() -> None:
     assert classify_error("schema: expected a valid JSON Schema, got ...") == "invalid schema"
 
 
-@pytest.mark.skipif(not HAVE_DATA, reason="JSONSchemaBench data not found")
-def test_sample_is_fixed_and_spans_the_categories() -> None:
-    first = sample_schemas(DATA, per_category=15)
-    again = sample_schemas(DATA, per_category=15)
+def test_sample_is_fixed_and_spans_the_categories(bench_dir: Path) -> None:
+    first = sample_schemas(bench_dir, per_category=15)
+    again = sample_schemas(bench_dir, per_category=15)
     assert [s.name for s in first] == [s.name for s in again]
-    assert len(first) >= 200 and len({s.category for s in first}) >= 14
+    # The subset: 14 categories of 3 schemas and Github_ultra's 1; 15 a category takes them all.
+    assert len(first) == 43 and len({s.category for s in first}) == 15
     assert len({s.name for s in first}) == len(first)
     # Interleaved: the first schemas already cover many categories (--limit stays diverse).
     assert len({s.category for s in first[:15]}) == 15
+    two = sample_schemas(bench_dir, per_category=2, limit=20)
+    assert len(two) == 20 and len({s.category for s in two[:15]}) == 15
+    assert {s.name for s in two} <= {s.name for s in first}
 
 
-@pytest.mark.skipif(not HAVE_DATA, reason="JSONSchemaBench data not found")
-def test_sample_of_chosen_categories() -> None:
-    items = sample_schemas(DATA, per_category=40, categories=["Glaiveai2K", "BFCL"])
-    assert {s.category for s in items} == {"Glaiveai2K", "BFCL"} and len(items) == 80
-    assert sample_schemas(DATA, categories=["NoSuchCategory"]) == []
+def test_sample_of_chosen_categories(bench_dir: Path) -> None:
+    items = sample_schemas(bench_dir, per_category=2, categories=["Glaiveai2K", "BFCL"])
+    assert {s.category for s in items} == {"Glaiveai2K", "BFCL"} and len(items) == 4
+    assert [s.category for s in items] == ["BFCL", "Glaiveai2K"] * 2  # interleaved
+    every = sample_schemas(bench_dir, per_category=40, categories=["Glaiveai2K", "BFCL"])
+    assert len(every) == 6 and {s.name for s in items} < {s.name for s in every}
+    assert sample_schemas(bench_dir, categories=["NoSuchCategory"]) == []
 
 
 def _row(name: str, category: str, **fields: object) -> dict[str, object]:
@@ -93,9 +133,8 @@ def test_report_counts_every_rate_the_issue_asks_for(capsys: pytest.CaptureFixtu
     assert "Outlines 0.96" in out and "3/4 under 0.1 s" in out
 
 
-@pytest.mark.skipif(not HAVE_DATA, reason="JSONSchemaBench data not found")
-def test_small_subset_is_sound_on_its_test_instances() -> None:
-    items = [s for s in sample_schemas(DATA, per_category=1) if s.tests][:12]
+def test_small_subset_is_sound_on_its_test_instances(bench_dir: Path) -> None:
+    items = [s for s in sample_schemas(bench_dir, per_category=1) if s.tests][:12]
     lowered = checked = 0
     for item in items:
         try:
@@ -115,8 +154,7 @@ def test_small_subset_is_sound_on_its_test_instances() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not HAVE_DATA, reason="JSONSchemaBench data not found")
-def test_generation_on_the_embedded_model(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_generation_on_the_embedded_model(monkeypatch: pytest.MonkeyPatch, bench_dir: Path) -> None:
     """Two small schemas, 32 new tokens, the real model from the shared cache (converting it
     again into a temporary home would take longer than the test); no index is cached."""
     from quantkit.grammar.bench_jsonschema import SchemaResult, run_bench
@@ -126,7 +164,7 @@ def test_generation_on_the_embedded_model(monkeypatch: pytest.MonkeyPatch) -> No
     else:
         monkeypatch.setenv("QUANTKIT_HOME", _REAL_HOME)
     names = ["Glaiveai2K", "BFCL"]
-    items = [s for s in sample_schemas(DATA, per_category=1) if s.category in names]
+    items = [s for s in sample_schemas(bench_dir, per_category=1) if s.category in names]
     report = run_bench(
         items, model="smollm2-135m", max_new_tokens=32, cache=False, log=lambda _: None
     )

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.errors import GrammarError
+from quantkit.errors import EvalError, GrammarError
 from quantkit.grammar.acceptance import accepts_text
-from quantkit.grammar.bench_testsuite import default_suite_dir, run_suite
+from quantkit.grammar.bench_data import DATA_ENV
+from quantkit.grammar.bench_testsuite import SUITE_ENV, default_suite_dir, main, run_suite
 from quantkit.grammar.constraints import choice_grammar, json_schema_grammar, validate_json
 from quantkit.grammar.json_schema import schema_to_regex
 from quantkit.grammar.regex_parts import (
@@ -304,16 +305,27 @@ def test_validate_json_reports_one_line() -> None:
 # --------------------------------------------------------------------------- test suite
 
 
-SUITE = default_suite_dir() / "tests" / "draft2020-12"
+# The suite's draft 2020-12 files of the keywords below, in its layout (tests/data/.../README.md).
+FIXTURE_DATA = Path(__file__).resolve().parent / "data"
 
 
-@pytest.mark.skipif(not SUITE.is_dir(), reason="JSON-Schema-Test-Suite data not found")
-def test_json_schema_test_suite_subset_is_sound() -> None:
+@pytest.fixture()
+def suite(monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The subset's draft 2020-12 folder, found as the bench finds it: through $QUANTKIT_DATA."""
+    monkeypatch.delenv(SUITE_ENV, raising=False)
+    monkeypatch.setenv(DATA_ENV, str(FIXTURE_DATA))
+    folder = default_suite_dir() / "tests" / "draft2020-12"
+    assert folder == FIXTURE_DATA / "json-schema-test-suite" / "tests" / "draft2020-12"
+    return folder
+
+
+def test_json_schema_test_suite_subset_is_sound(suite: Path) -> None:
     keywords = ["type", "properties", "required", "enum", "const", "minimum", "maximum",
                 "allOf", "anyOf", "oneOf", "items", "prefixItems", "uniqueItems", "ref",
                 "additionalProperties", "unevaluatedProperties", "maxLength", "pattern",
                 "dependentRequired", "propertyNames", "not", "contains"]  # fmt: skip
-    reports = {r.keyword: r for r in run_suite(SUITE, files=keywords)}
+    reports = {r.keyword: r for r in run_suite(suite, files=keywords)}
+    assert sorted(reports) == sorted(keywords)  # every keyword's file was there and was read
     assert sum(r.invalid - r.invalid_rejected for r in reports.values()) == 0, [
         u for r in reports.values() for u in r.unsound
     ]
@@ -326,6 +338,19 @@ def test_json_schema_test_suite_subset_is_sound() -> None:
     )
 
 
-def test_suite_dir_is_relative_to_the_repository(monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("QUANTKIT_JSON_SCHEMA_TEST_SUITE", str(tmp_path))
+def test_suite_dir_comes_from_the_variables_or_the_error_names_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv(DATA_ENV, str(tmp_path / "data"))
+    monkeypatch.setenv(SUITE_ENV, str(tmp_path))
     assert default_suite_dir() == tmp_path
+    monkeypatch.delenv(SUITE_ENV)
+    assert default_suite_dir() == tmp_path / "data" / "json-schema-test-suite"
+    monkeypatch.delenv(DATA_ENV)
+    with pytest.raises(EvalError) as err:
+        default_suite_dir()
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("no JSON-Schema-Test-Suite data: pass --data DIR")
+    assert SUITE_ENV in msg and DATA_ENV in msg
+    assert main([]) == 2
+    assert capsys.readouterr().err == f"error: {msg}\n"

@@ -4,7 +4,7 @@ With INT4 Linears, the dense lm_head dominates a small model's decode traffic: S
 tied 49152 x 576 head is 113 MB in fp32 against 57 MB for the whole INT4 body. Decode is
 bandwidth-bound, so reading it in bf16 halves the largest single read of every step. That pays
 only where the CPU has bf16 dot-product instructions (AVX512-BF16, AMX): elsewhere oneDNN's bf16
-GEMV is compute-bound and slower than fp32 (DESIGN.md: 2.3x slower at batch 8 on Zen 3).
+GEMV is compute-bound and slower than fp32 (ARCHITECTURE.md: 2.3x slower at batch 8 on Zen 3).
 Measured on an AVX512-BF16 EPYC, 1 thread: 3.5 ms per token in bf16 vs ~7 ms in fp32.
 
 Only the activation is rounded: the embedded model's weights were bf16 to begin with (the GGUF
