@@ -239,7 +239,7 @@ def bench_cmd(
     torch_dtype = _DTYPES.get(dtype) or (torch.float32 if dev.type == "cpu" else torch.bfloat16)
     loaded = _load(ckpt, dtype=torch_dtype, device=dev)
     _set_precision(loaded, "auto", act_dtype)
-    scheme = loaded.scheme.describe() if loaded.scheme else "dense"
+    scheme = loaded.describe()
     if _act_dtype(loaded) != str(torch_dtype).removeprefix("torch."):
         scheme += f", {_act_dtype(loaded)} activations in the INT4 GEMVs"
     click.echo(f"model   {loaded.path} ({scheme}) on {_device_name(dev)}", err=True)

@@ -77,7 +77,7 @@ def _backend(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> s
 
     # resolve_backend, not choose_backend: the kernel that ran, after any fallback.
     return (
-        f"{loaded.scheme.describe()}, {kind} activations{act_note}, kernel "
+        f"{loaded.describe()}, {kind} activations{act_note}, kernel "
         f"{resolve_backend(device)}{head_note}"
     )
 

@@ -17,7 +17,9 @@ def inspect_cmd(ckpt: Path, show_all: bool) -> None:
     loaded = load_checkpoint(ckpt)
     scheme = loaded.scheme
     click.echo(f"checkpoint   {ckpt}")
-    click.echo(f"scheme       {scheme.describe() if scheme else 'dense (not quantized)'}")
+    click.echo(
+        f"scheme       {scheme.describe(loaded.algorithm) if scheme else 'dense (not quantized)'}"
+    )
     click.echo(f"quantized    {len(loaded.quantized_modules)} Linear modules")
     report = loaded.report or {}
     ppl = report.get("perplexity")

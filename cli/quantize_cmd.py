@@ -2,37 +2,28 @@
 
 from __future__ import annotations
 
-import resource
 import statistics
-import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import click
-import torch
 from tqdm.auto import tqdm
 
-from quantkit.errors import CheckpointError, SchemeError
+from quantkit.errors import SchemeError
 from quantkit.evals.perplexity import perplexity
-from quantkit.format.checkpoint import save_checkpoint
 from quantkit.format.scheme import QuantScheme
-from quantkit.models.decoder import CausalLM, build_model
-from quantkit.quantize.awq import AwqConfig
-from quantkit.quantize.calibration import (
-    calibration_samples,
-    heldout_tokens,
-    read_calib_file,
-    wiki_split,
-)
-from quantkit.quantize.gptq import GptqConfig
-from quantkit.quantize.pipeline import (
+from quantkit.models.decoder import CausalLM
+from quantkit.quantize.algorithms import (
     DEFAULT_CALIB_SAMPLES,
     GPTQ_CALIB_SAMPLES,
-    LayerProgress,
-    QuantizeOutcome,
-    quantize_model,
+    Algorithm,
+    algorithm_for,
 )
+from quantkit.quantize.awq import AwqConfig, LayerReport
+from quantkit.quantize.calibration import heldout_tokens
+from quantkit.quantize.gptq import GptqConfig
+from quantkit.quantize.pipeline import LayerProgress, QuantizeOutcome
+from quantkit.quantize.recipe import Calibration, Hooks, Recipe, quantize_and_save
 from quantkit.sources.resolve import resolve_model
 from quantkit.sources.tokenizer import load_tokenizer
 
@@ -53,10 +44,11 @@ def _group_size(value: str) -> int | str:
 @click.option("--bits", type=int, default=4, show_default=True, help="4 = INT4, 8 = FP8 (E4M3).")
 @click.option(
     "--method",
-    type=click.Choice(["awq", "rtn", "fp8", "gptq"]),
+    type=click.Choice(["rtn", "awq", "gptq", "fp8"]),
     default=None,
-    help="INT4: awq (default) or rtn; 8 bits: gptq (default: calibrated error-compensated "
-    "rounding) or fp8 (round to nearest, no calibration); both write the same FP8 format.",
+    help="The algorithm that chooses the codes: rtn (round to nearest, no calibration), awq "
+    "(int4 only; the int4 default) or gptq (error-compensated rounding; the fp8 default). "
+    "The format (--bits) is the same whichever chose the codes; fp8 = --bits 8 --method rtn.",
 )
 @click.option(
     "--format",
@@ -136,121 +128,84 @@ def quantize_cmd(
 ) -> None:
     """Quantize MODEL (a local HF directory, a .gguf file, or smollm2-135m) to a
     compressed-tensors checkpoint."""
-    started = time.perf_counter()
     ctx = click.get_current_context()
-    scheme = _scheme(
-        ctx,
-        bits=bits,
-        method=method,
-        fmt=fmt,
-        activations=activations,
-        group_size=group_size,
-        symmetric=symmetric,
-    )
-    gptq = scheme.rounding == "gptq"
-    method = "gptq" if gptq else scheme.method
-    calibrated = scheme.method == "awq" or gptq
-    if calib_samples is None:
-        calib_samples = GPTQ_CALIB_SAMPLES if gptq else DEFAULT_CALIB_SAMPLES
+    scheme, algorithm = _scheme_and_algorithm(
+        ctx, bits=bits, method=method, fmt=fmt, activations=activations,
+        group_size=group_size, symmetric=symmetric,
+    )  # fmt: skip
     if damp < 0:
         raise SchemeError(f"--damp: expected a fraction >= 0, got {damp}")
-    gptq_cfg = GptqConfig(damp=damp, act_order=act_order)
-    if calib_samples < 1 or calib_seq_len < 16:
-        raise SchemeError(
-            f"--calib-samples >= 1 and --calib-seq-len >= 16 expected, got {calib_samples} "
-            f"and {calib_seq_len}"
-        )
-    kind = "int4" if scheme.is_int else "fp8"
-    out = output or Path("out") / f"{Path(model).name.removesuffix('.gguf')}-{method}-{kind}"
-    # Fail before hours of work, not after.
-    if out.exists() and not force:
-        raise CheckpointError(f"output directory {out} exists; pass --force to replace it")
-    if calib is not None:
-        texts, calib_name = read_calib_file(calib), str(calib)
-    else:
-        texts, calib_name = None, "wikipedia (bundled articles, calibration split)"
-    model_dir = resolve_model(model)
-    tokenizer = load_tokenizer(model_dir)
-    held = heldout_tokens(tokenizer, max_tokens=eval_tokens) if eval_tokens > 0 else None
-    ppl: dict[str, Any] = {}
-
-    bar: tqdm | None = None
-
-    def on_loaded(dense: CausalLM) -> None:
-        nonlocal bar
-        if held is not None:
-            click.echo(f"perplexity of the reference model on {held.numel()} held-out tokens ...")
-            ppl["reference"] = perplexity(dense, held, window=512, progress=True).ppl
-        if calibrated:
-            bar = tqdm(desc=method.upper(), unit="layer", total=dense.config.num_layers)
-
-    calib_ids: torch.Tensor | None = None
-    if calibrated:
-        # Tokenize and check the calibration text before any model work: a bad file fails fast.
-        docs = texts if texts is not None else wiki_split().calibration
-        calib_ids = calibration_samples(
-            docs, tokenizer, n_samples=calib_samples, seq_len=calib_seq_len, seed=seed
-        )
-
-    def on_layer(report: LayerProgress) -> None:
-        assert bar is not None
-        what = "error" if gptq else "MSE"
-        bar.set_postfix_str(f"layer {report.index}: {what} vs RTN {-report.loss_reduction:+.0%}")
-        bar.update(1)
-
+    recipe = Recipe(
+        model,
+        scheme,
+        algorithm,
+        Calibration(calib, calib_samples, calib_seq_len, seed),
+        awq=AwqConfig(search_tokens=search_tokens, seed=seed),
+        gptq=GptqConfig(damp=damp, act_order=act_order),
+    )
+    out = (
+        output
+        or Path("out") / f"{Path(model).name.removesuffix('.gguf')}-{algorithm}-{scheme.kind}"
+    )
+    hooks = _progress(_perplexity_scorer(model, eval_tokens))
     try:
-        outcome = quantize_model(
-            model_dir,
-            scheme=scheme,
-            samples=None if calib_ids is None else lambda: calib_ids,
-            awq=AwqConfig(search_tokens=search_tokens, seed=seed),
-            gptq=gptq_cfg,
-            on_layer=on_layer,
-            on_loaded=on_loaded,
-        )
+        outcome, report = quantize_and_save(recipe, out, force=force, hooks=hooks)
     finally:
-        if bar is not None:
-            bar.close()
-    t0 = time.perf_counter()
-    if held is not None:
-        if outcome.scheme.activations == "dynamic":
-            # W8A8: the activations are quantized only at run time, so run the real modules.
-            quantized = outcome.runtime_model()
-        else:
-            quantized = build_model(outcome.config, outcome.dense_state())
-        ppl["quantized"] = perplexity(quantized, held, window=512, progress=True).ppl
-        ppl["tokens"] = held.numel()
-        ppl["window"] = 512
-        del quantized
-    outcome.timings["eval_s"] = time.perf_counter() - t0
-    report = _report(
-        outcome,
-        model=model,
-        calib_name=calib_name,
-        calib_samples=calib_samples,
-        calib_seq_len=calib_seq_len,
-        seed=seed,
-        ppl=ppl,
-        gptq=gptq_cfg,
-    )
-    t0 = time.perf_counter()
-    save_checkpoint(
-        out,
-        source_dir=model_dir,
-        config=outcome.config,
-        tensors=outcome.tensors,
-        scheme=outcome.scheme,
-        quantized_modules=outcome.quantized_modules,
-        report=report,
-        force=force,
-    )
-    outcome.timings["write_s"] = time.perf_counter() - t0
-    outcome.timings["total_s"] = time.perf_counter() - started
+        if hooks.bar is not None:
+            hooks.bar.close()
     _summary(outcome, report, out=out, group_size=group_size)
 
 
-INT4_ONLY = ("group_size", "symmetric", "calib", "calib_samples", "calib_seq_len", "search_tokens")
+class _CliHooks(Hooks):
+    bar: tqdm | None = None  # made when the calibrated algorithm starts its layer walk
+
+
+def _progress(score: Any) -> _CliHooks:
+    """A progress bar per decoder layer for the calibrated algorithms."""
+    hooks = _CliHooks(score=score)
+
+    def on_start(method: Algorithm, layers: int) -> None:
+        if method.calibrated:
+            hooks.bar = tqdm(desc=method.name.upper(), unit="layer", total=layers)
+
+    def on_layer(report: LayerProgress) -> None:
+        assert hooks.bar is not None
+        what = "MSE" if report_is_awq(report) else "error"
+        hooks.bar.set_postfix_str(
+            f"layer {report.index}: {what} vs RTN {-report.loss_reduction:+.0%}"
+        )
+        hooks.bar.update(1)
+
+    hooks.on_start, hooks.on_layer = on_start, on_layer
+    return hooks
+
+
+def report_is_awq(report: LayerProgress) -> bool:
+    return isinstance(report, LayerReport)
+
+
+def _perplexity_scorer(model: str, eval_tokens: int) -> Any:
+    """Held-out perplexity of a model, window 512 (None when --eval-tokens is 0)."""
+    if eval_tokens <= 0:
+        return None
+    held = None
+
+    def score(dense: CausalLM, which: str) -> dict[str, Any]:
+        nonlocal held
+        if held is None:  # the model is resolved (and converted) by now: the tokenizer is there
+            held = heldout_tokens(load_tokenizer(resolve_model(model)), max_tokens=eval_tokens)
+        if which == "reference":
+            click.echo(f"perplexity of the reference model on {held.numel()} held-out tokens ...")
+            return {"reference": perplexity(dense, held, window=512, progress=True).ppl}
+        ppl = perplexity(dense, held, window=512, progress=True).ppl
+        return {"quantized": ppl, "tokens": held.numel(), "window": 512}
+
+    return score
+
+
+FP8_INVALID = ("group_size", "symmetric")
 CALIBRATION = ("calib", "calib_samples", "calib_seq_len")
+AWQ_ONLY = ("search_tokens",)
 GPTQ_ONLY = ("damp", "act_order")
 
 
@@ -262,7 +217,7 @@ def _given(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
     ]
 
 
-def _scheme(
+def _scheme_and_algorithm(
     ctx: click.Context,
     *,
     bits: int,
@@ -271,8 +226,9 @@ def _scheme(
     activations: str,
     group_size: str,
     symmetric: bool,
-) -> QuantScheme:
-    """Turn the options into a QuantScheme; options that do not apply are errors, not ignored."""
+) -> tuple[QuantScheme, str]:
+    """Turn the options into a format and an algorithm; options that do not apply are errors,
+    not ignored."""
     if fmt is not None:
         implied = 8 if fmt == "fp8" else 4
         if ctx.get_parameter_source("bits") == click.core.ParameterSource.COMMANDLINE and (
@@ -280,69 +236,39 @@ def _scheme(
         ):
             raise SchemeError(f"--format {fmt} means --bits {implied}, got --bits {bits}")
         bits = implied
-    if method == "gptq" and bits != 8:
-        raise SchemeError(
-            f"--method gptq: GPTQ rounding is implemented for fp8 only; expected --bits 8, "
-            f"got --bits {bits}"
-        )
-    # 8 bits default to GPTQ rounding, as 4 bits default to AWQ: plain rounding costs +1.3%
-    # perplexity on SmolLM2-135M, GPTQ +0.45% (README). --method fp8 rounds without calibration.
-    gptq = bits == 8 and method in (None, "gptq")
-    if not gptq and (given := _given(ctx, GPTQ_ONLY)):
-        raise SchemeError(
-            f"{', '.join(given)}: GPTQ-only option(s), expected --bits 8 without --method fp8"
-        )
-    if gptq:
-        if given := _given(ctx, tuple(n for n in INT4_ONLY if n not in CALIBRATION)):
+    if bits not in (4, 8):
+        raise SchemeError(f"--bits: expected 4 (int4) or 8 (fp8), got {bits}")
+    if method == "fp8":  # the name before format and algorithm were apart: fp8 + rtn
+        if bits != 8:
+            raise SchemeError(f"--method fp8 means --bits 8 --method rtn, got --bits {bits}")
+        method = "rtn"
+    kind = "int4" if bits == 4 else "fp8"
+    if kind == "fp8":
+        if given := _given(ctx, FP8_INVALID):
             raise SchemeError(
                 f"{', '.join(given)}: INT4-only option(s), not valid with --bits 8 (fp8 uses "
                 f"one scale per output channel)"
             )
-        return QuantScheme("fp8", 8, activations=activations, rounding="gptq")  # type: ignore[arg-type]
-    if bits == 8 and method == "fp8":
-        if given := _given(ctx, INT4_ONLY):
+        scheme = QuantScheme("fp8", activations=activations)  # type: ignore[arg-type]
+    else:
+        if activations != "none":
             raise SchemeError(
-                f"{', '.join(given)}: INT4-only option(s), not valid with --bits 8 --method fp8 "
-                f"(one scale per output channel and no calibration; GPTQ, the 8-bit default, "
-                f"calibrates)"
+                f"--activations {activations}: only fp8 (--bits 8) quantizes activations"
             )
-        return QuantScheme("fp8", 8, activations=activations)  # type: ignore[arg-type]
-    if activations != "none":
-        raise SchemeError(f"--activations {activations}: only fp8 (--bits 8) quantizes activations")
-    return QuantScheme(method or "awq", bits, _group_size(group_size), symmetric)  # type: ignore[arg-type]
-
-
-def _report(outcome: QuantizeOutcome, **info: Any) -> dict[str, Any]:
-    reductions = [round(r.loss_reduction, 4) for r in outcome.layer_reports]
-    gptq = outcome.scheme.rounding == "gptq"
-    calibration = None
-    if outcome.scheme.method == "awq" or gptq:
-        calibration = {
-            "source": info["calib_name"],
-            "samples": info["calib_samples"],
-            "seq_len": info["calib_seq_len"],
-            "seed": info["seed"],
-        }
-    report = {
-        "model": info["model"],
-        "scheme": outcome.scheme.describe(),
-        "calibration": calibration,
-        "timings_s": {k: round(v, 2) for k, v in outcome.timings.items()},
-        "bytes_before": outcome.bytes_before,
-        "bytes_after": outcome.bytes_after,
-        "awq_layer_mse_reduction": [] if gptq else reductions,
-        "perplexity": info["ppl"] or None,
-        "peak_rss_mb": round(_peak_rss_mb(), 1),
-    }
-    if gptq:
-        report["gptq"] = asdict(info["gptq"])
-        # Per layer: 1 - GPTQ/RTN of the summed Linear-output error on the calibration inputs.
-        report["gptq_layer_error_reduction"] = reductions
-    return report
-
-
-def _peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+        scheme = QuantScheme("int4", _group_size(group_size), symmetric)  # type: ignore[arg-type]
+    # 8 bits default to GPTQ, as 4 bits default to AWQ: plain rounding costs +1.3% perplexity on
+    # SmolLM2-135M FP8, GPTQ +0.45% (README).
+    algorithm = algorithm_for(method, scheme)
+    if algorithm.name != "gptq" and (given := _given(ctx, GPTQ_ONLY)):
+        raise SchemeError(f"{', '.join(given)}: GPTQ-only option(s), expected --method gptq")
+    if algorithm.name != "awq" and (given := _given(ctx, AWQ_ONLY)):
+        raise SchemeError(f"{', '.join(given)}: AWQ-only option(s), expected --method awq")
+    if not algorithm.calibrated and (given := _given(ctx, CALIBRATION)):
+        raise SchemeError(
+            f"{', '.join(given)}: calibration option(s), but --method {algorithm.name} "
+            f"uses no calibration"
+        )
+    return scheme, algorithm.name
 
 
 def _summary(
@@ -351,11 +277,11 @@ def _summary(
     t = outcome.timings
     scheme = outcome.scheme
     picked = ""
-    if scheme.is_int and group_size == "auto":
+    if scheme.kind == "int4" and group_size == "auto":
         picked = f" (group size auto -> {scheme.group_size})"
     click.echo("")
     click.echo(f"quantized    {report['model']} -> {out}")
-    click.echo(f"scheme       {scheme.describe()}{picked}")
+    click.echo(f"scheme       {scheme.describe(outcome.algorithm)}{picked}")
     if report["calibration"]:
         c = report["calibration"]
         click.echo(

@@ -24,7 +24,7 @@ def _group_size(value: str, shape_in_features: list[int]) -> int:
                 f"--group-size: expected auto, 32, 64, 128 or -1, got {value!r}"
             ) from None
     layers = [(f"Linear with in_features {k}", k) for k in shape_in_features]
-    return int(QuantScheme("rtn", 4, group).resolve(layers).group_size)  # type: ignore[arg-type]
+    return int(QuantScheme("int4", group).resolve(layers).group_size)  # type: ignore[arg-type]
 
 
 @click.command("roofline")

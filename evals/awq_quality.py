@@ -1,7 +1,9 @@
-"""Benchmark: how much of the RTN -> unquantized perplexity gap AWQ closes, over several seeds.
+"""Benchmark: how much of the RTN -> unquantized perplexity gap AWQ (and GPTQ) close for INT4,
+over several seeds.
 
     python -m quantkit.evals.awq_quality [--model smollm2-135m] [--seeds 0 1 2]
         [--eval-tokens 32768] [--group-size auto] [--calib-samples 64] [--search-tokens 4096]
+        [--methods awq gptq] [--gptq-calib-samples 128]
 
 Perplexity is measured on the held-out Wikipedia split (articles never used for calibration),
 window 512; each seed redraws the calibration windows. Prints one table and, with --json, writes
@@ -20,9 +22,10 @@ from pathlib import Path
 from quantkit.evals.perplexity import perplexity
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import build_model
+from quantkit.quantize.algorithms import DEFAULT_CALIB_SAMPLES, GPTQ_CALIB_SAMPLES
 from quantkit.quantize.awq import AwqConfig
 from quantkit.quantize.calibration import calibration_samples, heldout_tokens, wiki_split
-from quantkit.quantize.pipeline import DEFAULT_CALIB_SAMPLES, load_dense, quantize_model
+from quantkit.quantize.pipeline import load_dense, quantize_model
 from quantkit.sources.resolve import resolve_model
 from quantkit.sources.tokenizer import load_tokenizer
 
@@ -42,53 +45,65 @@ def run(args: argparse.Namespace) -> dict:
     del dense
     print(f"reference  ppl {results['reference']:.3f}", flush=True)
 
-    rtn = quantize_model(model_dir, scheme=QuantScheme("rtn", 4, group))
+    rtn = quantize_model(model_dir, scheme=QuantScheme("int4", group))
     results["group_size"] = rtn.scheme.group_size
     results["rtn"] = _ppl(build_model(rtn.config, rtn.dense_state()), held)
     print(f"rtn        ppl {results['rtn']:.3f}", flush=True)
 
     calib = wiki_split().calibration
     results["awq"] = []
-    for seed in args.seeds:
-
-        def samples(seed: int = seed):
-            return calibration_samples(
-                calib, tok, n_samples=args.calib_samples, seq_len=args.calib_seq_len, seed=seed
+    for method in args.methods:
+        n_samples = args.calib_samples if method == "awq" else args.gptq_calib_samples
+        for seed in args.seeds:
+            row = _calibrated(args, method, seed, model_dir, calib, tok, n_samples, group, held)
+            closed = (results["rtn"] - row["ppl"]) / (results["rtn"] - results["reference"])
+            row["gap_closed"] = closed
+            results["awq"].append(row)
+            print(
+                f"{method} seed {seed} ppl {row['ppl']:.3f}  gap closed {closed:.1%}  "
+                f"({row['time_s']:.0f} s)",
+                flush=True,
             )
-
-        t0 = time.perf_counter()
-        cfg = AwqConfig(
-            search_tokens=args.search_tokens,
-            seed=seed,
-            grid=args.grid,
-            duo_scaling=not args.no_duo,
-            clip=not args.no_clip,
-        )
-        out = quantize_model(
-            model_dir, scheme=QuantScheme("awq", 4, group), samples=samples, awq=cfg
-        )
-        elapsed = time.perf_counter() - t0
-        ppl = _ppl(build_model(out.config, out.dense_state()), held)
-        closed = (results["rtn"] - ppl) / (results["rtn"] - results["reference"])
-        results["awq"].append(
-            {
-                "seed": seed,
-                "ppl": ppl,
-                "gap_closed": closed,
-                "time_s": elapsed,
-                "timings": out.timings,
-            }
-        )
-        print(
-            f"awq seed {seed} ppl {ppl:.3f}  gap closed {closed:.1%}  ({elapsed:.0f} s)", flush=True
-        )
     results["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return results
 
 
+def _calibrated(args, method, seed, model_dir, calib, tok, n_samples, group, held) -> dict:
+    """One calibrated quantization (awq or gptq) at one calibration seed, scored."""
+
+    def samples():
+        return calibration_samples(
+            calib, tok, n_samples=n_samples, seq_len=args.calib_seq_len, seed=seed
+        )
+
+    t0 = time.perf_counter()
+    cfg = AwqConfig(
+        search_tokens=args.search_tokens,
+        seed=seed,
+        grid=args.grid,
+        duo_scaling=not args.no_duo,
+        clip=not args.no_clip,
+    )
+    out = quantize_model(
+        model_dir,
+        scheme=QuantScheme("int4", group),
+        algorithm=method,
+        samples=samples,
+        awq=cfg,
+    )
+    elapsed = time.perf_counter() - t0
+    ppl = _ppl(build_model(out.config, out.dense_state()), held)
+    return {
+        "method": method,
+        "seed": seed,
+        "calib_samples": n_samples,
+        "ppl": ppl,
+        "time_s": elapsed,
+        "timings": out.timings,
+    }
+
+
 def table(r: dict) -> str:
-    closed = [a["gap_closed"] for a in r["awq"]]
-    ppls = [a["ppl"] for a in r["awq"]]
     lines = [
         f"{r['model']}: INT4 g{r['group_size']}, perplexity on {r['eval_tokens']} held-out "
         f"Wikipedia tokens (window {r['window']})",
@@ -96,16 +111,20 @@ def table(r: dict) -> str:
         f"{'unquantized':<22}{r['reference']:>10.3f}",
         f"{'RTN':<22}{r['rtn']:>10.3f}{0:>13.0%}",
     ]
-    for a in r["awq"]:
-        lines.append(
-            f"{'AWQ seed ' + str(a['seed']):<22}{a['ppl']:>10.3f}{a['gap_closed']:>13.1%}"
-            f"{a['time_s']:>9.0f}s"
-        )
-    if len(closed) > 1:
-        lines.append(
-            f"{'AWQ mean (min..max)':<22}{statistics.mean(ppls):>10.3f}"
-            f"{statistics.mean(closed):>13.1%}  ({min(closed):.1%} .. {max(closed):.1%})"
-        )
+    for method in dict.fromkeys(a.get("method", "awq") for a in r["awq"]):
+        rows = [a for a in r["awq"] if a.get("method", "awq") == method]
+        name = method.upper()
+        for a in rows:
+            lines.append(
+                f"{name + ' seed ' + str(a['seed']):<22}{a['ppl']:>10.3f}"
+                f"{a['gap_closed']:>13.1%}{a['time_s']:>9.0f}s"
+            )
+        closed, ppls = [a["gap_closed"] for a in rows], [a["ppl"] for a in rows]
+        if len(closed) > 1:
+            lines.append(
+                f"{name + ' mean (min..max)':<22}{statistics.mean(ppls):>10.3f}"
+                f"{statistics.mean(closed):>13.1%}  ({min(closed):.1%} .. {max(closed):.1%})"
+            )
     lines.append("AWQ paper, Llama-2-7B g128: fp16 5.47, RTN 5.73, AWQ 5.60 (50% of the gap)")
     lines.append(f"peak RSS {r['peak_rss_mb']:.0f} MB")
     return "\n".join(lines)
@@ -123,6 +142,8 @@ def main() -> None:
     p.add_argument("--grid", type=int, default=20)
     p.add_argument("--no-duo", action="store_true")
     p.add_argument("--no-clip", action="store_true")
+    p.add_argument("--methods", nargs="+", choices=["awq", "gptq"], default=["awq"])
+    p.add_argument("--gptq-calib-samples", type=int, default=GPTQ_CALIB_SAMPLES)
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     results = run(args)

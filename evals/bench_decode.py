@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
 
     dense_dir = resolve_model(DEFAULT_MODEL)
     int4 = load_model(args.int4 or ensure_embedded_int4())
-    scheme = int4.scheme.describe() if int4.scheme else "dense"
+    scheme = int4.describe()
     ids = int4.tokenizer.encode(PROMPT)
     if args.profile:
         print(profile_decode(int4.model, ids))

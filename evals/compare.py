@@ -217,7 +217,7 @@ def compare_models(
                     agreement = compare_logits(
                         ref_loaded.model, loaded.model, held, window=window, batch_size=1
                     )
-        scheme = loaded.scheme.describe() if loaded.scheme else "dense"
+        scheme = loaded.describe()
         raw = {k: raw[k] for k in ("results", "configs", "versions", "n-samples") if k in raw}
         results.append(
             ModelResult(

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     del dense
     print(f"reference          ppl {results['reference']:.3f}", flush=True)
     t0 = time.perf_counter()
-    rtn = quantize_model(model_dir, scheme=QuantScheme("fp8", 8))
+    rtn = quantize_model(model_dir, scheme=QuantScheme("fp8"))
     results["rtn"] = {"time_s": time.perf_counter() - t0, **_ppls(rtn, held, args.w8a8)}
     print(f"rtn                {results['rtn']}", flush=True)
     calib = wiki_split().calibration
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         t0 = time.perf_counter()
         out = quantize_model(
-            model_dir, scheme=QuantScheme("fp8", 8, rounding="gptq"), samples=samples, gptq=cfg
+            model_dir, scheme=QuantScheme("fp8"), algorithm="gptq", samples=samples, gptq=cfg
         )
         row = {**v, "time_s": time.perf_counter() - t0, **_ppls(out, held, args.w8a8)}
         reductions = [r.loss_reduction for r in out.layer_reports]

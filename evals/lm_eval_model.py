@@ -344,5 +344,5 @@ class QuantkitLM(TemplateLM):
         return out
 
     def __repr__(self) -> str:
-        scheme = self.loaded.scheme.describe() if self.loaded.scheme else "dense"
+        scheme = self.loaded.describe()
         return f"QuantkitLM({self.loaded.path}, {scheme}, max_length={self._max_length})"

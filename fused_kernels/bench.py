@@ -187,7 +187,7 @@ def bench_shape(
 ) -> list[Row]:
     int4_bytes = n * ((k + 7) // 8) * 4 + n * (k // group) * dtype.itemsize + (n + 7) // 8 * 4
     copies = max(1, min(4096, math.ceil(sweep_bytes / int4_bytes)))
-    scheme = QuantScheme(method="rtn", group_size=group)
+    scheme = QuantScheme("int4", group_size=group)
     layers = [_random_int4(n, k, group, device, dtype) for _ in range(copies)]
     prepared = [prepare_int4(*t, scheme=scheme, in_features=k) for t in layers]
     dense: dict[str, list] = {}  # dense (and fp8) weights per impl, made on first use

@@ -23,8 +23,8 @@ from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.fp8_dispatch import PreparedFp8, prepare_fp8
 
 FP8_IMPLS = ("fp8", "fp8-w8a8", "scaled-mm")
-_W8A16 = QuantScheme(method="fp8", bits=8, group_size=-1)
-_W8A8 = QuantScheme(method="fp8", bits=8, group_size=-1, activations="dynamic")
+_W8A16 = QuantScheme("fp8")
+_W8A8 = QuantScheme("fp8", activations="dynamic")
 
 
 def _random_fp8(n: int, k: int, device: torch.device, dtype: torch.dtype) -> tuple:

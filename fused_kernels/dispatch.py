@@ -165,7 +165,7 @@ def _reference(x: torch.Tensor, *args: torch.Tensor | None, check: bool = True, 
 
 
 def _group_size(scheme: QuantScheme, in_features: int) -> int:
-    if not scheme.is_int:
+    if scheme.kind != "int4":
         raise SchemeError(f"int4_linear: expected an INT4 scheme, got {scheme.describe()}")
     if not scheme.is_resolved:
         raise SchemeError("group_size is still 'auto'; call resolve() with the model first")

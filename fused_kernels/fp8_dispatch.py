@@ -56,7 +56,7 @@ def w8a8_supported(backend: str, device: torch.device) -> bool:
 
 
 def _act_dynamic(scheme: QuantScheme) -> bool:
-    if scheme.is_int:
+    if scheme.kind == "int4":
         raise SchemeError(f"fp8_linear: expected an fp8 scheme, got {scheme.describe()}")
     return scheme.activations == "dynamic"
 

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from quantkit.errors import GrammarError
+from quantkit.errors import EvalError, GrammarError
 from quantkit.grammar.acceptance import accepts_tokens
 from quantkit.grammar.bench_data import (
     BenchSchema,
@@ -150,7 +150,7 @@ def _load_model(spec: str | None) -> tuple[Any, str]:
 
     loaded = load_model(spec or ensure_embedded_int4(), dtype=torch.float32)
     set_head_dtype(loaded.model, auto_head_dtype(loaded.model, quantized=loaded.scheme is not None))
-    kind = "dense" if loaded.scheme is None else loaded.scheme.describe()
+    kind = loaded.describe()
     head = str(loaded.model.lm_head.weight.dtype).removeprefix("torch.")
     threads = torch.get_num_threads()
     return loaded, f"{loaded.path} ({kind}, lm_head {head}, {threads} torch threads)"
@@ -248,7 +248,13 @@ def run_bench(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m quantkit.grammar.bench_jsonschema")
-    parser.add_argument("--data", type=Path, default=None, help="JSONSchemaBench root folder")
+    parser.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="JSONSchemaBench root folder (default: $QUANTKIT_JSONSCHEMABENCH, else "
+        "$QUANTKIT_DATA/jsonschemabench)",
+    )
     parser.add_argument("--per-category", type=int, default=15)
     parser.add_argument(
         "--category", action="append", default=None, help="only this category (repeatable)"
@@ -273,7 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         "--json", type=Path, default=None, help="write the report here (after every schema)"
     )
     args = parser.parse_args(argv)
-    folder = args.data or default_bench_dir()
+    try:
+        folder = args.data or default_bench_dir()
+    except EvalError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not (folder / "maskbench" / "data").is_dir():
         print(f"error: expected JSONSchemaBench at {folder}, found nothing", file=sys.stderr)
         return 2

@@ -46,7 +46,7 @@ def test_fold_preserves_the_function(tiny_llama_dir: Path) -> None:
 @pytest.mark.parametrize("group_size,symmetric", [(32, False), (64, True), (-1, False)])
 def test_awq_beats_rtn_per_layer(tiny_llama_dir: Path, group_size: int, symmetric: bool) -> None:
     config, model = _tiny(tiny_llama_dir)
-    scheme = QuantScheme("awq", 4, group_size, symmetric)
+    scheme = QuantScheme("int4", group_size, symmetric)
     cfg = AwqConfig(grid=10, search_tokens=128, clip_tokens=64, batch_sequences=4)
     weights, reports = awq_quantize(
         model, _samples(), scheme=scheme, arch=arch_for(config), cfg=cfg
@@ -70,7 +70,7 @@ def test_awq_beats_rtn_per_layer(tiny_llama_dir: Path, group_size: int, symmetri
 def test_rtn_codes_hand_example() -> None:
     # One group of 4: range [-1, 2] -> scale 3/15 = 0.2, zp = round(1/0.2) - 8 = -3.
     w = torch.tensor([[-1.0, 0.0, 1.0, 2.0]])
-    q = rtn_quantize_weight(w, scheme=QuantScheme("rtn", 4, -1).resolve([("l", 4)]))
+    q = rtn_quantize_weight(w, scheme=QuantScheme("int4", -1).resolve([("l", 4)]))
     assert torch.equal(q.zero, torch.tensor([[-3]], dtype=torch.int32))
     assert torch.equal(q.codes, torch.tensor([[-8, -3, 2, 7]], dtype=torch.int8))
     torch.testing.assert_close(q.scale, torch.tensor([[0.2]]))

@@ -39,11 +39,11 @@ from quantkit.runtime.quant_linear import QuantLinear
 N, K = 20, 64
 MODULES = ["model.layers.0.mlp.up_proj", "model.layers.1.self_attn.o_proj"]
 SCHEMES = {
-    "int4-asym-g32": QuantScheme(method="rtn", group_size=32),
-    "int4-sym-g64": QuantScheme(method="rtn", group_size=64, symmetric=True),
-    "int4-asym-channel": QuantScheme(method="awq", group_size=-1),
-    "fp8-w8a16": QuantScheme(method="fp8", bits=8),
-    "fp8-w8a8": QuantScheme(method="fp8", bits=8, activations="dynamic"),
+    "int4-asym-g32": QuantScheme("int4", group_size=32),
+    "int4-sym-g64": QuantScheme("int4", group_size=64, symmetric=True),
+    "int4-asym-channel": QuantScheme("int4", group_size=-1),
+    "fp8-w8a16": QuantScheme("fp8"),
+    "fp8-w8a8": QuantScheme("fp8", activations="dynamic"),
 }
 TOKENIZER_FILES = {
     "tokenizer.json": '{"version": "1.0"}',
@@ -76,7 +76,7 @@ def make_tensors(scheme: QuantScheme, *, seed: int = 0) -> dict[str, torch.Tenso
     tensors = {"model.embed_tokens.weight": torch.randn(32, K, generator=gen)}
     for prefix in MODULES:
         w = torch.randn(N, K, generator=gen)
-        if scheme.is_int:
+        if scheme.kind == "int4":
             scale, zero = int4_qparams(w, group_size=scheme.group_size, symmetric=scheme.symmetric)
             codes = int4_quantize(w, scale, zero, group_size=scheme.group_size)
             local = int4_tensors(codes, scale, zero, dtype=torch.float32)
@@ -94,6 +94,7 @@ def save(out: Path, src: Path, scheme: QuantScheme, **kwargs) -> Path:
         config=json.loads((src / "config.json").read_text()),
         tensors=tensors,
         scheme=scheme,
+        algorithm=kwargs.pop("algorithm", "rtn"),
         quantized_modules=kwargs.pop("quantized_modules", MODULES),
         report={"perplexity": {"before": 10.0, "after": 10.5}},
         **kwargs,
@@ -152,11 +153,14 @@ def test_fp8_scale_is_n_by_1(tmp_path: Path, source_dir: Path) -> None:
     assert loaded.module_tensors(MODULES[0])["weight_scale"].shape == (N, 1)
 
 
-def test_method_defaults_without_quantkit_json(tmp_path: Path, source_dir: Path) -> None:
-    out = save(tmp_path / "a", source_dir, QuantScheme(method="awq", group_size=32))
+def test_format_without_quantkit_json(tmp_path: Path, source_dir: Path) -> None:
+    out = save(tmp_path / "a", source_dir, QuantScheme("int4", group_size=32), algorithm="awq")
+    assert load_checkpoint(out).algorithm == "awq"
     (out / "quantkit.json").unlink()
     loaded = load_checkpoint(out)
-    assert loaded.scheme == QuantScheme(method="rtn", group_size=32) and loaded.report is None
+    # config.json says the format; the algorithm is provenance only quantkit.json knows.
+    assert loaded.scheme == QuantScheme("int4", group_size=32) and loaded.report is None
+    assert loaded.algorithm is None
     out = save(tmp_path / "b", source_dir, SCHEMES["fp8-w8a8"])
     (out / "quantkit.json").unlink()
     assert load_checkpoint(out).scheme == SCHEMES["fp8-w8a8"]
@@ -175,7 +179,7 @@ def test_dequantize_checkpoint_tensors(name: str, tmp_path: Path, source_dir: Pa
     gen = torch.Generator().manual_seed(0)
     _ = torch.randn(32, K, generator=gen)  # the embedding make_tensors draws first
     w = torch.randn(N, K, generator=gen)  # MODULES[0]'s weight
-    if scheme.is_int:
+    if scheme.kind == "int4":
         scale, zero = int4_qparams(w, group_size=scheme.group_size, symmetric=scheme.symmetric)
         codes = int4_quantize(w, scale, zero, group_size=scheme.group_size)
         expected = int4_dequantize(codes, scale, zero, group_size=scheme.group_size)
@@ -199,14 +203,14 @@ def test_quantization_config_round_trip(name: str) -> None:
     assert cfg["quantization_status"] == "compressed" and cfg["ignore"] == ["lm_head"]
     group = cfg["config_groups"]["group_0"]
     assert group["format"] == cfg["format"]
-    assert cfg["format"] == ("pack-quantized" if scheme.is_int else "float-quantized")
-    back = scheme_from_quantization_config(json.loads(json.dumps(cfg)), method=scheme.method)
+    assert cfg["format"] == ("pack-quantized" if scheme.kind == "int4" else "float-quantized")
+    back = scheme_from_quantization_config(json.loads(json.dumps(cfg)))
     assert back == scheme
 
 
 def test_unresolved_scheme_cannot_be_written() -> None:
     with pytest.raises(SchemeError, match="auto"):
-        scheme_to_quantization_config(QuantScheme(method="rtn"))
+        scheme_to_quantization_config(QuantScheme("int4"))
 
 
 def _mutate(path: str, value):
@@ -251,8 +255,9 @@ def test_bad_fp8_config() -> None:
     with pytest.raises(CheckpointError, match="input_activations.strategy: expected 'token'"):
         scheme_from_quantization_config(cfg)
     cfg = scheme_to_quantization_config(SCHEMES["fp8-w8a16"])
-    with pytest.raises(CheckpointError, match="expected fp8 for float weights, got 'awq'"):
-        scheme_from_quantization_config(cfg, method="awq")
+    cfg["config_groups"]["group_0"]["weights"]["num_bits"] = 4
+    with pytest.raises(CheckpointError, match="weights.num_bits: expected 8, got 4"):
+        scheme_from_quantization_config(cfg)
 
 
 # --------------------------------------------------------------------------- sharding
@@ -305,7 +310,7 @@ def test_unknown_format_version(tmp_path: Path, source_dir: Path) -> None:
     out = save(tmp_path / "out", source_dir, SCHEMES["int4-sym-g64"])
     meta = json.loads((out / "quantkit.json").read_text())
     (out / "quantkit.json").write_text(json.dumps({**meta, "format_version": 99}))
-    with pytest.raises(CheckpointError, match="expected format_version 1, got 99"):
+    with pytest.raises(CheckpointError, match="expected format_version 1 or 2, got 99"):
         load_checkpoint(out)
 
 

@@ -76,10 +76,10 @@ def test_bench_reports_the_activation_dtype(
     from quantkit.quantize.pipeline import quantize_model
     from quantkit.runtime.fast_path import bf16_activations_available
 
-    outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("rtn", 4, "auto"))
+    outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("int4", "auto"))
     ckpt = save_checkpoint(
         tmp_path / "int4", source_dir=tiny_model_dir, config=outcome.config,
-        tensors=outcome.tensors, scheme=outcome.scheme,
+        tensors=outcome.tensors, scheme=outcome.scheme, algorithm=outcome.algorithm,
         quantized_modules=outcome.quantized_modules, report={},
     )  # fmt: skip
     report_path = tmp_path / "bench.json"

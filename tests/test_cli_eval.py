@@ -78,13 +78,14 @@ def rtn_ckpt(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     from quantkit.format.scheme import QuantScheme
     from quantkit.quantize.pipeline import quantize_model
 
-    outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("rtn", 4, "auto"))
+    outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("int4", "auto"))
     return save_checkpoint(
         tmp_path_factory.mktemp("ckpt") / "tiny-rtn",
         source_dir=tiny_model_dir,
         config=outcome.config,
         tensors=outcome.tensors,
         scheme=outcome.scheme,
+        algorithm=outcome.algorithm,
         quantized_modules=outcome.quantized_modules,
         report={},
     )
@@ -258,6 +259,26 @@ def test_eval_missing_data_file(capsys, tiny_model_dir, rtn_ckpt, tmp_path, monk
     _one_error_line(
         code, err, str(tmp_path / "empty" / "benchmarks" / "piqa.jsonl"), "QUANTKIT_DATA"
     )
+
+
+def test_eval_without_data_names_the_flag_and_variable(
+    capsys, tiny_model_dir, rtn_ckpt, monkeypatch, no_wiki
+) -> None:
+    monkeypatch.delenv("QUANTKIT_DATA")  # and no --data-dir: there is no default folder
+    code, _, err = run(
+        capsys,
+        "eval",
+        str(rtn_ckpt),
+        "--reference",
+        str(tiny_model_dir),
+        "--tasks",
+        "piqa",
+        "--limit",
+        "2",
+        "--ppl-tokens",
+        "0",
+    )
+    _one_error_line(code, err, "no benchmark data", "--data-dir DIR", "set QUANTKIT_DATA")
 
 
 @pytest.mark.parametrize("command", ["eval", "lm-eval"])

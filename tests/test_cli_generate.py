@@ -35,7 +35,7 @@ def int4_ckpt(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     from quantkit.format.scheme import QuantScheme
     from quantkit.quantize.pipeline import quantize_model
 
-    outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("rtn", 4, "auto"))
+    outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("int4", "auto"))
     out = tmp_path_factory.mktemp("ckpt") / "tiny-rtn-int4"
     return save_checkpoint(
         out,
@@ -43,6 +43,7 @@ def int4_ckpt(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
         config=outcome.config,
         tensors=outcome.tensors,
         scheme=outcome.scheme,
+        algorithm=outcome.algorithm,
         quantized_modules=outcome.quantized_modules,
         report={},
     )

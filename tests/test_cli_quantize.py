@@ -181,7 +181,10 @@ def test_interrupt_leaves_nothing(
 
 @pytest.mark.parametrize(
     "extra,desc",
-    [(["--method", "fp8"], "W8A16)"), (["--method", "fp8", "--activations", "dynamic"], "W8A8")],
+    [
+        (["--method", "fp8"], "W8A16, rtn)"),
+        (["--method", "rtn", "--activations", "dynamic"], "W8A8 dynamic per-token, rtn)"),
+    ],
 )
 def test_fp8_quantize_and_run(tmp_path: Path, tiny_model_dir: Path, capsys, extra, desc) -> None:
     import torch
@@ -223,7 +226,7 @@ def test_w8a8_perplexity_includes_activation_quantization(tiny_model_dir: Path) 
     from quantkit.models.decoder import build_model
     from quantkit.quantize.pipeline import quantize_model
 
-    outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("fp8", 8, activations="dynamic"))
+    outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("fp8", activations="dynamic"))
     ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         runtime = outcome.runtime_model()(ids)
@@ -247,6 +250,6 @@ def test_fp8_rejects_int4_only_options(tiny_model_dir: Path, tmp_path: Path, cap
     _one_line_error(code, err, "--group-size", "INT4-only", "--bits 8")
     args = ["--bits", "8", "--method", "fp8", "--calib-samples", "8", "-o", str(tmp_path / "o")]
     code, _, err = run(capsys, "quantize", str(tiny_model_dir), *args)
-    _one_line_error(code, err, "--calib-samples", "INT4-only", "no calibration")
+    _one_line_error(code, err, "--calib-samples", "calibration option", "no calibration")
     code, _, err = run(capsys, "quantize", str(tiny_model_dir), "--bits", "8", "--method", "awq")
-    _one_line_error(code, err, "awq quantizes to 4 bits")
+    _one_line_error(code, err, "method awq: produces int4 only", "rtn, gptq")

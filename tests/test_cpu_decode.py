@@ -25,13 +25,14 @@ PROMPTS = [[5, 17, 99, 3, 250, 31], [7, 8]]
 
 
 def _int4_checkpoint(src: Path, out: Path, *, group: int | str = "auto", sym: bool = False):
-    outcome = quantize_model(src, scheme=QuantScheme("rtn", 4, group, sym))
+    outcome = quantize_model(src, scheme=QuantScheme("int4", group, sym))
     return save_checkpoint(
         out,
         source_dir=src,
         config=outcome.config,
         tensors=outcome.tensors,
         scheme=outcome.scheme,
+        algorithm=outcome.algorithm,
         quantized_modules=outcome.quantized_modules,
         report={},
     )

@@ -15,16 +15,19 @@ from quantkit.format.compressed_tensors import (
     scheme_from_quantization_config,
     scheme_to_quantization_config,
 )
-from quantkit.format.packing import FP8_MAX, fp8_codes, fp8_row_scale
+from quantkit.format.packing import FP8_MAX, dequantize_packed_int4, fp8_codes, fp8_row_scale
 from quantkit.format.scheme import QuantScheme
+from quantkit.format.tensors import check_module_tensors
 from quantkit.models.decoder import build_model
 from quantkit.models.families import arch_for
+from quantkit.quantize.algorithms import algorithm_for
 from quantkit.quantize.gptq import (
     GptqConfig,
     Hessian,
     gptq_fp8,
-    gptq_quantize_fp8,
+    gptq_quantize,
     gptq_round,
+    gptq_weight,
     output_error,
 )
 from tests.conftest import run_cli as run
@@ -155,42 +158,80 @@ def _samples(n: int = 6, t: int = 32) -> torch.Tensor:
     return torch.multinomial(probs, n * t, replacement=True, generator=gen).view(n, t)
 
 
+@pytest.mark.parametrize(
+    "scheme",
+    [QuantScheme("fp8"), QuantScheme("int4", 32), QuantScheme("int4", -1, True)],
+    ids=["fp8", "int4-g32", "int4-channel-sym"],
+)
 @pytest.mark.parametrize("sequential", [True, False])
-def test_layer_by_layer_on_tiny_model(tiny_llama_dir: Path, sequential: bool) -> None:
+def test_layer_by_layer_on_tiny_model(
+    tiny_llama_dir: Path, sequential: bool, scheme: QuantScheme
+) -> None:
     config = json.loads((tiny_llama_dir / "config.json").read_text())
     model = build_model(config, load_file(tiny_llama_dir / "model.safetensors"))
     seen: list[int] = []
     cfg = GptqConfig(sequential=sequential, batch_sequences=4)
-    weights, reports = gptq_quantize_fp8(
-        model, _samples(), arch=arch_for(config), cfg=cfg, on_layer=lambda r: seen.append(r.index)
+    weights, reports = gptq_quantize(
+        model,
+        _samples(),
+        arch=arch_for(config),
+        scheme=scheme,
+        cfg=cfg,
+        on_layer=lambda r: seen.append(r.index),
     )
     assert len(weights) == 2 * 7 and seen == [0, 1]
     for r in reports:
         assert r.method_error < r.rtn_error and 0 < r.loss_reduction < 1, r
-    codes, scale = weights["model.layers.1.self_attn.k_proj"]
-    assert codes.shape == (64, 128) and scale.shape == (64, 1)
-    # The model now computes with exactly the stored FP8 weights.
+    local = weights["model.layers.1.self_attn.k_proj"]
+    check_module_tensors(local, scheme=scheme)
+    # The model now computes with exactly the stored weights.
+    if scheme.kind == "fp8":
+        stored = local["weight"].float() * local["weight_scale"].float()
+    else:
+        stored = dequantize_packed_int4(
+            local["weight_packed"],
+            local["weight_scale"],
+            local.get("weight_zero_point"),
+            in_features=128,
+            group_size=scheme.group_size_for(128),
+        )
+    assert stored.shape == (64, 128)
     torch.testing.assert_close(
-        model.model.layers[1].self_attn.k_proj.weight, codes.float() * scale, rtol=0, atol=0
+        model.model.layers[1].self_attn.k_proj.weight, stored, rtol=0, atol=0
     )
 
 
-def test_scheme_rounding() -> None:
-    s = QuantScheme("fp8", 8, activations="dynamic", rounding="gptq")
-    assert s.describe() == "fp8 e4m3 per-channel (W8A8 dynamic per-token, GPTQ rounding)"
-    # Same compressed-tensors config as round to nearest: only the codes differ.
-    assert scheme_to_quantization_config(s) == scheme_to_quantization_config(
-        QuantScheme("fp8", 8, activations="dynamic")
-    )
-    with pytest.raises(SchemeError, match="gptq is implemented for fp8"):
-        QuantScheme("awq", 4, rounding="gptq")
-    with pytest.raises(SchemeError, match="rounding: expected one of nearest, gptq"):
-        QuantScheme("fp8", 8, rounding="stochastic")  # type: ignore[arg-type]
-    qcfg = scheme_to_quantization_config(QuantScheme("rtn", 4, 32))
-    with pytest.raises(CheckpointError, match="expected 'nearest' for int4"):
-        scheme_from_quantization_config(qcfg, method="rtn", rounding="gptq")
-    with pytest.raises(CheckpointError, match="scheme.rounding"):
-        scheme_from_quantization_config(qcfg, rounding="bogus")
+def test_int4_rounding_keeps_each_column_in_its_group() -> None:
+    """act-order permutes columns; a column must still round on its own group's scale."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(16, 64, generator=gen) * torch.linspace(0.1, 3.0, 64)
+    x = _correlated_inputs(512, 64)
+    scheme = QuantScheme("int4", 32)
+    plain, _ = gptq_weight(w, _hessian(x), scheme=scheme)
+    ordered, rounder = gptq_weight(w, _hessian(x), scheme=scheme, cfg=GptqConfig(act_order=True))
+    for q in (plain, ordered):
+        # Every value is a code of its own group: re-quantizing on the fixed scales is exact.
+        torch.testing.assert_close(rounder.stored(q), q, rtol=0, atol=1e-6)
+    h = _hessian(x)
+    assert output_error(w, ordered, h) < output_error(w, rounder.nearest(w), h)
+
+
+def test_gptq_is_an_algorithm_not_a_format() -> None:
+    s = QuantScheme("fp8", activations="dynamic")
+    assert s.describe("gptq") == "fp8 e4m3 per-channel (W8A8 dynamic per-token, gptq)"
+    assert QuantScheme("int4", 64).describe("gptq") == "gptq int4 g64 asymmetric"
+    # The config round-trips the format alone: whichever algorithm chose the codes.
+    for scheme in (s, QuantScheme("int4", 32)):
+        assert scheme_from_quantization_config(scheme_to_quantization_config(scheme)) == scheme
+    assert algorithm_for("gptq", QuantScheme("int4")).kinds == ("int4", "fp8")
+    assert algorithm_for(None, QuantScheme("fp8")).name == "gptq"
+    assert algorithm_for(None, QuantScheme("int4")).name == "awq"
+    with pytest.raises(
+        SchemeError, match="method awq: produces int4 only; for fp8 expected one of rtn, gptq"
+    ):
+        algorithm_for("awq", QuantScheme("fp8"))
+    with pytest.raises(SchemeError, match="method: expected one of rtn, awq, gptq, got 'sq'"):
+        algorithm_for("sq", QuantScheme("int4"))
 
 
 @pytest.fixture()
@@ -215,10 +256,10 @@ def test_cli_gptq_round_trip(
     calib = ["--calib", str(calib_txt), "--calib-samples", "4", "--calib-seq-len", "64"]
     code, stdout, err = run(capsys, *args, *calib, "--eval-tokens", "600", *extra)
     assert code == 0, err
-    assert f"fp8 e4m3 per-channel ({desc}" in stdout and "GPTQ rounding)" in stdout
+    assert f"fp8 e4m3 per-channel ({desc}" in stdout and ", gptq)" in stdout
     assert "Linear-output error vs RTN" in stdout and "calibration" in stdout
     meta = json.loads((out / "quantkit.json").read_text())
-    assert meta["scheme"]["rounding"] == "gptq" and meta["scheme"]["method"] == "fp8"
+    assert meta["algorithm"] == "gptq" and meta["scheme"]["kind"] == "fp8"
     report = meta["report"]
     assert report["calibration"]["samples"] == 4
     assert report["gptq"]["damp"] == 0.01 and len(report["gptq_layer_error_reduction"]) == 2
@@ -227,7 +268,7 @@ def test_cli_gptq_round_trip(
     # The same float-quantized checkpoint as round to nearest: only the codes differ.
     qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
     assert qcfg["format"] == "float-quantized"
-    assert load_checkpoint(out).scheme.rounding == "gptq"
+    assert load_checkpoint(out).algorithm == "gptq"
     loaded = load_model(out)
     layer = loaded.model.model.layers[0].mlp.down_proj
     assert isinstance(layer, QuantLinear) and layer.weight.dtype == torch.float8_e4m3fn
@@ -236,8 +277,22 @@ def test_cli_gptq_round_trip(
     assert torch.isfinite(logits).all()
 
 
-def test_checkpoint_without_rounding_field_reads_as_nearest(
-    tmp_path: Path, tiny_model_dir: Path, capsys
+@pytest.mark.parametrize(
+    "v1_scheme,scheme,algorithm",
+    [
+        # as written before `rounding` existed, with it, and an int4 one
+        ({"method": "fp8", "bits": 8}, QuantScheme("fp8"), "rtn"),
+        ({"method": "fp8", "bits": 8, "rounding": "gptq"}, QuantScheme("fp8"), "gptq"),
+        ({"method": "fp8", "bits": 8, "rounding": "nearest"}, QuantScheme("fp8"), "rtn"),
+    ],
+)
+def test_version_1_metadata_reads_as_format_plus_algorithm(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    capsys,
+    v1_scheme: dict,
+    scheme: QuantScheme,
+    algorithm: str,
 ) -> None:
     from quantkit.format.checkpoint import load_checkpoint
 
@@ -247,19 +302,30 @@ def test_checkpoint_without_rounding_field_reads_as_nearest(
     assert code == 0, err
     meta_path = out / "quantkit.json"
     meta = json.loads(meta_path.read_text())
-    del meta["scheme"]["rounding"]  # as written before the field existed
+    assert meta["format_version"] == 2 and meta["algorithm"] == "rtn"
+    meta["format_version"] = 1
+    meta["scheme"] = {"group_size": -1, "symmetric": True, "activations": "none", **v1_scheme}
+    del meta["algorithm"]
     meta_path.write_text(json.dumps(meta))
-    assert load_checkpoint(out).scheme == QuantScheme("fp8", 8)
+    loaded = load_checkpoint(out)
+    assert (loaded.scheme, loaded.algorithm) == (scheme, algorithm)
+    meta["scheme"]["method"] = "awq"  # int4 provenance on float weights: a hand edit
+    meta_path.write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match="expected scheme"):
+        load_checkpoint(out)
 
 
 @pytest.mark.parametrize(
     "args,needles",
     [
-        (["--method", "gptq"], ["--method gptq", "expected --bits 8", "got --bits 4"]),
-        (["--method", "gptq", "--bits", "4"], ["fp8 only", "got --bits 4"]),
+        (["--method", "awq", "--bits", "8"], ["method awq", "int4 only", "rtn, gptq"]),
+        (["--method", "fp8", "--bits", "4"], ["--method fp8 means --bits 8 --method rtn"]),
         (["--bits", "8", "--method", "gptq", "--group-size", "64"], ["--group-size", "INT4-only"]),
-        (["--bits", "8", "--method", "fp8", "--damp", "0.1"], ["--damp", "GPTQ-only", "fp8"]),
+        (["--bits", "8", "--method", "fp8", "--damp", "0.1"], ["--damp", "GPTQ-only", "gptq"]),
         (["--method", "rtn", "--act-order"], ["--act-order", "GPTQ-only"]),
+        (["--method", "awq", "--damp", "0.1"], ["--damp", "GPTQ-only"]),
+        (["--method", "gptq", "--search-tokens", "64"], ["--search-tokens", "AWQ-only"]),
+        (["--method", "rtn", "--calib-samples", "4"], ["--calib-samples", "no calibration"]),
         (["--bits", "8", "--method", "gptq", "--damp", "-1"], ["--damp", "got -1"]),
     ],
 )
@@ -285,4 +351,32 @@ def test_cli_bits_8_defaults_to_gptq_on_128_windows(
     assert code == 0, err
     report = json.loads((out / "quantkit.json").read_text())["report"]
     assert report["calibration"]["samples"] == 128 and report["gptq"]["act_order"] is True
-    assert load_checkpoint(out).scheme == QuantScheme("fp8", 8, rounding="gptq")
+    loaded = load_checkpoint(out)
+    assert (loaded.scheme, loaded.algorithm) == (QuantScheme("fp8"), "gptq")
+
+
+def test_cli_gptq_int4_round_trip(
+    tmp_path: Path, tiny_model_dir: Path, calib_txt: Path, capsys
+) -> None:
+    """GPTQ for INT4 is one registry entry: same pack-quantized checkpoint as AWQ and RTN."""
+    from quantkit.format.checkpoint import load_checkpoint
+    from quantkit.runtime.loader import load_model
+    from quantkit.runtime.quant_linear import QuantLinear
+
+    out = tmp_path / "gptq4"
+    args = ["quantize", str(tiny_model_dir), "--method", "gptq", "--group-size", "32"]
+    calib = ["--calib", str(calib_txt), "--calib-samples", "4", "--calib-seq-len", "64"]
+    code, stdout, err = run(capsys, *args, *calib, "--eval-tokens", "600", "-o", str(out))
+    assert code == 0, err
+    assert "gptq int4 g32 asymmetric" in stdout and "Linear-output error vs RTN" in stdout
+    meta = json.loads((out / "quantkit.json").read_text())
+    assert meta["algorithm"] == "gptq" and meta["scheme"]["kind"] == "int4"
+    assert len(meta["report"]["gptq_layer_error_reduction"]) == 2
+    qcfg = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert qcfg["format"] == "pack-quantized"
+    ppl = meta["report"]["perplexity"]
+    assert abs(ppl["quantized"] / ppl["reference"] - 1) < 0.2
+    loaded = load_checkpoint(out)
+    assert (loaded.scheme, loaded.algorithm) == (QuantScheme("int4", 32), "gptq")
+    layer = load_model(out).model.model.layers[0].mlp.down_proj
+    assert isinstance(layer, QuantLinear) and layer.weight_packed.dtype == torch.int32

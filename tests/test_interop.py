@@ -38,11 +38,11 @@ transformers = pytest.importorskip("transformers")
 ct_helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
 
 SCHEMES = {
-    "int4-asym-g32": QuantScheme(method="rtn", group_size=32),
-    "int4-sym-g64": QuantScheme(method="rtn", group_size=64, symmetric=True),
-    "int4-asym-channel": QuantScheme(method="rtn", group_size=-1),
-    "fp8-w8a16": QuantScheme(method="fp8", bits=8),
-    "fp8-w8a8": QuantScheme(method="fp8", bits=8, activations="dynamic"),
+    "int4-asym-g32": QuantScheme("int4", group_size=32),
+    "int4-sym-g64": QuantScheme("int4", group_size=64, symmetric=True),
+    "int4-asym-channel": QuantScheme("int4", group_size=-1),
+    "fp8-w8a16": QuantScheme("fp8"),
+    "fp8-w8a8": QuantScheme("fp8", activations="dynamic"),
 }
 PROMPTS = [[1, 17, 300, 42, 5, 511], [1, 2, 3], [7, 100, 200, 300, 400, 450, 500, 8, 9]]
 # Both sides dequantize to the same fp32 weights; the bound leaves room for kernel-order
@@ -85,7 +85,7 @@ def quantize_and_save(source, scheme: QuantScheme, out: Path) -> LoadedCheckpoin
         if name == "lm_head.weight":
             continue  # tied to the embedding: stored once, as transformers does
         if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-            if scheme.is_int:
+            if scheme.kind == "int4":
                 g = scheme.group_size
                 scale, zero = int4_qparams(t, group_size=g, symmetric=scheme.symmetric)
                 codes = int4_quantize(t, scale, zero, group_size=g)
@@ -103,6 +103,7 @@ def quantize_and_save(source, scheme: QuantScheme, out: Path) -> LoadedCheckpoin
         config=json.loads((src_dir / "config.json").read_text()),
         tensors=tensors,
         scheme=scheme,
+        algorithm="rtn",
         quantized_modules=modules,
         report={},
     )
@@ -147,7 +148,7 @@ def test_transformers_dequantize_load_matches(name: str, source, tmp_path: Path)
 
     loaded = quantize_and_save(source, SCHEMES[name], tmp_path / "ckpt")
     # dequantize=True: the default load of asymmetric INT4 hits a zero-point-shape loader bug in
-    # compressed-tensors >= 0.18 (see DESIGN.md); this path works on every version tried.
+    # compressed-tensors >= 0.18 (see ARCHITECTURE.md); this path works on every version tried.
     hf = AutoModelForCausalLM.from_pretrained(
         tmp_path / "ckpt",
         quantization_config=CompressedTensorsConfig(dequantize=True),
@@ -162,7 +163,7 @@ def test_transformers_dequantize_load_matches(name: str, source, tmp_path: Path)
     w_hf = hf.model.layers[1].mlp.down_proj.weight
     w = source[1].model.layers[1].mlp.down_proj.weight
     # Measured relative error: int4 0.08-0.11, fp8 0.026.
-    bound = 0.2 if SCHEMES[name].is_int else 0.05
+    bound = 0.2 if SCHEMES[name].kind == "int4" else 0.05
     assert ((w_hf - w).norm() / w.norm()).item() < bound
 
 

@@ -23,7 +23,7 @@ from quantkit.fused_kernels.dispatch import (
 )
 from quantkit.fused_kernels.w4a16_reference import w4a16_linear_reference
 
-SCHEME = QuantScheme(method="awq", group_size=64)
+SCHEME = QuantScheme("int4", group_size=64)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -131,11 +131,11 @@ def test_prepared_layer(layer) -> None:
 def test_scheme_errors(layer) -> None:
     x = torch.randn(1, 256)
     with pytest.raises(SchemeError, match="expected an INT4 scheme, got fp8"):
-        int4_linear(x, *layer, scheme=QuantScheme(method="fp8", bits=8), in_features=256)
+        int4_linear(x, *layer, scheme=QuantScheme("fp8"), in_features=256)
     with pytest.raises(SchemeError, match="still 'auto'"):
-        prepare_int4(*layer, scheme=QuantScheme(method="awq"), in_features=256)
+        prepare_int4(*layer, scheme=QuantScheme("int4"), in_features=256)
     with pytest.raises(ValueError, match="weight_scale: expected a float \\[72, 8\\]"):
-        int4_linear(x, *layer, scheme=QuantScheme(method="rtn", group_size=32), in_features=256)
+        int4_linear(x, *layer, scheme=QuantScheme("int4", group_size=32), in_features=256)
 
 
 def test_shape_and_dtype_errors(layer) -> None:

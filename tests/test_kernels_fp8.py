@@ -27,8 +27,8 @@ from quantkit.fused_kernels.fp8_dispatch import fp8_linear, prepare_fp8, resolve
 from quantkit.fused_kernels.fp8_reference import fp8_linear_reference
 
 VARIANTS = supported_variants()
-W8A16 = QuantScheme(method="fp8", bits=8, group_size=-1)
-W8A8 = QuantScheme(method="fp8", bits=8, group_size=-1, activations="dynamic")
+W8A16 = QuantScheme("fp8")
+W8A8 = QuantScheme("fp8", activations="dynamic")
 
 # One token whose absmax is 448, so its scale is exactly 1 and each value's e4m3 rounding is
 # visible: value -> expected fp8 value (worked out by hand from the e4m3 grid).
@@ -296,7 +296,7 @@ def test_dispatch_errors() -> None:
     w8, scale = make_layer(72, 256)
     prepared = prepare_fp8(w8, scale, scheme=W8A16)
     with pytest.raises(SchemeError, match="expected an fp8 scheme, got"):
-        prepare_fp8(w8, scale, scheme=QuantScheme(method="rtn", group_size=64))
+        prepare_fp8(w8, scale, scheme=QuantScheme("int4", group_size=64))
     with pytest.raises(ValueError, match="made from another"):
         fp8_linear(torch.randn(1, 256), w8.clone(), scale, scheme=W8A16, prepared=prepared)
     with pytest.raises(ValueError, match=r"expected shape \[\.\.\., 256\]"):

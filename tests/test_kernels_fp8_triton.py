@@ -169,7 +169,7 @@ def test_dispatch_runs_triton_and_falls_back_from_w8a8(tk, monkeypatch) -> None:
     from quantkit.fused_kernels.fp8_dispatch import prepare_fp8
 
     monkeypatch.setenv("QUANTKIT_BACKEND", "triton")
-    w8a8 = QuantScheme(method="fp8", bits=8, group_size=-1, activations="dynamic")
+    w8a8 = QuantScheme("fp8", activations="dynamic")
     w8, scale = quantize_fp8(torch.randn(64, 128))
     x = torch.randn(2, 128)
     with warnings.catch_warnings():

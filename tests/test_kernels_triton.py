@@ -250,7 +250,7 @@ def test_dispatch_runs_triton_under_interpreter(tk, monkeypatch) -> None:
     assert resolve_backend(torch.device("cpu")) == "triton"
     layer = make_layer(64, 128, 32, False)
     tensors = (layer["weight_packed"], layer["weight_scale"], layer["weight_zero_point"])
-    scheme = QuantScheme(method="rtn", group_size=32)
+    scheme = QuantScheme("int4", group_size=32)
     x = torch.randn(2, 128)
     prepared = prepare_int4(*tensors, scheme=scheme, in_features=128)
     assert prepared.backend == "triton"

@@ -20,13 +20,14 @@ from quantkit.runtime.quant_linear import QuantLinear
 def test_checkpoint_runs_like_dequantized_model(
     tmp_path: Path, tiny_model_dir: Path, group_size: int, symmetric: bool
 ) -> None:
-    outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("rtn", 4, group_size, symmetric))
+    outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("int4", group_size, symmetric))
     out = save_checkpoint(
         tmp_path / "ckpt",
         source_dir=tiny_model_dir,
         config=outcome.config,
         tensors=outcome.tensors,
         scheme=outcome.scheme,
+        algorithm=outcome.algorithm,
         quantized_modules=outcome.quantized_modules,
         report={},
     )

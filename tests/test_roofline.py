@@ -332,7 +332,7 @@ def test_loaded_model_bytes_match_the_shape_arithmetic(tiny_llama_dir: Path) -> 
     shape = ModelShape.from_config(loaded.config)
     # Dense fp32, tied: every Linear, the norms, and the embedding read in full as the head.
     assert model_read_bytes(loaded.model) == weight_bytes(shape, bits=32, dense_bytes=4)
-    _quantize_linears(loaded.model, QuantScheme("rtn", 4, 32))
+    _quantize_linears(loaded.model, QuantScheme("int4", 32))
     got = model_read_bytes(loaded.model)
     want = weight_bytes(shape, bits=4, group_size=32, dense_bytes=4)
     assert (got.linear, got.qparams, got.head, got.other) == (

@@ -216,10 +216,10 @@ def test_decode_steps_take_the_models_one_call_path(
         pytest.skip("needs gcc for the C kernel (as tests/test_cpu_decode.py)")
     if act == "bfloat16" and not bf16_activations_available():
         pytest.skip("bf16 activations need a CPU with AVX512-BF16")
-    outcome = quantize_model(tiny_llama_dir, scheme=QuantScheme("rtn", 4, "auto", False))
+    outcome = quantize_model(tiny_llama_dir, scheme=QuantScheme("int4", "auto", False))
     ckpt = save_checkpoint(
         tmp_path / "int4", source_dir=tiny_llama_dir, config=outcome.config,
-        tensors=outcome.tensors, scheme=outcome.scheme,
+        tensors=outcome.tensors, scheme=outcome.scheme, algorithm=outcome.algorithm,
         quantized_modules=outcome.quantized_modules, report={},
     )  # fmt: skip
     model = load_model(ckpt, tokenizer=False).model

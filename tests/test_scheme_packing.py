@@ -26,7 +26,7 @@ SMOLLM_LAYERS = [("model.layers.0.self_attn.q_proj", 576), ("model.layers.0.mlp.
 def test_auto_group_size_picks_largest_divisor() -> None:
     assert QuantScheme().resolve(SMOLLM_LAYERS).group_size == 64
     assert QuantScheme().resolve([("a", 4096), ("b", 14336)]).group_size == 128
-    assert QuantScheme("rtn", 4, 32).resolve(SMOLLM_LAYERS).group_size == 32
+    assert QuantScheme("int4", 32).resolve(SMOLLM_LAYERS).group_size == 32
 
 
 def test_explicit_group_size_must_divide_every_layer() -> None:
@@ -34,18 +34,18 @@ def test_explicit_group_size_must_divide_every_layer() -> None:
         SchemeError,
         match="group_size 128 does not divide in_features 576 of model.layers.0.self_attn.q_proj",
     ):
-        QuantScheme("awq", 4, 128).resolve(SMOLLM_LAYERS)
+        QuantScheme("int4", 128).resolve(SMOLLM_LAYERS)
 
 
 @pytest.mark.parametrize(
     "kwargs,needle",
     [
-        ({"bits": 3}, "bits: awq quantizes to 4 bits (use --bits 8 for fp8), got 3"),
-        ({"method": "gptq"}, "method: expected one of awq, rtn, fp8, got 'gptq'"),
+        ({"kind": "int3"}, "kind: expected one of int4, fp8, got 'int3'"),
+        ({"kind": "gptq"}, "kind: expected one of int4, fp8, got 'gptq'"),
         ({"group_size": 48}, "group_size: expected auto, 32, 64, 128 or -1"),
-        ({"method": "fp8", "bits": 4}, "bits: fp8 stores 8 bits, got 4"),
-        ({"method": "fp8", "bits": 8, "group_size": 64}, "fp8 uses one scale per output channel"),
+        ({"kind": "fp8", "group_size": 64}, "fp8 uses one scale per output channel"),
         ({"activations": "dynamic"}, "only fp8 quantizes activations"),
+        ({"kind": "fp8", "activations": "static"}, "activations: expected 'none' or 'dynamic'"),
     ],
 )
 def test_scheme_errors(kwargs: dict, needle: str) -> None:
@@ -54,9 +54,26 @@ def test_scheme_errors(kwargs: dict, needle: str) -> None:
 
 
 def test_scheme_describe() -> None:
-    assert QuantScheme("awq", 4, 64).describe() == "awq int4 g64 asymmetric"
-    assert QuantScheme("rtn", 4, -1, True).describe() == "rtn int4 per-channel symmetric"
-    assert QuantScheme("fp8", 8).describe() == "fp8 e4m3 per-channel (W8A16)"
+    assert QuantScheme("int4", 64).describe() == "int4 g64 asymmetric"
+    assert QuantScheme("int4", 64).describe("awq") == "awq int4 g64 asymmetric"
+    assert QuantScheme("int4", -1, True).describe("rtn") == "rtn int4 per-channel symmetric"
+    assert QuantScheme("fp8").describe() == "fp8 e4m3 per-channel (W8A16)"
+    assert QuantScheme("fp8").bits == 8 and QuantScheme("int4").bits == 4
+
+
+@pytest.mark.parametrize(
+    "group,k,expected", [(32, 576, 32), (64, 576, 64), (-1, 576, 576), (-1, 123, 123)]
+)
+def test_group_size_for_is_the_one_rule(group: int, k: int, expected: int) -> None:
+    scheme = QuantScheme("int4", group)
+    assert scheme.group_size_for(k) == expected and scheme.groups(k) == k // expected
+    with pytest.raises(SchemeError, match="still 'auto'"):
+        QuantScheme("int4").group_size_for(k)
+
+
+def test_scheme_json_round_trip() -> None:
+    for scheme in (QuantScheme("int4", 64, True), QuantScheme("fp8", activations="dynamic")):
+        assert QuantScheme.from_json(scheme.to_json()) == scheme
 
 
 @pytest.mark.parametrize("n,k", [(1, 8), (5, 123), (37, 200), (64, 576)])

@@ -21,7 +21,7 @@ import json
 import shutil
 import uuid
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +56,10 @@ __all__ = [
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 METADATA_NAME = "quantkit.json"
-# Version of quantkit.json; the loader refuses others.
-FORMAT_VERSION = 1
+# Version of quantkit.json. 2 records the format (`scheme`) and the algorithm apart; 1 mixed
+# them (`scheme.method` awq/rtn/fp8, `scheme.rounding`) and is still read. Others are refused.
+FORMAT_VERSION = 2
+_READABLE_VERSIONS = (1, 2)
 # Everything a tokenizer or a chat template may need, plus the sampling defaults. Copied as they
 # are when present in the source; none of them is required (logits need no tokenizer).
 COPIED_FILES: tuple[str, ...] = (
@@ -87,6 +89,7 @@ def save_checkpoint(
     config: dict[str, Any],
     tensors: Mapping[str, torch.Tensor],
     scheme: QuantScheme,
+    algorithm: str,
     quantized_modules: list[str],
     report: dict[str, Any],
     force: bool = False,
@@ -108,7 +111,8 @@ def save_checkpoint(
     full_config["quantization_config"] = scheme_to_quantization_config(scheme)
     metadata = {
         "format_version": FORMAT_VERSION,
-        "scheme": asdict(scheme),
+        "scheme": scheme.to_json(),
+        "algorithm": algorithm,
         "quantized_modules": list(quantized_modules),
         "report": report,
     }
@@ -217,6 +221,7 @@ class LoadedCheckpoint:
     tensors: dict[str, torch.Tensor]
     quantized_modules: list[str]
     report: dict[str, Any] | None
+    algorithm: str | None = None  # provenance from quantkit.json: rtn, awq or gptq
 
     def module_tensors(self, prefix: str) -> dict[str, torch.Tensor]:
         """One module's tensors under their local names, ready for `QuantLinear.from_tensors`."""
@@ -233,31 +238,30 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
     if (path / METADATA_NAME).is_file():
         metadata = _read_json(path / METADATA_NAME, missing="")
         version = metadata.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in _READABLE_VERSIONS:
             raise CheckpointError(
-                f"{path / METADATA_NAME}: expected format_version {FORMAT_VERSION}, got {version!r}"
+                f"{path / METADATA_NAME}: expected format_version "
+                f"{' or '.join(map(str, _READABLE_VERSIONS))}, got {version!r}"
             )
     tensors = _read_tensors(path)
     qcfg = config.get("quantization_config")
     if qcfg is None:
         return LoadedCheckpoint(path, config, None, tensors, [], _report(metadata))
-    recorded = None if metadata is None else metadata.get("scheme")
-    # Checkpoints written before `rounding` existed were all round-to-nearest.
-    fields = {"rounding": "nearest", **recorded} if isinstance(recorded, dict) else {}
-    scheme = scheme_from_quantization_config(
-        qcfg, method=fields.get("method"), rounding=fields.get("rounding", "nearest")
-    )
-    if metadata is not None and asdict(scheme) != fields:
-        # config.json is what other engines read, so it wins; a disagreement means hand edits.
-        raise CheckpointError(
-            f"{path / METADATA_NAME}: expected scheme {asdict(scheme)} (from config.json), "
-            f"got {metadata.get('scheme')!r}"
-        )
+    scheme = scheme_from_quantization_config(qcfg)
+    algorithm = None
+    if metadata is not None:
+        recorded, algorithm = _recorded_scheme(metadata, path / METADATA_NAME)
+        if recorded != scheme.to_json():
+            # config.json is what other engines read, so it wins; a disagreement means hand edits.
+            raise CheckpointError(
+                f"{path / METADATA_NAME}: expected scheme {scheme.to_json()} (from config.json), "
+                f"got {metadata.get('scheme')!r}"
+            )
     found = _quantized_prefixes(tensors)
     listed = [] if metadata is None else list(metadata.get("quantized_modules", []))
     for prefix in listed:
         if prefix not in found:
-            name = f"{prefix}.weight_packed" if scheme.is_int else f"{prefix}.weight"
+            name = f"{prefix}.weight_packed" if scheme.kind == "int4" else f"{prefix}.weight"
             raise CheckpointError(
                 f"missing tensor {name}: {METADATA_NAME} lists {prefix} as quantized"
             )
@@ -268,7 +272,31 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
     modules = sorted(found, key=_natural_key)
     for prefix in modules:
         check_module_tensors(_module_view(tensors, prefix), scheme=scheme, prefix=prefix)
-    return LoadedCheckpoint(path, config, scheme, tensors, modules, _report(metadata))
+    return LoadedCheckpoint(path, config, scheme, tensors, modules, _report(metadata), algorithm)
+
+
+def _recorded_scheme(metadata: dict[str, Any], where: Path) -> tuple[dict[str, Any], str | None]:
+    """(the scheme's fields as `QuantScheme.to_json` writes them, the algorithm) from
+    quantkit.json, translating version 1 (`method` awq/rtn/fp8 + `rounding`) on the way."""
+    fields = metadata.get("scheme")
+    if not isinstance(fields, dict):
+        raise CheckpointError(f"{where}: expected a 'scheme' object, got {fields!r}")
+    if metadata.get("format_version") == FORMAT_VERSION:
+        return fields, metadata.get("algorithm")
+    method, rounding = fields.get("method"), fields.get("rounding", "nearest")
+    if method not in ("awq", "rtn", "fp8") or rounding not in ("nearest", "gptq"):
+        raise CheckpointError(
+            f"{where}: expected scheme.method awq/rtn/fp8 and rounding nearest/gptq (version 1), "
+            f"got {method!r} and {rounding!r}"
+        )
+    translated = {
+        "kind": "fp8" if method == "fp8" else "int4",
+        "group_size": fields.get("group_size"),
+        "symmetric": fields.get("symmetric"),
+        "activations": fields.get("activations", "none"),
+    }
+    algorithm = "gptq" if rounding == "gptq" else "rtn" if method == "fp8" else method
+    return translated, algorithm
 
 
 def _report(metadata: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -359,9 +387,9 @@ def dequantize_checkpoint_tensors(
         local = {k: dense.pop(f"{prefix}.{k}") for k in _module_view(loaded.tensors, prefix)}
         scale = local["weight_scale"]
         out_dtype = dtype or scale.dtype
-        if scheme.is_int:
+        if scheme.kind == "int4":
             n, k = (int(v) for v in local["weight_shape"].tolist())
-            group = k if scheme.group_size == -1 else int(scheme.group_size)
+            group = scheme.group_size_for(k)
             w = dequantize_packed_int4(
                 local["weight_packed"],
                 scale,

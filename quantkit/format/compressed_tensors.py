@@ -8,11 +8,10 @@ CheckpointError naming the field, the expected values and the value found.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 from quantkit.errors import CheckpointError, SchemeError
-from quantkit.format.scheme import INT_GROUP_SIZES, ROUNDINGS, QuantScheme
+from quantkit.format.scheme import INT_GROUP_SIZES, QuantScheme
 
 INT_FORMAT = "pack-quantized"
 FLOAT_FORMAT = "float-quantized"
@@ -33,11 +32,12 @@ DYNAMIC_TOKEN_ACTIVATIONS: dict[str, Any] = {
 def scheme_to_quantization_config(scheme: QuantScheme) -> dict[str, Any]:
     """The `quantization_config` of config.json for `scheme` (compressed-tensors' schema).
 
-    quantkit's method (awq / rtn) has no place in it; `quantkit.json` keeps it.
+    The algorithm that chose the codes (rtn / awq / gptq) has no place in it; `quantkit.json`
+    keeps it.
     """
     if not scheme.is_resolved:
         raise SchemeError("group_size is still 'auto'; call resolve() with the model first")
-    if scheme.is_int:
+    if scheme.kind == "int4":
         fmt = INT_FORMAT
         per_channel = scheme.group_size == -1
         weights = {
@@ -80,17 +80,9 @@ def scheme_to_quantization_config(scheme: QuantScheme) -> dict[str, Any]:
     }
 
 
-def scheme_from_quantization_config(
-    cfg: Mapping[str, Any], *, method: str | None = None, rounding: str = "nearest"
-) -> QuantScheme:
+def scheme_from_quantization_config(cfg: Mapping[str, Any]) -> QuantScheme:
     """The QuantScheme a `quantization_config` describes; anything quantkit cannot run is a
-    CheckpointError naming the field. `method` and `rounding` come from quantkit.json when there
-    is one (default: rtn for int weights, fp8 for float weights; round to nearest)."""
-    if rounding not in ROUNDINGS:
-        raise CheckpointError(
-            f"quantkit.json scheme.rounding: expected one of {', '.join(ROUNDINGS)}, "
-            f"got {rounding!r}"
-        )
+    CheckpointError naming the field."""
     _expect(cfg, "quant_method", ("compressed-tensors",))
     _expect(cfg, "quantization_status", ("compressed",))
     # A quantized KV cache stores k_scale/v_scale tensors quantkit neither checks nor uses.
@@ -126,22 +118,15 @@ def scheme_from_quantization_config(
     wtype = w.get("type")
     _expect(w, "dynamic", (False,), where=f"{where}.weights")
     if wtype == "int":
-        if rounding != "nearest":
-            raise CheckpointError(
-                f"quantkit.json scheme.rounding: expected 'nearest' for int4, got {rounding!r}"
-            )
-        return _int_scheme(w, fmt=fmt, acts=acts, method=method or "rtn", where=where)
+        return _int_scheme(w, fmt=fmt, acts=acts, where=where)
     if wtype == "float":
-        scheme = _float_scheme(w, fmt=fmt, acts=acts, method=method or "fp8", where=where)
-        return replace(scheme, rounding=rounding)  # type: ignore[arg-type]
+        return _float_scheme(w, fmt=fmt, acts=acts, where=where)
     raise CheckpointError(
         f"quantization_config.{where}.weights.type: expected 'int' or 'float', got {wtype!r}"
     )
 
 
-def _int_scheme(
-    w: Mapping[str, Any], *, fmt: Any, acts: Any, method: str, where: str
-) -> QuantScheme:
+def _int_scheme(w: Mapping[str, Any], *, fmt: Any, acts: Any, where: str) -> QuantScheme:
     if fmt != INT_FORMAT:
         raise CheckpointError(
             f"quantization_config.{where}.format: expected {INT_FORMAT!r} for int weights, "
@@ -164,16 +149,10 @@ def _int_scheme(
             f"quantization_config.{where}.input_activations: expected null for int4 weights "
             f"(W4A16), got {acts!r}"
         )
-    if method not in ("awq", "rtn"):
-        raise CheckpointError(
-            f"quantkit.json scheme.method: expected awq or rtn for int4, got {method!r}"
-        )
-    return QuantScheme(method=method, bits=4, group_size=group_size, symmetric=bool(w["symmetric"]))
+    return QuantScheme("int4", group_size=group_size, symmetric=bool(w["symmetric"]))
 
 
-def _float_scheme(
-    w: Mapping[str, Any], *, fmt: Any, acts: Any, method: str, where: str
-) -> QuantScheme:
+def _float_scheme(w: Mapping[str, Any], *, fmt: Any, acts: Any, where: str) -> QuantScheme:
     if fmt not in _FLOAT_FORMATS:
         raise CheckpointError(
             f"quantization_config.{where}.format: expected {FLOAT_FORMAT!r} for float weights, "
@@ -194,11 +173,7 @@ def _float_scheme(
             if key != "group_size":
                 _expect(acts, key, (want,), where=f"{where}.input_activations")
         activations = "dynamic"
-    if method != "fp8":
-        raise CheckpointError(
-            f"quantkit.json scheme.method: expected fp8 for float weights, got {method!r}"
-        )
-    return QuantScheme(method="fp8", bits=8, group_size=-1, activations=activations)
+    return QuantScheme("fp8", activations=activations)
 
 
 def _expect(cfg: Mapping[str, Any], key: str, allowed: tuple[Any, ...], *, where: str = "") -> Any:

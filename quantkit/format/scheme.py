@@ -1,8 +1,12 @@
-"""`QuantScheme`: the one description of a quantization that travels everywhere.
+"""`QuantScheme`: what the checkpoint stores, the one description that travels everywhere.
 
 The quantizer builds it, the checkpoint writer serialises it into compressed-tensors metadata,
-the loader rebuilds it, `QuantLinear` carries it and the kernel dispatch reads it. It is never a
+the loader rebuilds it, `QuantLinear` carries it and the kernel registry reads it. It is never a
 dict and never encoded in a filename.
+
+It describes the *format* only. The algorithm that chose the codes (rtn, awq, gptq: see
+`quantkit.quantize.algorithms`) is a separate axis: the same format can come from any algorithm
+that supports it, and the checkpoint records the algorithm as provenance in quantkit.json.
 """
 
 from __future__ import annotations
@@ -13,12 +17,11 @@ from typing import Literal
 
 from quantkit.errors import SchemeError
 
-Method = Literal["awq", "rtn", "fp8"]
+Kind = Literal["int4", "fp8"]
 ActivationScheme = Literal["none", "dynamic"]
-Rounding = Literal["nearest", "gptq"]
 
-METHODS: tuple[str, ...] = ("awq", "rtn", "fp8")
-ROUNDINGS: tuple[str, ...] = ("nearest", "gptq")
+KINDS: tuple[str, ...] = ("int4", "fp8")
+BITS: dict[str, int] = {"int4": 4, "fp8": 8}
 INT_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, -1)
 # Largest first: `auto` picks the largest that divides every layer (fewer scales to read).
 AUTO_CANDIDATES: tuple[int, ...] = (128, 64, 32)
@@ -28,32 +31,28 @@ AUTO_CANDIDATES: tuple[int, ...] = (128, 64, 32)
 class QuantScheme:
     """How the weights of every quantized Linear are stored.
 
-    method: `awq` or `rtn` (INT4, group-wise) or `fp8` (E4M3, per output channel).
-    bits: 4 for the integer methods, 8 for fp8.
+    kind: `int4` (group-wise codes with scales, and zero points unless symmetric) or `fp8`
+        (E4M3 with one scale per output channel).
     group_size: 32/64/128 input channels share one scale (and zero point); -1 = one per output
         channel; "auto" until `resolve()` picks one for a concrete model. Always -1 for fp8.
     symmetric: INT4 without zero points (codes in [-7, 7]); fp8 is always symmetric.
     activations: fp8 only: "none" keeps activations in 16/32-bit (W8A16), "dynamic" quantizes
         them per token at run time (W8A8).
-    rounding: how the codes were chosen on the fixed scales: "nearest" (round to nearest, no
-        calibration) or "gptq" (error-compensated over calibration inputs; fp8 only for now).
-        The tensors and the compressed-tensors config are the same either way: only the codes
-        differ, and quantkit.json records which rounding made them.
     """
 
-    method: Method = "awq"
-    bits: int = 4
+    kind: Kind = "int4"
     group_size: int | Literal["auto"] = "auto"
     symmetric: bool = False
     activations: ActivationScheme = "none"
-    rounding: Rounding = "nearest"
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise SchemeError(f"method: expected one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.method == "fp8":
-            if self.bits != 8:
-                raise SchemeError(f"bits: fp8 stores 8 bits, got {self.bits}")
+        if self.kind not in KINDS:
+            raise SchemeError(f"kind: expected one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.activations not in ("none", "dynamic"):
+            raise SchemeError(
+                f"activations: expected 'none' or 'dynamic', got {self.activations!r}"
+            )
+        if self.kind == "fp8":
             if self.group_size not in (-1, "auto"):
                 raise SchemeError(
                     f"group_size: fp8 uses one scale per output channel (-1), got {self.group_size}"
@@ -61,38 +60,20 @@ class QuantScheme:
             # fp8 is per channel by definition; normalise so equal schemes compare equal.
             object.__setattr__(self, "group_size", -1)
             object.__setattr__(self, "symmetric", True)
-        else:
-            if self.bits != 4:
-                raise SchemeError(
-                    f"bits: {self.method} quantizes to 4 bits (use --bits 8 for fp8), "
-                    f"got {self.bits}"
-                )
-            if self.group_size != "auto" and self.group_size not in INT_GROUP_SIZES:
-                raise SchemeError(
-                    "group_size: expected auto, 32, 64, 128 or -1 (per channel), "
-                    f"got {self.group_size!r}"
-                )
-            if self.activations != "none":
-                raise SchemeError(
-                    f"activations: only fp8 quantizes activations, got {self.activations!r} "
-                    f"with {self.method}"
-                )
-        if self.activations not in ("none", "dynamic"):
+            return
+        if self.group_size != "auto" and self.group_size not in INT_GROUP_SIZES:
             raise SchemeError(
-                f"activations: expected 'none' or 'dynamic', got {self.activations!r}"
+                "group_size: expected auto, 32, 64, 128 or -1 (per channel), "
+                f"got {self.group_size!r}"
             )
-        if self.rounding not in ROUNDINGS:
+        if self.activations != "none":
             raise SchemeError(
-                f"rounding: expected one of {', '.join(ROUNDINGS)}, got {self.rounding!r}"
-            )
-        if self.rounding == "gptq" and self.method != "fp8":
-            raise SchemeError(
-                f"rounding: gptq is implemented for fp8 (8 bits) only, got {self.method} int4"
+                f"activations: only fp8 quantizes activations, got {self.activations!r} with int4"
             )
 
     @property
-    def is_int(self) -> bool:
-        return self.method in ("awq", "rtn")
+    def bits(self) -> int:
+        return BITS[self.kind]
 
     @property
     def is_resolved(self) -> bool:
@@ -126,21 +107,39 @@ class QuantScheme:
                     )
         return self
 
-    def groups(self, in_features: int) -> int:
-        """Number of scale groups along K for a layer with `in_features` inputs."""
+    def group_size_for(self, in_features: int) -> int:
+        """The concrete group size for a layer with `in_features` inputs: -1 (one group per
+        output channel) is K. The one place that rule lives."""
         if self.group_size == "auto":
             raise SchemeError("group_size is still 'auto'; call resolve() with the model first")
-        return 1 if self.group_size == -1 else in_features // self.group_size
+        return in_features if self.group_size == -1 else int(self.group_size)
 
-    def describe(self) -> str:
-        """One human line, e.g. 'awq int4 g64 asymmetric'."""
-        if self.method == "fp8":
+    def groups(self, in_features: int) -> int:
+        """Number of scale groups along K for a layer with `in_features` inputs."""
+        return in_features // self.group_size_for(in_features)
+
+    def describe(self, algorithm: str | None = None) -> str:
+        """One human line, e.g. 'int4 g64 asymmetric', or with the algorithm that chose the
+        codes 'awq int4 g64 asymmetric' / 'fp8 e4m3 per-channel (W8A16, gptq)'."""
+        if self.kind == "fp8":
             act = "W8A8 dynamic per-token" if self.activations == "dynamic" else "W8A16"
-            rounding = ", GPTQ rounding" if self.rounding == "gptq" else ""
-            return f"fp8 e4m3 per-channel ({act}{rounding})"
+            return f"fp8 e4m3 per-channel ({act}{f', {algorithm}' if algorithm else ''})"
         group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
         kind = "symmetric" if self.symmetric else "asymmetric"
-        return f"{self.method} int4 {group} {kind}"
+        return f"{f'{algorithm} ' if algorithm else ''}int4 {group} {kind}"
+
+    def to_json(self) -> dict[str, object]:
+        """The fields quantkit.json stores (`from_json` reads them back)."""
+        return {
+            "kind": self.kind,
+            "group_size": self.group_size,
+            "symmetric": self.symmetric,
+            "activations": self.activations,
+        }
+
+    @classmethod
+    def from_json(cls, fields: dict[str, object]) -> QuantScheme:
+        return cls(**{k: fields[k] for k in ("kind", "group_size", "symmetric", "activations")})  # type: ignore[arg-type]
 
 
 def _divisors_hint(k: int) -> str:

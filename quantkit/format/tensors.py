@@ -87,7 +87,7 @@ def check_module_tensors(
     if not scheme.is_resolved:
         raise SchemeError("group_size is still 'auto'; call resolve() with the model first")
     name = (lambda local: f"{prefix}.{local}") if prefix else (lambda local: local)
-    if scheme.is_int:
+    if scheme.kind == "int4":
         required = ["weight_packed", "weight_scale", "weight_shape"]
         if not scheme.symmetric:
             required.append("weight_zero_point")
@@ -103,7 +103,7 @@ def check_module_tensors(
             f"{', '.join(required)} (+ bias)"
         )
 
-    if scheme.is_int:
+    if scheme.kind == "int4":
         shape_t = tensors["weight_shape"]
         _check(name("weight_shape"), shape_t, (2,), _SHAPE_DTYPES)
         n, k = (int(v) for v in shape_t.tolist())
@@ -111,7 +111,7 @@ def check_module_tensors(
             raise CheckpointError(
                 f"tensor {name('weight_shape')}: expected [N, K] > 0, got {[n, k]}"
             )
-        group = k if scheme.group_size == -1 else int(scheme.group_size)
+        group = scheme.group_size_for(k)
         if k % group:
             raise CheckpointError(
                 f"tensor {name('weight_shape')}: expected K divisible by group size {group}, "

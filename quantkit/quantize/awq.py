@@ -33,7 +33,7 @@ from quantkit.quantize.layer_walk import (
     layer_call,
     run_chunked,
 )
-from quantkit.quantize.rtn import Int4Weights, group_size_for, rtn_quantize_weight
+from quantkit.quantize.rtn import Int4Weights, rtn_quantize_weight
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class LayerReport(LayerErrorReport):
 
 def _fake(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     return fake_quantize_int4(
-        w, group_size=group_size_for(scheme, w.shape[1]), symmetric=scheme.symmetric
+        w, group_size=scheme.group_size_for(w.shape[1]), symmetric=scheme.symmetric
     )
 
 
@@ -131,7 +131,7 @@ def _search_scale(
             return float((out - target).float().pow(2).mean())
 
         w_all = torch.cat(originals, dim=0)
-        g = group_size_for(scheme, w_all.shape[1])
+        g = scheme.group_size_for(w_all.shape[1])
         wg = w_all.abs().view(w_all.shape[0], -1, g)
         w_mean = (wg / wg.amax(dim=-1, keepdim=True).clamp(min=1e-8)).view_as(w_all).mean(0)
         rtn_loss = loss_with(None)
@@ -170,7 +170,7 @@ def _search_clip(w: torch.Tensor, x: torch.Tensor, *, scheme: QuantScheme, cfg: 
     """Per (output channel, group) clip ratio in [max_shrink, 1] minimising the group's partial
     output error on tokens x [T, K]. Returns a [N, G] ratio tensor."""
     n, k = w.shape
-    g = group_size_for(scheme, k)
+    g = scheme.group_size_for(k)
     groups = k // g
     xg = x.view(-1, groups, g).transpose(0, 1)  # [G, T, g]
     best_err = torch.full((groups, n), float("inf"))
@@ -263,7 +263,7 @@ def awq_quantize(
             q = rtn_quantize_weight(w, scheme=scheme, clip_ratio=ratio)
             result[f"model.layers.{index}.{name}"] = q
             layer.get_submodule(name).weight.data = q.dequantize(
-                group_size=group_size_for(scheme, w.shape[1]), dtype=w.dtype
+                group_size=scheme.group_size_for(w.shape[1]), dtype=w.dtype
             )
         clock.lap("clip_and_quantize")
         out_q = run_chunked(run_layer, x_attn_seq, cfg.batch_sequences)

@@ -57,62 +57,23 @@ def ensure_embedded_int4(
 
 
 def _quantize_embedded(target: Path, *, home: Path | None, progress: bool) -> None:
+    """`quantkit quantize smollm2-135m --bits 4 --eval-tokens 0 -o target --force`, through the
+    same function the CLI calls (perplexity is skipped on first use)."""
     from tqdm.auto import tqdm
 
-    from quantkit.format.checkpoint import save_checkpoint
     from quantkit.format.scheme import QuantScheme
-    from quantkit.quantize.awq import AwqConfig, LayerReport
-    from quantkit.quantize.calibration import calibration_samples, wiki_split
-    from quantkit.quantize.pipeline import DEFAULT_CALIB_SAMPLES, quantize_model
-    from quantkit.sources.resolve import resolve_model
-    from quantkit.sources.tokenizer import load_tokenizer
-
-    # The `quantkit quantize` defaults: 64 x 512 calibration tokens, seed 0, group size auto.
-    n_samples, seq_len, seed = DEFAULT_CALIB_SAMPLES, 512, 0
-    model_dir = resolve_model(DEFAULT_MODEL, home=home, progress=progress)
-    tokenizer = load_tokenizer(model_dir)
-
-    def samples():  # type: ignore[no-untyped-def]
-        docs = wiki_split(home=home).calibration
-        return calibration_samples(docs, tokenizer, n_samples=n_samples, seq_len=seq_len, seed=seed)
+    from quantkit.quantize.recipe import Hooks, Recipe, quantize_and_save
 
     bar = tqdm(desc="AWQ layers", unit="layer", disable=not progress)
-
-    def on_layer(report: LayerReport) -> None:
-        bar.update(1)
-
     try:
-        outcome = quantize_model(
-            model_dir,
-            scheme=QuantScheme("awq", 4, "auto", False),
-            samples=samples,
-            awq=AwqConfig(seed=seed),
-            on_layer=on_layer,
+        quantize_and_save(
+            Recipe(DEFAULT_MODEL, QuantScheme("int4"), "awq"),
+            target,
+            force=True,
+            home=home,
+            progress=progress,
+            hooks=Hooks(on_layer=lambda _report: bar.update(1)),
+            extra_report={"made_by": "quantkit generate (first use of the embedded default)"},
         )
     finally:
         bar.close()
-    report = {
-        "model": DEFAULT_MODEL,
-        "scheme": outcome.scheme.describe(),
-        "calibration": {
-            "source": "wikipedia (bundled articles, calibration split)",
-            "samples": n_samples,
-            "seq_len": seq_len,
-            "seed": seed,
-        },
-        "timings_s": {k: round(v, 2) for k, v in outcome.timings.items()},
-        "bytes_before": outcome.bytes_before,
-        "bytes_after": outcome.bytes_after,
-        "perplexity": None,  # skipped on first use; `quantkit quantize` measures it
-        "made_by": "quantkit generate (first use of the embedded default)",
-    }
-    save_checkpoint(
-        target,
-        source_dir=model_dir,
-        config=outcome.config,
-        tensors=outcome.tensors,
-        scheme=outcome.scheme,
-        quantized_modules=outcome.quantized_modules,
-        report=report,
-        force=True,
-    )

@@ -18,9 +18,10 @@ that they absorb it (the optimal brain surgeon update). Per Linear:
 
 The rounding itself is a function passed in (`RoundFn`), with its scales fixed beforehand: for
 FP8 E4M3 the per-row scale is absmax / 448 as stored in the checkpoint dtype, and a column is
-rounded with `fp8_codes` on that scale. INT4 would pass its group-wise rounding the same way.
+rounded with `fp8_codes` on that scale; for INT4 the group-wise scales and zero points are RTN's
+(min/max per group), and a column is rounded in its group (`Int4Rounder`).
 
-Layer by layer (`gptq_quantize_fp8`): the calibration activations enter each decoder layer from
+Layer by layer (`gptq_quantize`): the calibration activations enter each decoder layer from
 the already-quantized layers before it. Within a layer, the Linears that share an input
 (`Arch.input_groups`: q/k/v, then o, then gate/up, then down) are quantized in forward order and,
 with `sequential`, each group's H is captured after the earlier groups were quantized, so it sees
@@ -31,11 +32,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from quantkit.format.packing import fp8_codes, fp8_row_scale
+from quantkit.format.packing import (
+    INT4_MAX,
+    INT4_MIN,
+    fp8_codes,
+    fp8_row_scale,
+    int4_dequantize,
+    int4_qparams,
+    int4_quantize,
+)
+from quantkit.format.scheme import QuantScheme
+from quantkit.format.tensors import fp8_tensors, int4_tensors
 from quantkit.models.decoder import CausalLM
 from quantkit.models.families import Arch
 from quantkit.quantize.layer_walk import (
@@ -50,6 +62,7 @@ from quantkit.quantize.layer_walk import (
 # the checkpoint will hold for them [N, m]. The indices let a group-wise (INT4) rounding pick its
 # scale even when act-order has permuted the columns.
 RoundFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+FP8 = QuantScheme("fp8")
 
 
 @dataclass(frozen=True)
@@ -156,6 +169,117 @@ def output_error(w: torch.Tensor, q: torch.Tensor, h: torch.Tensor) -> float:
     return float(((d @ h) * d).sum())
 
 
+class Rounder(Protocol):
+    """One format's rounding on scales fixed before GPTQ starts (as the checkpoint stores them)."""
+
+    def round(self, columns: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The `RoundFn`: dequantized values of `columns` at original column indices `index`."""
+        ...
+
+    def nearest(self, w: torch.Tensor) -> torch.Tensor:
+        """Round-to-nearest of all of W on the same scales (the baseline of the error report)."""
+        ...
+
+    def stored(self, q: torch.Tensor) -> torch.Tensor:
+        """The fp32 values the checkpoint computes with for the GPTQ-rounded q."""
+        ...
+
+    def tensors(
+        self, q: torch.Tensor, rows: slice, *, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors (local names) of rows `rows` of the GPTQ-rounded q."""
+        ...
+
+
+class Fp8Rounder:
+    """E4M3 on RTN's per-row scale (row absmax / 448), as `scale_dtype` stores it, so the
+    checkpoint's w8 * scale are exactly the values the error compensation saw."""
+
+    def __init__(self, w: torch.Tensor, scheme: QuantScheme, *, scale_dtype: torch.dtype) -> None:
+        self.scale = fp8_row_scale(w).to(scale_dtype).float()
+
+    def round(self, columns: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return fp8_codes(columns, self.scale).float() * self.scale
+
+    def nearest(self, w: torch.Tensor) -> torch.Tensor:
+        return fp8_codes(w, self.scale).float() * self.scale
+
+    def codes(self, q: torch.Tensor) -> torch.Tensor:
+        # q holds code * scale exactly up to fp32 rounding, far below E4M3's spacing: exact codes.
+        return fp8_codes(q, self.scale)
+
+    def stored(self, q: torch.Tensor) -> torch.Tensor:
+        return self.codes(q).float() * self.scale
+
+    def tensors(
+        self, q: torch.Tensor, rows: slice, *, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        return fp8_tensors(fp8_codes(q[rows], self.scale[rows]), self.scale[rows], dtype=dtype)
+
+
+class Int4Rounder:
+    """Group-wise INT4 on RTN's scales and zero points (min/max of each group), the scales as
+    `scale_dtype` stores them. act-order permutes columns, so a column finds its group from its
+    original index."""
+
+    def __init__(self, w: torch.Tensor, scheme: QuantScheme, *, scale_dtype: torch.dtype) -> None:
+        self.group = scheme.group_size_for(w.shape[1])
+        scale, self.zero = int4_qparams(w, group_size=self.group, symmetric=scheme.symmetric)
+        self.scale = scale.to(scale_dtype).float()
+
+    def round(self, columns: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        groups = index // self.group
+        s = self.scale[:, groups]
+        z = 0.0 if self.zero is None else self.zero[:, groups].float()
+        q = torch.round(columns / s + z).clamp(INT4_MIN, INT4_MAX)
+        return (q - z) * s
+
+    def codes(self, q: torch.Tensor) -> torch.Tensor:
+        return int4_quantize(q, self.scale, self.zero, group_size=self.group)
+
+    def nearest(self, w: torch.Tensor) -> torch.Tensor:
+        codes = int4_quantize(w, self.scale, self.zero, group_size=self.group)
+        return int4_dequantize(codes, self.scale, self.zero, group_size=self.group)
+
+    def stored(self, q: torch.Tensor) -> torch.Tensor:
+        return int4_dequantize(self.codes(q), self.scale, self.zero, group_size=self.group)
+
+    def tensors(
+        self, q: torch.Tensor, rows: slice, *, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        zero = None if self.zero is None else self.zero[rows]
+        codes = int4_quantize(q[rows], self.scale[rows], zero, group_size=self.group)
+        return int4_tensors(codes, self.scale[rows], zero, dtype=dtype)
+
+
+ROUNDERS: dict[str, type[Fp8Rounder] | type[Int4Rounder]] = {
+    "fp8": Fp8Rounder,
+    "int4": Int4Rounder,
+}
+
+
+def gptq_weight(
+    w: torch.Tensor,
+    h: torch.Tensor,
+    *,
+    scheme: QuantScheme,
+    cfg: GptqConfig | None = None,
+    scale_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, Fp8Rounder | Int4Rounder]:
+    """W [N, K] -> (GPTQ-rounded dequantized W [N, K] fp32, the rounder holding its scales)."""
+    cfg = cfg or GptqConfig()
+    rounder = ROUNDERS[scheme.kind](w, scheme, scale_dtype=scale_dtype)
+    q = gptq_round(
+        w,
+        h,
+        round_fn=rounder.round,
+        damp=cfg.damp,
+        block_size=cfg.block_size,
+        act_order=cfg.act_order,
+    )
+    return q, rounder
+
+
 def gptq_fp8(
     w: torch.Tensor,
     h: torch.Tensor,
@@ -163,26 +287,9 @@ def gptq_fp8(
     cfg: GptqConfig | None = None,
     scale_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [N, K] -> (float8_e4m3fn codes [N, K], fp32 scale [N, 1]) with GPTQ rounding.
-
-    The scale is RTN's (row absmax / 448) as `scale_dtype` stores it, fixed before any rounding,
-    so the checkpoint's w8 * scale are exactly the values the error compensation saw."""
-    cfg = cfg or GptqConfig()
-    scale = fp8_row_scale(w).to(scale_dtype).float()
-
-    def round_fp8(columns: torch.Tensor, _index: torch.Tensor) -> torch.Tensor:
-        return fp8_codes(columns, scale).float() * scale
-
-    q = gptq_round(
-        w,
-        h,
-        round_fn=round_fp8,
-        damp=cfg.damp,
-        block_size=cfg.block_size,
-        act_order=cfg.act_order,
-    )
-    # q holds code * scale exactly up to fp32 rounding, far below E4M3's spacing: exact codes.
-    return fp8_codes(q, scale), scale
+    """W [N, K] -> (float8_e4m3fn codes [N, K], fp32 scale [N, 1]) with GPTQ rounding."""
+    q, rounder = gptq_weight(w, h, scheme=FP8, cfg=cfg, scale_dtype=scale_dtype)
+    return rounder.codes(q), rounder.scale
 
 
 @dataclass
@@ -225,22 +332,23 @@ def _capture_hessians(
     return hessians
 
 
-def gptq_quantize_fp8(
+def gptq_quantize(
     model: CausalLM,
     samples: torch.Tensor,
     *,
     arch: Arch,
+    scheme: QuantScheme,
     cfg: GptqConfig | None = None,
     scale_dtype: torch.dtype = torch.float32,
     on_layer: Callable[[GptqLayerReport], None] | None = None,
-) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[GptqLayerReport]]:
-    """GPTQ-round every decoder Linear of `model` to FP8 E4M3 with per-row scales stored in
+) -> tuple[dict[str, dict[str, torch.Tensor]], list[GptqLayerReport]]:
+    """GPTQ-round every decoder Linear of `model` to `scheme` (int4 or fp8) with scales stored in
     `scale_dtype`. The model's weights become their dequantized values in place; returns
-    {module name: (codes, fp32 scale [N, 1])} and one report per layer."""
+    {module name: its checkpoint tensors (local names)} and one report per layer."""
     cfg = cfg or GptqConfig()
     x, cos, sin = first_layer_inputs(model, samples, batch_sequences=cfg.batch_sequences)
     stages = [[g] for g in arch.input_groups] if cfg.sequential else [list(arch.input_groups)]
-    result: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    result: dict[str, dict[str, torch.Tensor]] = {}
     reports: list[GptqLayerReport] = []
     for index, layer in enumerate(model.model.layers):
         report = GptqLayerReport(index)
@@ -254,17 +362,20 @@ def gptq_quantize_fp8(
             for group in stage:
                 h = hessians[group[0]].matrix()
                 mods = [layer.get_submodule(n) for n in group]
-                # Stacked rows: Linears sharing an input share H, and rows round independently.
+                # Stacked rows: Linears sharing an input share H, and rows round independently
+                # (every scale and zero point is per row).
                 w = torch.cat([m.weight.data for m in mods]).float()
-                codes, scale = gptq_fp8(w, h, cfg=cfg, scale_dtype=scale_dtype)
-                q = codes.float() * scale
-                report.method_error += output_error(w, q, h)
-                report.rtn_error += output_error(w, fp8_codes(w, scale).float() * scale, h)
+                q, rounder = gptq_weight(w, h, scheme=scheme, cfg=cfg, scale_dtype=scale_dtype)
+                stored = rounder.stored(q)
+                report.method_error += output_error(w, stored, h)
+                report.rtn_error += output_error(w, rounder.nearest(w), h)
                 row = 0
                 for name, m in zip(group, mods, strict=True):
                     rows = slice(row, row + m.out_features)
-                    result[f"model.layers.{index}.{name}"] = (codes[rows], scale[rows])
-                    m.weight.data = q[rows].to(m.weight.dtype)
+                    result[f"model.layers.{index}.{name}"] = rounder.tensors(
+                        q, rows, dtype=scale_dtype
+                    )
+                    m.weight.data = stored[rows].to(m.weight.dtype)
                     row += m.out_features
             clock.lap("round")
         # Feed the quantized layer's output onward.

@@ -8,6 +8,7 @@ import torch
 
 from quantkit.format.packing import int4_dequantize, int4_qparams, int4_quantize
 from quantkit.format.scheme import QuantScheme
+from quantkit.format.tensors import int4_tensors
 
 
 @dataclass
@@ -23,16 +24,20 @@ class Int4Weights:
             self.codes, self.scale, self.zero, group_size=group_size, dtype=dtype
         )
 
-
-def group_size_for(scheme: QuantScheme, in_features: int) -> int:
-    """The concrete group size of a resolved scheme (-1 -> K)."""
-    assert scheme.is_resolved, "resolve the scheme against the model first"
-    return in_features if scheme.group_size == -1 else int(scheme.group_size)
+    def tensors(self, *, scheme: QuantScheme, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors with the scales stored in `dtype`. The codes were chosen for
+        fp32 scales; they are re-derived for the scale as stored, so the checkpoint's weights
+        are the best this storage dtype allows."""
+        scale = self.scale.to(dtype).float()
+        g = scheme.group_size_for(self.codes.shape[1])
+        w = int4_dequantize(self.codes, self.scale, self.zero, group_size=g)
+        codes = int4_quantize(w, scale, self.zero, group_size=g)
+        return int4_tensors(codes, scale, self.zero, dtype=dtype)
 
 
 def rtn_quantize_weight(
     w: torch.Tensor, *, scheme: QuantScheme, clip_ratio: float | torch.Tensor = 1.0
 ) -> Int4Weights:
-    g = group_size_for(scheme, w.shape[1])
+    g = scheme.group_size_for(w.shape[1])
     scale, zero = int4_qparams(w, group_size=g, symmetric=scheme.symmetric, clip_ratio=clip_ratio)
     return Int4Weights(int4_quantize(w, scale, zero, group_size=g), scale, zero)

@@ -8,7 +8,7 @@ path. Row b sits at cache row b and each token attends to its row's positions <=
 mask every caller here builds (`generate`'s right padding and causal prefill, the serving
 engine's slots and prompt chunks). Prefills longer than the GEMV's measured crossover
 (`GEMV_MAX_M`, where dequantize + MKL wins) stay on the PyTorch path. QUANTKIT_CPU_DECODE=0
-turns it off (for comparisons). Measured on SmolLM2-135M INT4, 2 threads: see DESIGN.md / the
+turns it off (for comparisons). Measured on SmolLM2-135M INT4, 2 threads: see ARCHITECTURE.md / the
 decode benchmark.
 
 Activations. The GEMVs take fp32 activations by default, which the tests hold to the PyTorch
@@ -50,7 +50,7 @@ ACT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def _cpu_int4(module: object) -> object | None:
     """The bound C kernel of an INT4 QuantLinear on the cpu backend, else None."""
-    if not isinstance(module, QuantLinear) or not module.scheme.is_int:
+    if not isinstance(module, QuantLinear) or module.scheme.kind != "int4":
         return None
     prepared = module._prepared_int4()
     return prepared.run if prepared.backend == "cpu" else None

@@ -27,6 +27,11 @@ class LoadedModel:
     scheme: QuantScheme | None  # None: dense
     path: Path
     report: dict[str, Any] | None = None
+    algorithm: str | None = None  # what chose the codes (rtn, awq, gptq), when recorded
+
+    def describe(self) -> str:
+        """'awq int4 g64 asymmetric', 'fp8 e4m3 per-channel (W8A16, gptq)' or 'dense'."""
+        return "dense" if self.scheme is None else self.scheme.describe(self.algorithm)
 
 
 def load_model(
@@ -55,4 +60,6 @@ def load_model(
     # INT4 on CPU: one-token steps run every layer in one C call (quantkit.runtime.fast_path).
     enable_cpu_decode(model)
     tok = load_tokenizer(path) if tokenizer else None
-    return LoadedModel(model, tok, loaded.config, loaded.scheme, path, loaded.report)
+    return LoadedModel(
+        model, tok, loaded.config, loaded.scheme, path, loaded.report, loaded.algorithm
+    )

@@ -57,7 +57,7 @@ class QuantLinear(nn.Module):
         self.out_features = out_features
         self.scheme = scheme
         n, k = out_features, in_features
-        if scheme.is_int:
+        if scheme.kind == "int4":
             groups = scheme.groups(k)
             self.register_buffer(
                 "weight_packed", torch.empty(n, (k + 7) // 8, dtype=torch.int32, device=device)
@@ -125,7 +125,7 @@ class QuantLinear(nn.Module):
         dtype = dtype or (weight.dtype if weight.dtype in SCALE_DTYPES else torch.float32)
         if (codes is None) != (scale is None):
             raise SchemeError("codes and scale: expected both or neither, got only one")
-        if scheme.is_int:
+        if scheme.kind == "int4":
             group = scheme.group_size
             if codes is None:
                 scale, zero = int4_qparams(weight, group_size=group, symmetric=scheme.symmetric)
@@ -145,7 +145,7 @@ class QuantLinear(nn.Module):
         return cls.from_tensors(tensors, scheme=scheme)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scheme.is_int:
+        if self.scheme.kind == "int4":
             return self._prepared_int4()(x)
         return self._prepared_fp8()(x)
 

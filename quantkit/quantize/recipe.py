@@ -1,0 +1,195 @@
+"""Quantize a model and write its checkpoint: the one path `quantkit quantize` and the embedded
+default's first use share.
+
+A `Recipe` is what the user asked for (model, format, algorithm, calibration); `quantize_and_save`
+tokenizes the calibration text before any model work (a bad file fails fast), runs the pipeline,
+optionally scores the reference and the quantized model with a caller-supplied function (the CLI
+passes held-out perplexity; this layer does not import the evals), builds the report that
+quantkit.json stores, and writes the checkpoint atomically.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quantkit.errors import SchemeError
+from quantkit.format.checkpoint import check_output_dir, save_checkpoint
+from quantkit.format.scheme import QuantScheme
+from quantkit.models.decoder import CausalLM, build_model
+from quantkit.quantize.algorithms import Algorithm, algorithm_for
+from quantkit.quantize.awq import AwqConfig
+from quantkit.quantize.calibration import calibration_samples, read_calib_file, wiki_split
+from quantkit.quantize.gptq import GptqConfig
+from quantkit.quantize.pipeline import LayerProgress, QuantizeOutcome, quantize_model
+from quantkit.sources.resolve import resolve_model
+from quantkit.sources.tokenizer import load_tokenizer
+
+BUNDLED_CALIBRATION = "wikipedia (bundled articles, calibration split)"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Where calibration text comes from and how much of it the statistics use."""
+
+    path: Path | None = None  # None: the bundled Wikipedia articles (calibration split)
+    samples: int | None = None  # windows; None: the algorithm's default
+    seq_len: int = 512
+    seed: int = 0
+
+    def check(self) -> None:
+        if (self.samples is not None and self.samples < 1) or self.seq_len < 16:
+            raise SchemeError(
+                f"--calib-samples >= 1 and --calib-seq-len >= 16 expected, got {self.samples} "
+                f"and {self.seq_len}"
+            )
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: str  # a local HF directory, a .gguf file or the embedded default's name
+    scheme: QuantScheme
+    algorithm: str | None = None  # None: the format's default (awq for int4, gptq for fp8)
+    calibration: Calibration = field(default_factory=Calibration)
+    awq: AwqConfig = field(default_factory=AwqConfig)
+    gptq: GptqConfig = field(default_factory=GptqConfig)
+
+    def method(self) -> Algorithm:
+        return algorithm_for(self.algorithm, self.scheme)
+
+
+@dataclass
+class Hooks:
+    """What the caller sees of long work: each decoder layer's report, a line of text, and an
+    optional scorer (model -> perplexity) run on the reference and the quantized model."""
+
+    on_layer: Callable[[LayerProgress], None] | None = None
+    on_start: Callable[[Algorithm, int], None] | None = None  # (algorithm, layer count)
+    score: Callable[[CausalLM, str], dict[str, Any]] | None = None  # (model, "reference"|...)
+
+
+def quantize_and_save(
+    recipe: Recipe,
+    out: Path,
+    *,
+    force: bool = False,
+    home: Path | None = None,
+    progress: bool = True,
+    hooks: Hooks | None = None,
+    extra_report: dict[str, Any] | None = None,
+) -> tuple[QuantizeOutcome, dict[str, Any]]:
+    """Quantize `recipe.model` and write the checkpoint to `out`; returns the outcome and the
+    report stored in quantkit.json."""
+    started = time.perf_counter()
+    hooks = hooks or Hooks()
+    method = recipe.method()
+    cal = recipe.calibration
+    cal.check()
+    check_output_dir(out, force=force)  # fail before minutes of work, not after
+    texts = read_calib_file(cal.path) if cal.path is not None else None
+    model_dir = resolve_model(recipe.model, home=home, progress=progress)
+    n_samples = cal.samples or method.calib_samples
+    calib_ids = None
+    if method.calibrated:
+        # Tokenize and check the calibration text before any model work: a bad file fails fast.
+        tokenizer = load_tokenizer(model_dir)
+        docs = texts if texts is not None else wiki_split(home=home).calibration
+        calib_ids = calibration_samples(
+            docs, tokenizer, n_samples=n_samples, seq_len=cal.seq_len, seed=cal.seed
+        )
+    scores: dict[str, Any] = {}
+
+    def on_loaded(dense: CausalLM) -> None:
+        if hooks.score is not None:
+            scores.update(hooks.score(dense, "reference"))
+        if hooks.on_start is not None:
+            hooks.on_start(method, dense.config.num_layers)
+
+    outcome = quantize_model(
+        model_dir,
+        scheme=recipe.scheme,
+        algorithm=method.name,
+        samples=None if calib_ids is None else lambda: calib_ids,
+        awq=recipe.awq,
+        gptq=recipe.gptq,
+        on_layer=hooks.on_layer,
+        on_loaded=on_loaded,
+    )
+    if hooks.score is not None:
+        t0 = time.perf_counter()
+        scores.update(hooks.score(quantized_model(outcome), "quantized"))
+        outcome.timings["eval_s"] = time.perf_counter() - t0
+    calibration = None
+    if method.calibrated:
+        source = str(cal.path) if cal.path is not None else BUNDLED_CALIBRATION
+        calibration = {
+            "source": source,
+            "samples": n_samples,
+            "seq_len": cal.seq_len,
+            "seed": cal.seed,
+        }
+    report = build_report(
+        outcome, model=recipe.model, calibration=calibration, ppl=scores, gptq=recipe.gptq
+    )
+    report.update(extra_report or {})
+    t0 = time.perf_counter()
+    save_checkpoint(
+        out,
+        source_dir=model_dir,
+        config=outcome.config,
+        tensors=outcome.tensors,
+        scheme=outcome.scheme,
+        algorithm=outcome.algorithm,
+        quantized_modules=outcome.quantized_modules,
+        report=report,
+        force=force,
+    )
+    outcome.timings["write_s"] = time.perf_counter() - t0
+    outcome.timings["total_s"] = time.perf_counter() - started
+    return outcome, report
+
+
+def quantized_model(outcome: QuantizeOutcome) -> CausalLM:
+    """The model to score: dense weights equal to the checkpoint's, or, for W8A8 (activations
+    quantized only at run time), the real quantized modules."""
+    if outcome.scheme.activations == "dynamic":
+        return outcome.runtime_model()
+    return build_model(outcome.config, outcome.dense_state())
+
+
+def build_report(
+    outcome: QuantizeOutcome,
+    *,
+    model: str,
+    calibration: dict[str, Any] | None,
+    ppl: dict[str, Any],
+    gptq: GptqConfig,
+) -> dict[str, Any]:
+    """The `report` of quantkit.json: what was asked, what it cost, what it changed."""
+    reductions = [round(r.loss_reduction, 4) for r in outcome.layer_reports]
+    is_gptq = outcome.algorithm == "gptq"
+    report: dict[str, Any] = {
+        "model": model,
+        "scheme": outcome.scheme.describe(outcome.algorithm),
+        "algorithm": outcome.algorithm,
+        "calibration": calibration,
+        "timings_s": {k: round(v, 2) for k, v in outcome.timings.items()},
+        "bytes_before": outcome.bytes_before,
+        "bytes_after": outcome.bytes_after,
+        "awq_layer_mse_reduction": reductions if outcome.algorithm == "awq" else [],
+        "perplexity": ppl or None,
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+    }
+    if is_gptq:
+        report["gptq"] = asdict(gptq)
+        # Per layer: 1 - GPTQ/RTN of the summed Linear-output error on the calibration inputs.
+        report["gptq_layer_error_reduction"] = reductions
+    return report
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
