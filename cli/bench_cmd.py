@@ -21,10 +21,10 @@ from quantkit.evals.bench_serving import (
     run_bench,
     write_json_atomic,
 )
+from quantkit.format.dtypes import DTYPES
+from quantkit.runtime.options import RuntimeOptions
 from quantkit.serving.metrics import SLO, parse_duration
 from quantkit.serving.workload import LengthDist, parse_rate
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _caps(text: str) -> tuple[int, ...]:
@@ -171,7 +171,7 @@ def _prompt_tokens(tokenizer: object) -> list[int] | None:
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option(
     "--dtype",
-    type=click.Choice(["auto", *_DTYPES]),
+    type=click.Choice(["auto", *DTYPES]),
     default="auto",
     show_default=True,
     help="auto = float32 on CPU, bfloat16 on CUDA.",
@@ -233,12 +233,12 @@ def bench_cmd(
         require_matplotlib()  # fail now, not after minutes of benchmarking
     if threads is not None:
         torch.set_num_threads(_positive(threads, "--threads"))
-    from quantkit.cli.generate_cmd import _act_dtype, _device, _device_name, _load, _set_precision
+    from quantkit.cli.generate_cmd import _act_dtype, _device, _device_name, _load
 
     dev = _device(device)
-    torch_dtype = _DTYPES.get(dtype) or (torch.float32 if dev.type == "cpu" else torch.bfloat16)
-    loaded = _load(ckpt, dtype=torch_dtype, device=dev)
-    _set_precision(loaded, "auto", act_dtype)
+    options = RuntimeOptions.cli(dtype=dtype, device=str(dev), act_dtype=act_dtype)
+    torch_dtype = options.torch_dtype()
+    loaded = _load(ckpt, options)
     scheme = loaded.describe()
     if _act_dtype(loaded) != str(torch_dtype).removeprefix("torch."):
         scheme += f", {_act_dtype(loaded)} activations in the INT4 GEMVs"

@@ -130,9 +130,9 @@ def eval_cmd(
 def _eval_dtype(name: str) -> torch.dtype:
     if name != "auto":
         return getattr(torch, name)
-    from quantkit.runtime.head import cpu_has_bf16
+    from quantkit.cpu import has_bf16_dot
 
     # Models are evaluated on the CPU. Measured on SmolLM2-135M, 4 x 256 tokens, 2 threads:
     # 1495 ms fp32 vs 468 ms bf16 (dense), 1927 vs 510 ms (INT4). Without bf16 instructions
     # bf16 matmuls are emulated and slower than fp32.
-    return torch.bfloat16 if cpu_has_bf16() else torch.float32
+    return torch.bfloat16 if has_bf16_dot() else torch.float32

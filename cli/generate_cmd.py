@@ -14,11 +14,11 @@ import click
 import torch
 
 from quantkit.errors import GenerationError, HardwareError
+from quantkit.format.dtypes import DTYPES, name_of
 from quantkit.grammar.cli_support import GrammarRun, write_atomic
 from quantkit.grammar.compiler import DEFAULT_TIMEOUT_S
 from quantkit.perf.hardware import local_hardware
 from quantkit.perf.roofline import DecodeRoofline, decode_roofline
-from quantkit.runtime.fast_path import ACT_DTYPES, auto_act_dtype, set_act_dtype
 from quantkit.runtime.generate import (
     GenerationResult,
     StreamEvent,
@@ -27,11 +27,9 @@ from quantkit.runtime.generate import (
     eos_token_ids,
     generate,
 )
-from quantkit.runtime.head import HEAD_DTYPES, auto_head_dtype, set_head_dtype
 from quantkit.runtime.loader import LoadedModel, load_model
+from quantkit.runtime.options import ACT_DTYPE_NAMES, RuntimeOptions
 from quantkit.runtime.sampling import SamplingParams
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _device(name: str) -> torch.device:
@@ -42,27 +40,26 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _load(model: str | None, *, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _load(model: str | None, options: RuntimeOptions) -> LoadedModel:
+    """MODEL_OR_CKPT, or the embedded default as INT4 (quantized once on first use)."""
     if model is None:
         from quantkit.quantize.embedded import ensure_embedded_int4
 
-        return load_model(ensure_embedded_int4(), dtype=dtype, device=device)
-    return load_model(model, dtype=dtype, device=device)
+        return load_model(ensure_embedded_int4(), options=options)
+    return load_model(model, options=options)
 
 
-def _set_precision(loaded: LoadedModel, head_dtype: str, act_dtype: str) -> None:
-    """--head-dtype and --act-dtype (`auto` or a dtype name) applied to the loaded model."""
-    quantized = loaded.scheme is not None
-    head = HEAD_DTYPES.get(head_dtype) or auto_head_dtype(loaded.model, quantized=quantized)
-    set_head_dtype(loaded.model, head)
-    act = ACT_DTYPES.get(act_dtype) or auto_act_dtype(loaded.model, quantized=quantized)
-    set_act_dtype(loaded.model, act)
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        if threads < 1:
+            raise GenerationError(f"--threads: expected an integer >= 1, got {threads}")
+        torch.set_num_threads(threads)
 
 
 def _act_dtype(loaded: LoadedModel) -> str:
     """The dtype the C step's GEMVs take their activations in ('float32' without one)."""
     path = getattr(loaded.model, "decode_path", None)
-    return str(path.act_dtype if path is not None else torch.float32).removeprefix("torch.")
+    return name_of(path.act_dtype if path is not None else torch.float32)
 
 
 def _backend(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> str:
@@ -85,7 +82,7 @@ def _backend(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> s
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
-    from quantkit.perf.hardware import cpu_name
+    from quantkit.cpu import cpu_name
 
     threads = torch.get_num_threads()
     return f"cpu ({cpu_name()}, {threads} thread{'s' if threads != 1 else ''})"
@@ -202,14 +199,14 @@ def _print_summary(summary: dict[str, Any]) -> None:
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option(
     "--dtype",
-    type=click.Choice(["auto", *_DTYPES]),
+    type=click.Choice(["auto", *DTYPES]),
     default="auto",
     show_default=True,
     help="Activations and dense weights; auto = float32 on CPU, bfloat16 on CUDA.",
 )
 @click.option(
     "--head-dtype",
-    type=click.Choice(["auto", *HEAD_DTYPES]),
+    type=click.Choice(["auto", *DTYPES]),
     default="auto",
     show_default=True,
     help="dtype of the lm_head matmul; auto = bfloat16 for an INT4/FP8 model on a CPU with bf16 "
@@ -217,7 +214,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
 )
 @click.option(
     "--act-dtype",
-    type=click.Choice(["auto", *ACT_DTYPES]),
+    type=click.Choice(["auto", *ACT_DTYPE_NAMES]),
     default="auto",
     show_default=True,
     help="dtype of the activations inside the INT4 GEMVs of the CPU decode step; auto = "
@@ -273,15 +270,7 @@ def generate_cmd(
     With --json, `generated_tokens` counts every sampled token, the EOS that ended the text
     included; `tokens` lists the output ids (EOS excluded)."""
     # Every check that needs no model first, so bad input fails in milliseconds.
-    grammar = GrammarRun.from_options(
-        schema=schema_file, regex=regex, choices=choices, compile_timeout=compile_timeout
-    )
-    if grammar is not None:
-        prompt = grammar.prompt(prompt)
-    if prompt is None:
-        raise GenerationError("--prompt: expected a prompt (or --schema FILE), got none")
-    if not prompt.strip():
-        raise GenerationError("--prompt: expected some text, got an empty prompt")
+    grammar, prompt = _grammar_and_prompt(prompt, schema_file, regex, choices, compile_timeout)
     params = SamplingParams(
         temperature=temperature,
         top_k=top_k,
@@ -292,50 +281,80 @@ def generate_cmd(
         max_new_tokens=max_new_tokens,
         stop=tuple(stop),
     )
-    if threads is not None:
-        if threads < 1:
-            raise GenerationError(f"--threads: expected an integer >= 1, got {threads}")
-        torch.set_num_threads(threads)
+    _set_threads(threads)
     dev = _device(device)
-    torch_dtype = _DTYPES.get(dtype) or (torch.float32 if dev.type == "cpu" else torch.bfloat16)
-    loaded = _load(model, dtype=torch_dtype, device=dev)
-    _set_precision(loaded, head_dtype, act_dtype)
+    options = RuntimeOptions.cli(
+        dtype=dtype, device=str(dev), head_dtype=head_dtype, act_dtype=act_dtype
+    )
+    loaded = _load(model, options)
     ids = encode_prompt(loaded.tokenizer, prompt, chat=chat)
     eos = eos_token_ids(tokenizer=loaded.tokenizer, config=loaded.config, model_dir=loaded.path)
     processors = []
     if grammar is not None:
         processors = [grammar.processor(loaded, eos_ids=eos, max_new_tokens=max_new_tokens)]
-
-    def stream(event: StreamEvent) -> None:
-        if event.text:
-            sys.stdout.write(event.text)
-            sys.stdout.flush()
-
-    slots = None
-    if compile_step:
-        # The compiled step is specialized to the cache length: warm up with the real one.
-        context = loaded.model.config.max_position_embeddings
-        slots = cache_length([len(ids)], max_new_tokens, context=context)
-        click.echo(
-            "compiling the decode step (a short warm-up run; minutes on a CPU) ...", err=True
-        )
-        warm = SamplingParams(max_new_tokens=min(3, max_new_tokens))
-        generate(loaded.model, [ids], warm, compile=True, cache_len=slots)
+    slots = _warm_compile(loaded, ids, max_new_tokens) if compile_step else None
     result = generate(
         loaded.model,
         [ids],
         params,
         eos_ids=eos,
         tokenizer=loaded.tokenizer,
-        on_token=None if as_json else stream,
+        on_token=None if as_json else _stream,
         compile=compile_step,
         cache_len=slots,
         processors=processors,
     )
-    roof = _roofline(loaded, result, dev)
-    summary = _summary_dict(
-        result, roof, device=dev, backend=_backend(loaded, dev, torch_dtype), loaded=loaded
+    backend = _backend(loaded, dev, options.torch_dtype())
+    summary = _summary_dict(result, _roofline(loaded, result, dev), device=dev, backend=backend,
+                            loaded=loaded)  # fmt: skip
+    _report(summary, result, grammar, as_json=as_json, output=output)
+
+
+def _grammar_and_prompt(
+    prompt: str | None,
+    schema_file: str | None,
+    regex: str | None,
+    choices: tuple[str, ...],
+    compile_timeout: float,
+) -> tuple[GrammarRun | None, str]:
+    """The constraint (if any) and the prompt: --schema alone gets a default prompt."""
+    grammar = GrammarRun.from_options(
+        schema=schema_file, regex=regex, choices=choices, compile_timeout=compile_timeout
     )
+    if grammar is not None:
+        prompt = grammar.prompt(prompt)
+    if prompt is None:
+        raise GenerationError("--prompt: expected a prompt (or --schema FILE), got none")
+    if not prompt.strip():
+        raise GenerationError("--prompt: expected some text, got an empty prompt")
+    return grammar, prompt
+
+
+def _stream(event: StreamEvent) -> None:
+    if event.text:
+        sys.stdout.write(event.text)
+        sys.stdout.flush()
+
+
+def _warm_compile(loaded: LoadedModel, ids: list[int], max_new_tokens: int) -> int:
+    """The compiled step is specialized to the cache length: warm up with the real one."""
+    context = loaded.model.config.max_position_embeddings
+    slots = cache_length([len(ids)], max_new_tokens, context=context)
+    click.echo("compiling the decode step (a short warm-up run; minutes on a CPU) ...", err=True)
+    warm = SamplingParams(max_new_tokens=min(3, max_new_tokens))
+    generate(loaded.model, [ids], warm, compile=True, cache_len=slots)
+    return slots
+
+
+def _report(
+    summary: dict[str, Any],
+    result: GenerationResult,
+    grammar: GrammarRun | None,
+    *,
+    as_json: bool,
+    output: str | None,
+) -> None:
+    """Print the summary (or one JSON object); check and write the constrained output."""
     finish = result.finish_reasons[0]
     if grammar is not None:
         summary.update(grammar.summary(summary["text"], finish, result.stats.decode_latencies_s))

@@ -212,10 +212,11 @@ def main(argv: list[str] | None = None) -> None:
 
     import transformers
 
-    from quantkit.perf.hardware import cpu_name, local_hardware
+    from quantkit.cpu import cpu_name, has_bf16_dot
+    from quantkit.perf.hardware import local_hardware
     from quantkit.perf.roofline import model_kv_bytes_per_token, model_read_bytes
     from quantkit.quantize.embedded import ensure_embedded_int4
-    from quantkit.runtime.head import cpu_has_bf16, set_head_dtype
+    from quantkit.runtime.head import set_head_dtype
     from quantkit.runtime.loader import load_model
     from quantkit.sources.resolve import DEFAULT_MODEL, embedded_gguf_path, resolve_model
 
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> None:
         hf = transformers.AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
         hf.eval()
     engines = [("int4", int4.model, f"{scheme}, fp32 head"), ("dense", dense, "fp32 dense")]
-    if cpu_has_bf16() and "int4" not in args.skip:
+    if has_bf16_dot() and "int4" not in args.skip:
         # The head is half of the INT4 model's traffic: show both, not only the faster one.
         # ... and the CLI's default: bf16 activations in the GEMVs too, where the C step runs.
         from quantkit.runtime.fast_path import auto_act_dtype, set_act_dtype

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from quantkit.errors import EvalError, MissingExtraError
 from quantkit.evals.continuations import plan_batches, score_continuations
 from quantkit.evals.perplexity import perplexity
+from quantkit.format.dtypes import DTYPES
 from quantkit.models.decoder import CausalLM
 from quantkit.runtime.generate import eos_token_ids, generate
 from quantkit.runtime.loader import LoadedModel, load_model
@@ -39,7 +40,6 @@ except ImportError as e:
 
 __all__ = ["QuantkitLM"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Rolling windows and the default context: logits are [T, vocab] fp32 (and log_softmax doubles
 # them), 0.4 GB per 2048 tokens at SmolLM2's 49k vocab; the full 8k context would need 3 GB.
 _DEFAULT_MAX_LENGTH = 2048
@@ -114,12 +114,12 @@ class QuantkitLM(TemplateLM):
         progress: bool | str = True,
     ) -> None:
         super().__init__()
-        if dtype not in _DTYPES:
-            raise EvalError(f"dtype: expected one of {', '.join(_DTYPES)}, got {dtype!r}")
+        if dtype not in DTYPES:
+            raise EvalError(f"dtype: expected one of {', '.join(DTYPES)}, got {dtype!r}")
         if isinstance(pretrained, LoadedModel):
             loaded = pretrained
         else:
-            loaded = load_model(pretrained, dtype=_DTYPES[dtype], device=_device(device))
+            loaded = load_model(pretrained, dtype=DTYPES[dtype], device=_device(device))
         if loaded.tokenizer is None:
             raise EvalError(f"{loaded.path}: expected a model with a tokenizer, got none")
         self.loaded = loaded

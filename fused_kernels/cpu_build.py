@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from quantkit.cpu import cpu_flags
 from quantkit.errors import KernelUnavailableError
 from quantkit.paths import quantkit_home
 
@@ -48,16 +49,6 @@ _VARIANTS: dict[str, tuple[frozenset[str], list[str]]] = {
     "generic": (frozenset(), []),
 }
 _BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fopenmp", "-std=gnu11"]
-
-
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    flags_line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return frozenset(flags_line.split(":", 1)[-1].split())
 
 
 def supported_variants() -> list[str]:

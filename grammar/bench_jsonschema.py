@@ -145,11 +145,11 @@ def _load_model(spec: str | None) -> tuple[Any, str]:
     import torch
 
     from quantkit.quantize.embedded import ensure_embedded_int4
-    from quantkit.runtime.head import auto_head_dtype, set_head_dtype
     from quantkit.runtime.loader import load_model
+    from quantkit.runtime.options import RuntimeOptions
 
-    loaded = load_model(spec or ensure_embedded_int4(), dtype=torch.float32)
-    set_head_dtype(loaded.model, auto_head_dtype(loaded.model, quantized=loaded.scheme is not None))
+    options = RuntimeOptions(dtype="float32", head_dtype="auto")
+    loaded = load_model(spec or ensure_embedded_int4(), options=options)
     kind = loaded.describe()
     head = str(loaded.model.lm_head.weight.dtype).removeprefix("torch.")
     threads = torch.get_num_threads()

@@ -342,8 +342,8 @@ def test_bf16_head_halves_its_bytes_and_keeps_the_logits(
     with pytest.raises(GenerationError, match="head dtype: expected one of"):
         lm_head.set_head_dtype(model, torch.int8)
     # auto: bf16 only for a quantized fp32 model on a CPU with bf16 instructions.
-    monkeypatch.setattr(lm_head, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(lm_head, "has_bf16_dot", lambda: True)
     assert lm_head.auto_head_dtype(model, quantized=True) == torch.bfloat16
     assert lm_head.auto_head_dtype(model, quantized=False) == torch.float32
-    monkeypatch.setattr(lm_head, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(lm_head, "has_bf16_dot", lambda: False)
     assert lm_head.auto_head_dtype(model, quantized=True) == torch.float32

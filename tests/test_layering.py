@@ -1,7 +1,7 @@
 """The layers of ARCHITECTURE.md, enforced: each package imports only what its rule allows.
 
     cli -> evals, grammar -> serving, perf -> quantize -> runtime -> fused_kernels
-        -> sources -> models -> format -> paths -> errors
+        -> sources -> models -> format -> paths, cpu -> errors
 
 Read an arrow as "may import". A package may import itself and everything its rule lists;
 anything else, in particular anything above it, fails this test with the offending line.
@@ -25,16 +25,17 @@ FOLDERS = {
     "cli": "quantkit.cli",
 }
 
-_CORE = ("errors", "paths", "format", "models", "sources")
+_CORE = ("errors", "paths", "cpu", "format", "models", "sources")
 # package (under quantkit.) -> the packages it may import besides itself.
 RULES: dict[str, frozenset[str]] = {
     "": frozenset(),  # quantkit/__init__.py: the version, nothing else
     "errors": frozenset(),
     "paths": frozenset({"errors"}),
+    "cpu": frozenset(),
     "format": frozenset({"errors", "paths"}),
     "models": frozenset({"errors", "paths", "format"}),
     "sources": frozenset({"errors", "paths", "format", "models"}),
-    "fused_kernels": frozenset({"errors", "paths", "format"}),
+    "fused_kernels": frozenset({"errors", "paths", "cpu", "format"}),
     "runtime": frozenset({*_CORE, "fused_kernels"}),
     "quantize": frozenset({*_CORE, "fused_kernels", "runtime"}),
     "perf": frozenset({*_CORE, "fused_kernels", "runtime"}),

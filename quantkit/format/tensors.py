@@ -19,10 +19,10 @@ from collections.abc import Mapping
 import torch
 
 from quantkit.errors import CheckpointError, SchemeError
+from quantkit.format.dtypes import SCALE_DTYPES
 from quantkit.format.packing import pack_int4, pack_zero_points
 from quantkit.format.scheme import QuantScheme
 
-SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SHAPE_DTYPES = (torch.int32, torch.int64)
 
 

@@ -14,15 +14,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import platform
 import re
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from quantkit.cpu import cpu_name
 from quantkit.errors import HardwareError
 from quantkit.paths import quantkit_home
 
@@ -123,16 +122,6 @@ def ridge_point(hardware: Hardware, *, fp8: bool = False) -> float:
             f"ridge point: expected a known {kind} peak, got none for {hardware.name}"
         )
     return flops / hardware.bandwidth
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:  # not Linux
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 def measure_copy_bandwidth(*, seconds: float = 0.5, nbytes: int = 256 * 2**20) -> float:

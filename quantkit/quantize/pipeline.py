@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from quantkit.format.checkpoint import LoadedCheckpoint, dequantize_checkpoint_tensors
+from quantkit.format.dtypes import DTYPES
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import CausalLM, build_model
 from quantkit.models.families import Arch, arch_for
@@ -27,7 +28,6 @@ from quantkit.quantize.layer_walk import LayerErrorReport
 from quantkit.runtime.quant_linear import QuantLinear
 from quantkit.sources.resolve import load_state_dict, read_config
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # What a layer-by-layer quantizer reports after each decoder layer (`index` and
 # `loss_reduction`, the layer's error change against round-to-nearest).
 LayerProgress = LayerErrorReport
@@ -74,7 +74,7 @@ class QuantizeOutcome:
 
 def storage_dtype(config: dict[str, Any]) -> torch.dtype:
     name = str(config.get("torch_dtype") or config.get("dtype") or "float32")
-    return _DTYPES.get(name, torch.float32)
+    return DTYPES.get(name, torch.float32)
 
 
 def load_dense(model_dir: Path) -> tuple[dict[str, Any], CausalLM, int]:

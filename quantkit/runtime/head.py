@@ -15,17 +15,17 @@ transformers token for token keeps the fp32 head (the default for dense models).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantkit.cpu import has_bf16_dot
 from quantkit.errors import GenerationError
+from quantkit.format.dtypes import DTYPES
 from quantkit.fused_kernels.bf16_gemv_cpu import bf16_gemv, bf16_gemv_available
 from quantkit.models.decoder import CausalLM
 
-HEAD_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HEAD_DTYPES = DTYPES
 
 
 # Rows up to which a bf16 head on fp32 activations takes the C GEMV (`bf16_gemv_cpu`) rather
@@ -56,23 +56,12 @@ class CastHead(nn.Module):
         return F.linear(x.to(self.weight.dtype), self.weight)
 
 
-def cpu_has_bf16() -> bool:
-    """True if this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX-BF16)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: assume not, the safe choice
-        return False
-    flags_line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    flags = set(flags_line.split(":", 1)[-1].split())
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
-
-
 def auto_head_dtype(model: CausalLM, *, quantized: bool) -> torch.dtype:
     """bf16 for a quantized fp32 model on a CPU with bf16 instructions, else the model dtype.
 
     Dense models keep their head so that they compute what transformers computes."""
     if quantized and model.dtype == torch.float32 and model.device.type == "cpu":
-        return torch.bfloat16 if cpu_has_bf16() else torch.float32
+        return torch.bfloat16 if has_bf16_dot() else torch.float32
     return model.dtype
 
 

@@ -10,10 +10,13 @@ from typing import Any
 import torch
 
 from quantkit.format.checkpoint import load_checkpoint
+from quantkit.format.dtypes import DTYPES, name_of
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import CausalLM, build_model
-from quantkit.runtime.fast_path import enable_cpu_decode
+from quantkit.runtime.fast_path import auto_act_dtype, enable_cpu_decode, set_act_dtype
 from quantkit.runtime.fusion import fuse_projections
+from quantkit.runtime.head import auto_head_dtype, set_head_dtype
+from quantkit.runtime.options import RuntimeOptions
 from quantkit.runtime.quant_linear import QuantLinear
 from quantkit.sources.resolve import resolve_model
 from quantkit.sources.tokenizer import load_tokenizer
@@ -37,13 +40,19 @@ class LoadedModel:
 def load_model(
     spec: str | Path,
     *,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
+    options: RuntimeOptions | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
     tokenizer: bool = True,
 ) -> LoadedModel:
     """A ready-to-run model. Quantized Linears become `QuantLinear` (their tensors stay
-    compressed); everything else is cast to `dtype` (fp32 by default: this CPU has no bf16
-    instructions, so bf16 matmuls are several times slower than fp32 here)."""
+    compressed); everything else is cast to the options' dtype, and the lm_head and the C
+    step's activations get the options' precision. `dtype`/`device` are shorthands for
+    `RuntimeOptions(dtype=..., device=...)` (default fp32 on CPU, head and activations as
+    stored)."""
+    options = options or RuntimeOptions(
+        dtype=name_of(dtype) if dtype is not None else "float32", device=str(device or "cpu")
+    )
     path = resolve_model(spec)
     loaded = load_checkpoint(path)
     modules: dict[str, torch.nn.Module] = {}
@@ -52,14 +61,33 @@ def load_model(
             local = loaded.module_tensors(name)
             bias = local.pop("bias", None)
             modules[name] = QuantLinear.from_tensors(local, scheme=loaded.scheme, bias=bias)
-    model = build_model(loaded.config, loaded.tensors, dtype=dtype, modules=modules)
-    model = model.to(device)
+    model = build_model(loaded.config, loaded.tensors, dtype=options.torch_dtype(), modules=modules)
+    model = model.to(options.device)
     # q/k/v and gate/up as one matmul each (row views, no extra memory; see
     # quantkit.runtime.fusion).
     fuse_projections(model)
     # INT4 on CPU: one-token steps run every layer in one C call (quantkit.runtime.fast_path).
     enable_cpu_decode(model)
+    _apply_precision(model, options, quantized=loaded.scheme is not None)
     tok = load_tokenizer(path) if tokenizer else None
     return LoadedModel(
         model, tok, loaded.config, loaded.scheme, path, loaded.report, loaded.algorithm
     )
+
+
+def _apply_precision(model: CausalLM, options: RuntimeOptions, *, quantized: bool) -> None:
+    """The lm_head's dtype, then the C step's activation dtype ("model" leaves each as is)."""
+    if options.head_dtype != "model":
+        head = (
+            auto_head_dtype(model, quantized=quantized)
+            if options.head_dtype == "auto"
+            else DTYPES[options.head_dtype]
+        )
+        set_head_dtype(model, head)
+    if options.act_dtype != "model":
+        act = (
+            auto_act_dtype(model, quantized=quantized)
+            if options.act_dtype == "auto"
+            else DTYPES[options.act_dtype]
+        )
+        set_act_dtype(model, act)
