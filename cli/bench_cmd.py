@@ -8,10 +8,12 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 import torch
 
+from quantkit.cli.generate_cmd import _act_dtype, _device, _device_name, _load
 from quantkit.errors import GenerationError
 from quantkit.evals.bench_serving import (
     BenchConfig,
@@ -21,7 +23,8 @@ from quantkit.evals.bench_serving import (
     run_bench,
     write_json_atomic,
 )
-from quantkit.format.dtypes import DTYPES
+from quantkit.format.dtypes import DTYPES, name_of
+from quantkit.runtime.loader import LoadedModel
 from quantkit.runtime.options import RuntimeOptions
 from quantkit.serving.metrics import SLO, parse_duration
 from quantkit.serving.workload import LengthDist, parse_rate
@@ -233,40 +236,50 @@ def bench_cmd(
         require_matplotlib()  # fail now, not after minutes of benchmarking
     if threads is not None:
         torch.set_num_threads(_positive(threads, "--threads"))
-    from quantkit.cli.generate_cmd import _act_dtype, _device, _device_name, _load
-
     dev = _device(device)
-    options = RuntimeOptions.cli(dtype=dtype, device=str(dev), act_dtype=act_dtype)
-    torch_dtype = options.torch_dtype()
-    loaded = _load(ckpt, options)
-    scheme = loaded.describe()
-    if _act_dtype(loaded) != str(torch_dtype).removeprefix("torch."):
-        scheme += f", {_act_dtype(loaded)} activations in the INT4 GEMVs"
-    click.echo(f"model   {loaded.path} ({scheme}) on {_device_name(dev)}", err=True)
-
-    def progress(setting: Setting, record: dict) -> None:
-        click.echo(
-            f"  {setting.describe()}: {record['throughput_tok_s']:.1f} tok/s, TPOT p99 "
-            f"{record['tpot_ms_p99'] or math.nan:.1f} ms",
-            err=True,
-        )
-
+    loaded = _load(ckpt, RuntimeOptions.cli(dtype=dtype, device=str(dev), act_dtype=act_dtype))
     tokens = None
     if prompts == "text" and loaded.tokenizer is not None:
         tokens = _prompt_tokens(loaded.tokenizer)
-    report = run_bench(
-        loaded.model,
-        config,
-        source_tokens=tokens,
-        on_record=progress,
-        meta={
-            "model": str(loaded.path),
-            "scheme": scheme,
-            "act_dtype": _act_dtype(loaded),
-            "device_name": _device_name(dev),
-            "prompts": "held-out Wikipedia text" if tokens else "random token ids",
-        },
+    meta = _meta(loaded, dev, text_prompts=tokens is not None)
+    click.echo(f"model   {meta['model']} ({meta['scheme']}) on {meta['device_name']}", err=True)
+    report = run_bench(loaded.model, config, source_tokens=tokens, on_record=_progress, meta=meta)
+    _print_report(report)
+    if json_file is not None:
+        write_json_atomic(Path(json_file), report)
+        click.echo(f"wrote {json_file}")
+    if plot_dir is not None:
+        from quantkit.evals.plots import write_plots
+
+        for path in write_plots(report, Path(plot_dir)):
+            click.echo(f"wrote {path}")
+    sys.stdout.flush()
+
+
+def _meta(loaded: LoadedModel, dev: torch.device, *, text_prompts: bool) -> dict[str, Any]:
+    """What the report says about the model and the machine it ran on."""
+    scheme = loaded.describe()
+    act = _act_dtype(loaded)
+    if act != name_of(loaded.model.dtype):
+        scheme += f", {act} activations in the INT4 GEMVs"
+    return {
+        "model": str(loaded.path),
+        "scheme": scheme,
+        "act_dtype": act,
+        "device_name": _device_name(dev),
+        "prompts": "held-out Wikipedia text" if text_prompts else "random token ids",
+    }
+
+
+def _progress(setting: Setting, record: dict) -> None:
+    click.echo(
+        f"  {setting.describe()}: {record['throughput_tok_s']:.1f} tok/s, TPOT p99 "
+        f"{record['tpot_ms_p99'] or math.nan:.1f} ms",
+        err=True,
     )
+
+
+def _print_report(report: dict[str, Any]) -> None:
     click.echo(format_table(report["records"]))
     for line in format_summary(report["records"]):
         click.echo(line)
@@ -277,12 +290,3 @@ def bench_cmd(
             f"machine {roof['name']}: {bandwidth:.1f} GB/s ({roof['bandwidth_source']}), "
             f"{flops:,.0f} GFLOP/s ({roof['flops_source']})"
         )
-    if json_file is not None:
-        write_json_atomic(Path(json_file), report)
-        click.echo(f"wrote {json_file}")
-    if plot_dir is not None:
-        from quantkit.evals.plots import write_plots
-
-        for path in write_plots(report, Path(plot_dir)):
-            click.echo(f"wrote {path}")
-    sys.stdout.flush()
