@@ -70,7 +70,7 @@ def _backend(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> s
     act_note = "" if act == kind else f" ({act} in the INT4 GEMVs)"
     if loaded.scheme is None:
         return f"dense {kind} (torch){head_note}"
-    from quantkit.fused_kernels.dispatch import resolve_backend
+    from quantkit.fused_kernels.kernel_registry import resolve_backend
 
     # resolve_backend, not choose_backend: the kernel that ran, after any fallback.
     return (

@@ -37,7 +37,7 @@ import torch
 
 from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.bench_fp8 import FP8_IMPLS, fp8_op
-from quantkit.fused_kernels.dispatch import prepare_int4
+from quantkit.fused_kernels.prepared_linear import prepare_int4
 from quantkit.fused_kernels.w4a16_reference import w4a16_linear_reference
 
 # (name, N = out, K = in, linears of this shape per decoder layer)

@@ -20,7 +20,8 @@ from collections.abc import Callable
 import torch
 
 from quantkit.format.scheme import QuantScheme
-from quantkit.fused_kernels.fp8_dispatch import PreparedFp8, prepare_fp8
+from quantkit.fused_kernels.prepared_linear import PreparedLinear as PreparedFp8
+from quantkit.fused_kernels.prepared_linear import prepare_fp8
 
 FP8_IMPLS = ("fp8", "fp8-w8a8", "scaled-mm")
 _W8A16 = QuantScheme("fp8")

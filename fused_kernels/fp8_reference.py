@@ -1,7 +1,7 @@
 """Pure-torch reference of the FP8 linear (W8A16 and dynamic per-token W8A8).
 
-The oracle of the FP8 kernels (`fp8_cpu`, `fp8_triton`) and the `reference` backend of
-`fp8_dispatch`.
+The oracle of the FP8 kernels (`fp8_cpu`, `fp8_triton`) and the `reference-fp8` entry of
+`kernel_registry`.
 Weights are compressed-tensors `float-quantized`: float8_e4m3fn [N, K] with a per-output-channel
 scale [N, 1] (see `quantkit.format.packing`).
 """

@@ -11,7 +11,7 @@ epilogue, after the K loop, not per weight.
   each activation row to fp8 with its own scale (row absmax / 448), bit-identical to
   `quantkit.format.packing.quantize_fp8_per_token`; the GEMM then runs `tl.dot` on fp8 operands and
   scales the fp32 result by sx * sw. On an older GPU this launcher refuses W8A8
-  (`KernelUnavailableError`); `fp8_dispatch` falls back to W8A16 with one warning line.
+  (`KernelUnavailableError`); `prepared_linear` falls back to W8A16 with one warning line.
 - `_fp8_gemm_kernel` (prefill, M > 16): tiles [BLOCK_M, BLOCK_N], K loop, grouped program order
   for L2 reuse (the Triton matmul tutorial's).
 - `_fp8_gemv_kernel` (decode, M <= 16): one program per (BLOCK_N rows, K split), all activation

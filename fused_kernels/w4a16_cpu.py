@@ -121,7 +121,7 @@ def w4a16_linear_cpu(
     """y [..., N] = x [..., K] @ dequant(W).T (+ bias), fp32 accumulation, in x.dtype.
 
     `group_size` is resolved (in_features for per channel). `check=False` skips the operand
-    checks for callers that ran them once already (`PreparedInt4`). `variant` picks the
+    checks for callers that ran them once already (`PreparedLinear`). `variant` picks the
     instruction set (`cpu_build.supported_variants()`; default the best), for tests and benches.
     """
     if check:

@@ -22,7 +22,7 @@ interpreter and for fp32 activations).
   dequantized W); tests compare it bit for bit with `quantkit.format.packing`.
 
 This module imports Triton at its top (the kernels are decorated at import); nothing imports it
-except `dispatch` and tests, lazily. Under `TRITON_INTERPRET=1` (set before this module is
+except `kernel_registry` and tests, lazily. Under `TRITON_INTERPRET=1` (set before this module is
 imported: `triton.jit` reads it at decoration time) the kernels run on CPU tensors.
 """
 

@@ -1,6 +1,7 @@
 """Backend choice, fallbacks and the public INT4 entry points (`int4_linear`, `prepare_int4`).
 
-The Triton-backed dispatch path is tested under the interpreter in test_kernels_triton.py.
+The Triton-backed path is tested under the interpreter in test_kernels_triton.py; the registry's
+walk itself in test_kernel_registry.py.
 """
 
 from __future__ import annotations
@@ -14,13 +15,8 @@ import quantkit.fused_kernels.w4a16_cpu as cpu
 from quantkit.errors import KernelUnavailableError, SchemeError
 from quantkit.format.packing import int4_qparams, int4_quantize, pack_int4, pack_zero_points
 from quantkit.format.scheme import QuantScheme
-from quantkit.fused_kernels.dispatch import (
-    PreparedInt4,
-    choose_backend,
-    int4_linear,
-    prepare_int4,
-    resolve_backend,
-)
+from quantkit.fused_kernels.kernel_registry import choose_kernel, resolve_backend
+from quantkit.fused_kernels.prepared_linear import PreparedLinear, int4_linear, prepare_int4
 from quantkit.fused_kernels.w4a16_reference import w4a16_linear_reference
 
 SCHEME = QuantScheme("int4", group_size=64)
@@ -51,16 +47,15 @@ def layer():
     return pack_int4(codes), scale.to(torch.bfloat16), pack_zero_points(zero)
 
 
-def test_choose_backend_by_device_and_override(monkeypatch) -> None:
-    assert choose_backend(torch.device("cpu")) == "cpu"
-    assert choose_backend(torch.device("cuda")) == "triton"
-    assert choose_backend(torch.device("meta")) == "reference"
+def test_choose_kernel_by_device_and_override(monkeypatch) -> None:
+    assert choose_kernel(SCHEME, torch.device("cpu")).name == "cpu-int4"
+    assert choose_kernel(SCHEME, torch.device("meta")).name == "reference-int4"
     monkeypatch.setenv("QUANTKIT_BACKEND", "reference")
-    assert choose_backend(torch.device("cpu")) == "reference"
-    assert choose_backend(torch.device("cpu"), override="cpu") == "cpu"  # the argument wins
+    assert choose_kernel(SCHEME, torch.device("cpu")).name == "reference-int4"
+    assert choose_kernel(SCHEME, "cpu", override="cpu").name == "cpu-int4"  # the argument wins
     monkeypatch.setenv("QUANTKIT_BACKEND", "cuda-magic")
     with pytest.raises(KernelUnavailableError, match="expected one of triton, cpu, reference"):
-        choose_backend(torch.device("cpu"))
+        choose_kernel(SCHEME, torch.device("cpu"))
 
 
 def test_triton_on_cpu_falls_back_with_one_warning(monkeypatch, layer) -> None:
@@ -109,8 +104,9 @@ def test_int4_linear_matches_reference(backend: str, layer) -> None:
 def test_prepared_layer(layer) -> None:
     bias = torch.randn(72, dtype=torch.bfloat16)
     prepared = prepare_int4(*layer, scheme=SCHEME, in_features=256, bias=bias)
-    assert isinstance(prepared, PreparedInt4)
-    assert prepared.backend == "cpu" and prepared.out_features == 72
+    assert isinstance(prepared, PreparedLinear)
+    assert prepared.backend == "cpu" and prepared.kernel == "cpu-int4"
+    assert prepared.out_features == 72
     packed, scale, zero = layer
     assert prepared.nbytes == 72 * 32 * 4 + 72 * 4 * 2 + 9 * 4 * 4 + 72 * 2
     x = torch.randn(4, 256, dtype=torch.bfloat16)

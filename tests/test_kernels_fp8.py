@@ -21,10 +21,10 @@ import quantkit.fused_kernels.fp8_cpu as fc
 from quantkit.errors import KernelUnavailableError, SchemeError
 from quantkit.format.packing import dequantize_fp8, quantize_fp8, quantize_fp8_per_token
 from quantkit.format.scheme import QuantScheme
-from quantkit.fused_kernels import fp8_dispatch
 from quantkit.fused_kernels.cpu_build import supported_variants
-from quantkit.fused_kernels.fp8_dispatch import fp8_linear, prepare_fp8, resolve_fp8_backend
 from quantkit.fused_kernels.fp8_reference import fp8_linear_reference
+from quantkit.fused_kernels.kernel_registry import Kernel, resolve_backend
+from quantkit.fused_kernels.prepared_linear import fp8_linear, prepare_fp8
 
 VARIANTS = supported_variants()
 W8A16 = QuantScheme("fp8")
@@ -243,18 +243,18 @@ def test_cpu_rejects_bad_inputs() -> None:
 
 
 def test_backend_choice_and_fallback(monkeypatch) -> None:
-    assert resolve_fp8_backend(torch.device("cpu")) == "cpu"
-    assert resolve_fp8_backend(torch.device("meta")) == "reference"
+    assert resolve_backend(torch.device("cpu"), kind="fp8") == "cpu"
+    assert resolve_backend(torch.device("meta"), kind="fp8") == "reference"
     monkeypatch.setenv("QUANTKIT_BACKEND", "reference")
-    assert resolve_fp8_backend(torch.device("cpu")) == "reference"
+    assert resolve_backend(torch.device("cpu"), kind="fp8") == "reference"
     monkeypatch.setenv("QUANTKIT_BACKEND", "triton")  # CPU tensors without the interpreter
     with pytest.warns(RuntimeWarning) as caught:
-        assert resolve_fp8_backend(torch.device("cpu")) == "cpu"
+        assert resolve_backend(torch.device("cpu"), kind="fp8") == "cpu"
     assert len(caught) == 1 and "\n" not in str(caught[0].message)
     assert "triton backend unavailable" in str(caught[0].message)
     monkeypatch.setenv("QUANTKIT_BACKEND", "cuda")
     with pytest.raises(KernelUnavailableError, match="expected one of triton, cpu, reference"):
-        resolve_fp8_backend(torch.device("cpu"))
+        resolve_backend(torch.device("cpu"), kind="fp8")
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
@@ -276,7 +276,7 @@ def test_prepared_and_unprepared_match_reference(backend: str, scheme: QuantSche
 def test_w8a8_without_fp8_matmuls_falls_back_to_w8a16(monkeypatch) -> None:
     """A device without fp8 matmuls (a CUDA GPU before sm_89; faked here) runs W8A8 layers as
     W8A16 and says so in one warning line."""
-    monkeypatch.setattr(fp8_dispatch, "w8a8_supported", lambda backend, device: False)
+    monkeypatch.setattr(Kernel, "supports_w8a8", lambda kernel, device: False)
     w8, scale = make_layer(72, 256)
     x = torch.randn(2, 256)
     with pytest.warns(RuntimeWarning) as caught:
@@ -315,14 +315,14 @@ def test_quant_linear_runs_the_cpu_kernel_once_prepared() -> None:
         q = QuantLinear.from_float(linear, scheme=scheme)
         x = torch.randn(2, 5, 256).bfloat16()
         y = q(x)
-        prepared = q._prepared_fp8()
-        assert prepared.backend == "cpu" and q._prepared_fp8() is prepared  # cached
+        prepared = q._prepared()
+        assert prepared.backend == "cpu" and q._prepared() is prepared  # cached
         act = scheme.activations == "dynamic"
         ref = fp8_linear_reference(x, q.weight, q.weight_scale, act_dynamic=act, bias=q.bias)
         torch.testing.assert_close(y, ref, rtol=2.0**-7, atol=1e-2)
         q.half()  # a new scale tensor: prepared again, for the new dtype
-        assert q._prepared_fp8() is not prepared
-        assert q._prepared_fp8().weight_scale.dtype == torch.float16
+        assert q._prepared() is not prepared
+        assert q._prepared().weights.weight_scale.dtype == torch.float16
         torch.testing.assert_close(copy.deepcopy(q)(x.half()), q(x.half()), rtol=0, atol=0)
 
 

@@ -166,7 +166,7 @@ def test_triton_rejects_bad_inputs(tk) -> None:
 @interpreted
 def test_dispatch_runs_triton_and_falls_back_from_w8a8(tk, monkeypatch) -> None:
     from quantkit.format.scheme import QuantScheme
-    from quantkit.fused_kernels.fp8_dispatch import prepare_fp8
+    from quantkit.fused_kernels.prepared_linear import prepare_fp8
 
     monkeypatch.setenv("QUANTKIT_BACKEND", "triton")
     w8a8 = QuantScheme("fp8", activations="dynamic")

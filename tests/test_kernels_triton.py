@@ -244,7 +244,8 @@ def test_triton_rejects_bad_inputs(tk) -> None:
 @interpreted
 def test_dispatch_runs_triton_under_interpreter(tk, monkeypatch) -> None:
     from quantkit.format.scheme import QuantScheme
-    from quantkit.fused_kernels.dispatch import int4_linear, prepare_int4, resolve_backend
+    from quantkit.fused_kernels.kernel_registry import resolve_backend
+    from quantkit.fused_kernels.prepared_linear import int4_linear, prepare_int4
 
     monkeypatch.setenv("QUANTKIT_BACKEND", "triton")
     assert resolve_backend(torch.device("cpu")) == "triton"

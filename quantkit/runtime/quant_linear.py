@@ -26,8 +26,8 @@ from quantkit.format.tensors import (
     fp8_tensors,
     int4_tensors,
 )
-from quantkit.fused_kernels.dispatch import PreparedInt4, prepare_int4
-from quantkit.fused_kernels.fp8_dispatch import PreparedFp8, prepare_fp8
+from quantkit.fused_kernels.packed_weights import packed_weights
+from quantkit.fused_kernels.prepared_linear import PreparedLinear, prepare_linear
 
 # --------------------------------------------------------------------------- the module
 
@@ -145,47 +145,24 @@ class QuantLinear(nn.Module):
         return cls.from_tensors(tensors, scheme=scheme)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.scheme.kind == "int4":
-            return self._prepared_int4()(x)
-        return self._prepared_fp8()(x)
+        return self._prepared()(x)
 
-    def _prepared_int4(self) -> PreparedInt4:
-        """The kernel bound to this layer's tensors, made on first use and again whenever a
-        tensor is replaced (`.to()`, `load_state_dict(assign=True)`) or QUANTKIT_BACKEND changes.
+    def _prepared(self) -> PreparedLinear:
+        """The kernel the registry chose, bound to this layer's tensors: made on first use and
+        again whenever a buffer is replaced (`.to()`, `load_state_dict(assign=True)`) or
+        QUANTKIT_BACKEND changes.
 
-        Checking the operands and choosing the backend on every call cost ~15 us a linear, ~3 ms
-        of a SmolLM2-135M decode step (210 linears)."""
-        key = (
-            self.weight_packed,
-            self.weight_scale,
-            self.weight_zero_point,
-            self.bias,
-            os.environ.get("QUANTKIT_BACKEND"),
-        )
-        cached = self.__dict__.get("_int4_cache")
+        Checking the operands and choosing the kernel on every call cost ~15 us a linear, ~3 ms
+        of a SmolLM2-135M decode step (210 linears); the FP8 cpu kernel also scans the weight
+        for NaN codes once, here, not per call."""
+        key = (*self._buffers.values(), os.environ.get("QUANTKIT_BACKEND"))
+        cached = self.__dict__.get("_prepared_cache")
         if cached is not None and all(a is b for a, b in zip(cached[0], key, strict=True)):
             return cached[1]
-        prepared = prepare_int4(
-            self.weight_packed,
-            self.weight_scale,
-            self.weight_zero_point,
-            scheme=self.scheme,
-            in_features=self.in_features,
-            bias=self.bias,
-        )
+        weights = packed_weights(self._buffers, scheme=self.scheme, in_features=self.in_features)
+        prepared = prepare_linear(weights, scheme=self.scheme, bias=self.bias)
         # In __dict__, not as a submodule or buffer: state_dict() and .to() never see it.
-        self.__dict__["_int4_cache"] = (key, prepared)
-        return prepared
-
-    def _prepared_fp8(self) -> PreparedFp8:
-        """The FP8 kernel bound to this layer's tensors, cached like `_prepared_int4` (the
-        cpu backend also scans the weight for NaN codes once, here, not per call)."""
-        key = (self.weight, self.weight_scale, self.bias, os.environ.get("QUANTKIT_BACKEND"))
-        cached = self.__dict__.get("_fp8_cache")
-        if cached is not None and all(a is b for a, b in zip(cached[0], key, strict=True)):
-            return cached[1]
-        prepared = prepare_fp8(self.weight, self.weight_scale, scheme=self.scheme, bias=self.bias)
-        self.__dict__["_fp8_cache"] = (key, prepared)
+        self.__dict__["_prepared_cache"] = (key, prepared)
         return prepared
 
     def weight_bytes(self) -> int:
