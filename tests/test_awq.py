@@ -12,7 +12,6 @@ from safetensors.torch import load_file
 
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import build_model
-from quantkit.models.families import arch_for
 from quantkit.quantize.awq import AwqConfig, _fold, awq_quantize
 from quantkit.quantize.rtn import rtn_quantize_weight
 
@@ -36,7 +35,7 @@ def test_fold_preserves_the_function(tiny_llama_dir: Path) -> None:
     with torch.no_grad():
         before = model(ids)
         layer = model.model.layers[0]
-        for group in arch_for(config).scale_groups:
+        for group in model.family.scale_groups:
             k = layer.get_submodule(group.linears[0]).in_features
             _fold(layer, group, torch.rand(k) + 0.5)
         after = model(ids)
@@ -48,9 +47,7 @@ def test_awq_beats_rtn_per_layer(tiny_llama_dir: Path, group_size: int, symmetri
     config, model = _tiny(tiny_llama_dir)
     scheme = QuantScheme("int4", group_size, symmetric)
     cfg = AwqConfig(grid=10, search_tokens=128, clip_tokens=64, batch_sequences=4)
-    weights, reports = awq_quantize(
-        model, _samples(), scheme=scheme, arch=arch_for(config), cfg=cfg
-    )
+    weights, reports = awq_quantize(model, _samples(), scheme=scheme, cfg=cfg)
     assert len(weights) == 2 * 7
     for r in reports:
         # Identity is always a candidate and clipping only lowers per-group error, so the

@@ -71,17 +71,12 @@ def test_bench_reports_the_activation_dtype(
 ) -> None:
     """An INT4 model on the C step: `auto` takes bf16 activations where the CPU has AVX512-BF16,
     and the roofline's compute roof is then a bf16 matmul's."""
-    from quantkit.format.checkpoint import save_checkpoint
     from quantkit.format.scheme import QuantScheme
     from quantkit.quantize.pipeline import quantize_model
     from quantkit.runtime.fast_path import bf16_activations_available
 
     outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("int4", "auto"))
-    ckpt = save_checkpoint(
-        tmp_path / "int4", source_dir=tiny_model_dir, config=outcome.config,
-        tensors=outcome.tensors, scheme=outcome.scheme, algorithm=outcome.algorithm,
-        quantized_modules=outcome.quantized_modules, report={},
-    )  # fmt: skip
+    ckpt = outcome.save(tmp_path / "int4", source_dir=tiny_model_dir)
     report_path = tmp_path / "bench.json"
     code, out, err = run(
         capsys, "bench", str(ckpt), *SMALL, "--rates", "inf", "--modes", "continuous",

@@ -74,21 +74,11 @@ def _one_error_line(code: int, err: str, *needles: str) -> None:
 
 @pytest.fixture(scope="module")
 def rtn_ckpt(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from quantkit.format.checkpoint import save_checkpoint
     from quantkit.format.scheme import QuantScheme
     from quantkit.quantize.pipeline import quantize_model
 
     outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("int4", "auto"))
-    return save_checkpoint(
-        tmp_path_factory.mktemp("ckpt") / "tiny-rtn",
-        source_dir=tiny_model_dir,
-        config=outcome.config,
-        tensors=outcome.tensors,
-        scheme=outcome.scheme,
-        algorithm=outcome.algorithm,
-        quantized_modules=outcome.quantized_modules,
-        report={},
-    )
+    return outcome.save(tmp_path_factory.mktemp("ckpt") / "tiny-rtn", source_dir=tiny_model_dir)
 
 
 @pytest.fixture()

@@ -31,22 +31,12 @@ def _one_line_error(code: int, err: str, *needles: str) -> None:
 
 @pytest.fixture(scope="module")
 def int4_ckpt(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from quantkit.format.checkpoint import save_checkpoint
     from quantkit.format.scheme import QuantScheme
     from quantkit.quantize.pipeline import quantize_model
 
     outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("int4", "auto"))
     out = tmp_path_factory.mktemp("ckpt") / "tiny-rtn-int4"
-    return save_checkpoint(
-        out,
-        source_dir=tiny_model_dir,
-        config=outcome.config,
-        tensors=outcome.tensors,
-        scheme=outcome.scheme,
-        algorithm=outcome.algorithm,
-        quantized_modules=outcome.quantized_modules,
-        report={},
-    )
+    return outcome.save(out, source_dir=tiny_model_dir)
 
 
 def test_json_has_the_documented_keys(tiny_model_dir: Path, capsys) -> None:

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit.format.checkpoint import save_checkpoint
 from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.decode_cpu import CpuDecodeStep, DecoderDims
 from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
@@ -26,16 +25,7 @@ PROMPTS = [[5, 17, 99, 3, 250, 31], [7, 8]]
 
 def _int4_checkpoint(src: Path, out: Path, *, group: int | str = "auto", sym: bool = False):
     outcome = quantize_model(src, scheme=QuantScheme("int4", group, sym))
-    return save_checkpoint(
-        out,
-        source_dir=src,
-        config=outcome.config,
-        tensors=outcome.tensors,
-        scheme=outcome.scheme,
-        algorithm=outcome.algorithm,
-        quantized_modules=outcome.quantized_modules,
-        report={},
-    )
+    return outcome.save(out, source_dir=src)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ from quantkit.format.packing import FP8_MAX, dequantize_packed_int4, fp8_codes, 
 from quantkit.format.scheme import QuantScheme
 from quantkit.format.tensors import check_module_tensors
 from quantkit.models.decoder import build_model
-from quantkit.models.families import arch_for
 from quantkit.quantize.algorithms import algorithm_for
 from quantkit.quantize.gptq import (
     GptqConfig,
@@ -174,7 +173,6 @@ def test_layer_by_layer_on_tiny_model(
     weights, reports = gptq_quantize(
         model,
         _samples(),
-        arch=arch_for(config),
         scheme=scheme,
         cfg=cfg,
         on_layer=lambda r: seen.append(r.index),

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from quantkit.errors import CheckpointError, ModelSourceError
-from quantkit.format.checkpoint import save_checkpoint
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import build_model
 from quantkit.quantize.pipeline import quantize_model
@@ -21,16 +20,7 @@ def test_checkpoint_runs_like_dequantized_model(
     tmp_path: Path, tiny_model_dir: Path, group_size: int, symmetric: bool
 ) -> None:
     outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("int4", group_size, symmetric))
-    out = save_checkpoint(
-        tmp_path / "ckpt",
-        source_dir=tiny_model_dir,
-        config=outcome.config,
-        tensors=outcome.tensors,
-        scheme=outcome.scheme,
-        algorithm=outcome.algorithm,
-        quantized_modules=outcome.quantized_modules,
-        report={},
-    )
+    out = outcome.save(tmp_path / "ckpt", source_dir=tiny_model_dir)
     loaded = load_model(out)
     assert loaded.scheme == outcome.scheme
     assert isinstance(loaded.model.model.layers[0].mlp.down_proj, QuantLinear)

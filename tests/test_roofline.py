@@ -232,7 +232,8 @@ def test_shape_from_config_and_file(tmp_path: Path) -> None:
     shape = ModelShape.from_config({**SMOLLM2_135M, "head_dim": None})
     assert (shape.head_dim, shape.kv_heads, shape.tied_embeddings) == (64, 3, True)
     qwen = ModelShape.from_config({**LLAMA_31_8B, "model_type": "qwen2"})
-    assert qwen.attention_bias and not shape.attention_bias
+    assert qwen.biases == ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    assert shape.biases == ()
     (tmp_path / "config.json").write_text(json.dumps(SMOLLM2_135M))
     assert ModelShape.from_file(tmp_path) == shape
     with pytest.raises(ModelSourceError) as info:

@@ -205,7 +205,6 @@ def test_decode_steps_take_the_models_one_call_path(
 ) -> None:
     """Also with bf16 activations in the GEMVs (`set_act_dtype`): the engine and `generate`
     alone share the mode, and every request still gets the tokens it gets alone."""
-    from quantkit.format.checkpoint import save_checkpoint
     from quantkit.format.scheme import QuantScheme
     from quantkit.fused_kernels.decode_cpu import CpuDecodeStep
     from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
@@ -217,11 +216,7 @@ def test_decode_steps_take_the_models_one_call_path(
     if act == "bfloat16" and not bf16_activations_available():
         pytest.skip("bf16 activations need a CPU with AVX512-BF16")
     outcome = quantize_model(tiny_llama_dir, scheme=QuantScheme("int4", "auto", False))
-    ckpt = save_checkpoint(
-        tmp_path / "int4", source_dir=tiny_llama_dir, config=outcome.config,
-        tensors=outcome.tensors, scheme=outcome.scheme, algorithm=outcome.algorithm,
-        quantized_modules=outcome.quantized_modules, report={},
-    )  # fmt: skip
+    ckpt = outcome.save(tmp_path / "int4", source_dir=tiny_llama_dir)
     model = load_model(ckpt, tokenizer=False).model
     set_act_dtype(model, ACT_DTYPES[act])
     requests = _requests([(7, 9, 0.0), (12, 6, 0.0), (4, 8, 20.0), (5, 7, 21.0), (9, 5, 21.0)])

@@ -1,7 +1,9 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) built from config.json.
 
 Module names follow Hugging Face's (`model.layers.3.self_attn.q_proj`, ...) so a checkpoint's
-state dict loads without renaming and AWQ's per-family table (`arch.py`) applies unchanged. Any
+state dict loads without renaming. What differs between families (biases, norm kind, rope
+settings) comes from the family's registry entry (`families.py`), looked up once per model and
+carried as `CausalLM.family` for everything downstream (fusion, the C step, AWQ/GPTQ). Any
 Linear may be a dense `nn.Linear` or a `QuantLinear`; the model does not care.
 
 Shapes: B batch, T new tokens, S cache length, H hidden, Hq/Hkv heads, D head_dim.
@@ -18,11 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.errors import ModelSourceError
-from quantkit.models.families import arch_for
+from quantkit.models.families import family_for
+from quantkit.models.family import Family, Rope
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    family: Family  # the registry entry, looked up once here
     model_type: str
     hidden_size: int
     intermediate_size: int
@@ -32,27 +36,18 @@ class ModelConfig:
     head_dim: int
     vocab_size: int
     rms_norm_eps: float
-    rope_theta: float
+    rope: Rope
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
+    biases: tuple[str, ...]  # the Linears of a layer that carry a bias
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        arch_for(cfg)  # raises for unsupported families
-        scaling = cfg.get("rope_scaling") or {}
-        kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-        if kind not in ("default", None):
-            raise ModelSourceError(
-                f"unsupported rope_scaling: expected none or 'default', got {kind!r}"
-            )
+        family = family_for(cfg)  # raises for unsupported families
         heads = int(cfg["num_attention_heads"])
         hidden = int(cfg["hidden_size"])
-        qwen2 = cfg.get("model_type") == "qwen2"
-        attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
+            family=family,
             model_type=str(cfg["model_type"]),
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
@@ -62,14 +57,15 @@ class ModelConfig:
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             vocab_size=int(cfg["vocab_size"]),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope=family.rope(cfg),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases (its config has no flag); Llama's flag covers o too.
-            qkv_bias=qwen2 or attention_bias,
-            o_bias=attention_bias and not qwen2,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            biases=family.biased(cfg),
         )
+
+    def linear(self, name: str, n: int, k: int) -> nn.Linear:
+        """The layer's Linear `name` [n, k], with a bias where the family puts one."""
+        return nn.Linear(k, n, bias=name in self.biases)
 
 
 class RMSNorm(nn.Module):
@@ -88,12 +84,12 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """RoPE in the HF layout (rotate_half over the two halves of each head)."""
+    """RoPE in the HF layout (rotate_half over the two halves of each head); the frequencies
+    are the family's (`Family.rope`)."""
 
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, rope: Rope) -> None:
         super().__init__()
-        inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv, persistent=False)
+        self.register_buffer("inv_freq", rope.inv_freq(head_dim), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -102,6 +98,10 @@ class Rotary(nn.Module):
         freqs = positions.float().unsqueeze(-1) * self.inv_freq
         emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(2)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+# The norm kinds a family may name (`Family.norm`).
+NORMS: dict[str, type[nn.Module]] = {"rmsnorm": RMSNorm}
 
 
 def _eager_cpu(x: torch.Tensor) -> bool:
@@ -165,14 +165,13 @@ class Attention(nn.Module):
             cfg.head_dim,
         )
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        self.q_proj = cfg.linear("self_attn.q_proj", cfg.num_heads * d, h)
+        self.k_proj = cfg.linear("self_attn.k_proj", cfg.num_kv_heads * d, h)
+        self.v_proj = cfg.linear("self_attn.v_proj", cfg.num_kv_heads * d, h)
+        self.o_proj = cfg.linear("self_attn.o_proj", h, cfg.num_heads * d)
         self.cache: KVCache | None = None
-        self.fused_qkv: Any = (
-            None  # a `quantkit.runtime.fusion.FusedLinear`, set by fuse_projections
-        )
+        # A `quantkit.runtime.fusion.FusedLinear`, set by fuse_projections.
+        self.fused_qkv: Any = None
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, H] -> q [B, T, Hq, D] with RoPE not yet applied, k, v [B, T, Hkv, D]."""
@@ -228,12 +227,11 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(i, h, bias=cfg.mlp_bias)
-        self.fused_gate_up: Any = (
-            None  # a `quantkit.runtime.fusion.FusedLinear`, see fuse_projections
-        )
+        self.gate_proj = cfg.linear("mlp.gate_proj", i, h)
+        self.up_proj = cfg.linear("mlp.up_proj", i, h)
+        self.down_proj = cfg.linear("mlp.down_proj", h, i)
+        # A `quantkit.runtime.fusion.FusedLinear`, see fuse_projections.
+        self.fused_gate_up: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.fused_gate_up
@@ -246,9 +244,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = NORMS[cfg.family.norm]
+        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(
@@ -269,8 +268,8 @@ class Body(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.norm = NORMS[cfg.family.norm](cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope)
 
 
 class CausalLM(nn.Module):
@@ -286,6 +285,11 @@ class CausalLM(nn.Module):
         self.decode_path: Any = None
 
     @property
+    def family(self) -> Family:
+        """The model family's registry entry: which Linears, fusions, layer layout, ..."""
+        return self.config.family
+
+    @property
     def dtype(self) -> torch.dtype:
         return self.model.embed_tokens.weight.dtype
 
@@ -297,16 +301,9 @@ class CausalLM(nn.Module):
         return self.model.rotary(positions, self.dtype)
 
     def setup_cache(self, *, batch: int, max_len: int) -> None:
-        cfg = self.config
+        cfg, where = self.config, {"dtype": self.dtype, "device": self.device}
         for layer in self.model.layers:
-            layer.self_attn.cache = KVCache(
-                batch,
-                max_len,
-                cfg.num_kv_heads,
-                cfg.head_dim,
-                dtype=self.dtype,
-                device=self.device,
-            )
+            layer.self_attn.cache = KVCache(batch, max_len, cfg.num_kv_heads, cfg.head_dim, **where)
         if self.decode_path is not None:
             self.decode_path.bind(self)
 
@@ -387,7 +384,7 @@ def build_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # Buffers that are not weights (RoPE frequencies) were created on meta: rebuild them.
-    model.model.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+    model.model.rotary = Rotary(cfg.head_dim, cfg.rope)
     for module in (modules or {}).values():
         module.to(dense["model.embed_tokens.weight"].device)
     return model.eval()

@@ -29,6 +29,9 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from quantkit.errors import GenerationError, ModelSourceError, SchemeError
+from quantkit.models.families import family_for
+from quantkit.models.family import Family, shape_dims
+from quantkit.models.llama import LLAMA
 from quantkit.perf.hardware import GB, Hardware
 
 if TYPE_CHECKING:
@@ -53,7 +56,8 @@ class ParamCounts:
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The dimensions of a Llama-family decoder that decide its bytes and FLOPs."""
+    """The dimensions of a decoder that decide its bytes and FLOPs; which Linears and norms a
+    layer has, and their shapes, are the family's (`Family.linear_dims`, `Family.norms`)."""
 
     layers: int
     hidden: int
@@ -63,7 +67,8 @@ class ModelShape:
     head_dim: int
     vocab: int
     tied_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    biases: tuple[str, ...] = ()  # the Linears of a layer with a bias (Qwen2: q/k/v)
+    family: Family = LLAMA
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | Any) -> ModelShape:
@@ -86,13 +91,15 @@ class ModelShape:
                     f"got {value!r}"
                 )
             values[field] = value
+        family = family_for(cfg)
         return cls(
             **values,
             kv_heads=cfg.get("num_key_value_heads") or values["heads"],
             head_dim=cfg.get("head_dim") or values["hidden"] // values["heads"],
             # LlamaConfig's default is untied; the key is present in real config.json files.
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+            biases=family.biased(cfg),
+            family=family,
         )
 
     @classmethod
@@ -105,22 +112,30 @@ class ModelShape:
             raise ModelSourceError(f"config: expected a config.json file, got nothing at {path}")
         return cls.from_config(json.loads(path.read_text()))
 
+    def dims(self) -> dict[str, int]:
+        """The sizes the family's shapes are given in (`models.family.SHAPE_DIMS`)."""
+        return shape_dims(
+            hidden=self.hidden, intermediate=self.intermediate, heads=self.heads,
+            kv_heads=self.kv_heads, head_dim=self.head_dim,
+        )  # fmt: skip
+
     def linear_shapes(self) -> list[tuple[int, int]]:
-        """(out_features, in_features) of each Linear in one decoder layer."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        h, i = self.hidden, self.intermediate
-        return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
+        """(out_features, in_features) of each Linear in one decoder layer, in forward order."""
+        dims, shapes = self.dims(), self.family.linear_dims
+        return [(dims[shapes[n][0]], dims[shapes[n][1]]) for n in self.family.linears]
 
     @property
     def n_params(self) -> ParamCounts:
+        dims = self.dims()
         linear = self.layers * sum(n * k for n, k in self.linear_shapes())
-        bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.attention_bias else 0
+        bias = sum(dims[self.family.linear_dims[n][0]] for n in self.biases)
+        norms = sum(dims[size] for size in self.family.norms.values())
         embedding = self.vocab * self.hidden
         return ParamCounts(
             linear=linear,
             embedding=embedding,
             lm_head=0 if self.tied_embeddings else embedding,
-            other=self.layers * (2 * self.hidden + bias) + self.hidden,
+            other=self.layers * (norms + bias) + self.hidden,
         )
 
 

@@ -24,7 +24,7 @@ from quantkit.format.packing import quantize_fp8
 from quantkit.format.scheme import QuantScheme
 from quantkit.format.tensors import fp8_tensors
 from quantkit.models.decoder import CausalLM
-from quantkit.models.families import Arch
+from quantkit.models.family import Family
 from quantkit.quantize.awq import AwqConfig, awq_quantize
 from quantkit.quantize.gptq import GptqConfig, gptq_quantize
 from quantkit.quantize.layer_walk import LayerErrorReport
@@ -48,7 +48,7 @@ class QuantizeJob:
     resolved format, the Linears to quantize and the dtype their scales are stored in."""
 
     model: CausalLM
-    arch: Arch
+    arch: Family
     scheme: QuantScheme
     layers: list[tuple[str, int]]  # (module name, in_features)
     storage_dtype: torch.dtype

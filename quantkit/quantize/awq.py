@@ -25,7 +25,7 @@ from torch import nn
 from quantkit.format.packing import fake_quantize_int4
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import CausalLM
-from quantkit.models.families import Arch, ScaleGroup
+from quantkit.models.family import Family, ScaleGroup
 from quantkit.quantize.layer_walk import (
     LayerErrorReport,
     PhaseClock,
@@ -193,12 +193,14 @@ def awq_quantize(
     samples: torch.Tensor,
     *,
     scheme: QuantScheme,
-    arch: Arch,
+    arch: Family | None = None,
     cfg: AwqConfig | None = None,
     on_layer: Callable[[LayerReport], None] | None = None,
 ) -> tuple[dict[str, Int4Weights], list[LayerReport]]:
     """Quantize every decoder Linear of `model` in place (weights become their dequantized
-    values, norms absorb the scales) and return the INT4 weights by module name."""
+    values, norms absorb the scales) and return the INT4 weights by module name. The Linears and
+    scale groups are the family's (`arch`, default `model.family`)."""
+    arch = arch or model.family
     cfg = cfg or AwqConfig()
     gen = torch.Generator().manual_seed(cfg.seed)
     n_seq, seq_len = samples.shape
@@ -235,12 +237,13 @@ def awq_quantize(
         clock.lap("baseline")
         for group in groups:
             first = group.linears[0]
-            if group.inspect == "self_attn":
+            if group.inspect == arch.attention:
                 # Attention mixes tokens: search on whole sequences, not sampled tokens.
                 with torch.no_grad():
                     search_x = layer.get_submodule(group.prev)(x_attn_seq)
+                attention = layer.get_submodule(arch.attention)
 
-                def run(z: torch.Tensor, attn=layer.self_attn) -> torch.Tensor:
+                def run(z: torch.Tensor, attn=attention) -> torch.Tensor:
                     return torch.cat([attn(part, cos[:1], sin[:1]) for part in z.split(8)])
             else:
                 search_x = cap.tensor(first)  # [search tokens, K], token-wise modules
@@ -279,7 +282,7 @@ def awq_quantize(
 
 def _rtn_output_mse(
     layer: nn.Module,
-    arch: Arch,
+    arch: Family,
     run_layer: Callable,
     x: torch.Tensor,
     target: torch.Tensor,

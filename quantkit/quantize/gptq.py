@@ -23,7 +23,7 @@ rounded with `fp8_codes` on that scale; for INT4 the group-wise scales and zero 
 
 Layer by layer (`gptq_quantize`): the calibration activations enter each decoder layer from
 the already-quantized layers before it. Within a layer, the Linears that share an input
-(`Arch.input_groups`: q/k/v, then o, then gate/up, then down) are quantized in forward order and,
+(`Family.input_groups`: q/k/v, then o, then gate/up, then down) are quantized in forward order and,
 with `sequential`, each group's H is captured after the earlier groups were quantized, so it sees
 the errors they really make. Peak memory: the model plus one layer's activations.
 """
@@ -49,7 +49,7 @@ from quantkit.format.packing import (
 from quantkit.format.scheme import QuantScheme
 from quantkit.format.tensors import fp8_tensors, int4_tensors
 from quantkit.models.decoder import CausalLM
-from quantkit.models.families import Arch
+from quantkit.models.family import Family
 from quantkit.quantize.layer_walk import (
     LayerErrorReport,
     PhaseClock,
@@ -336,7 +336,7 @@ def gptq_quantize(
     model: CausalLM,
     samples: torch.Tensor,
     *,
-    arch: Arch,
+    arch: Family | None = None,
     scheme: QuantScheme,
     cfg: GptqConfig | None = None,
     scale_dtype: torch.dtype = torch.float32,
@@ -344,7 +344,9 @@ def gptq_quantize(
 ) -> tuple[dict[str, dict[str, torch.Tensor]], list[GptqLayerReport]]:
     """GPTQ-round every decoder Linear of `model` to `scheme` (int4 or fp8) with scales stored in
     `scale_dtype`. The model's weights become their dequantized values in place; returns
-    {module name: its checkpoint tensors (local names)} and one report per layer."""
+    {module name: its checkpoint tensors (local names)} and one report per layer. The Linears
+    and their input groups are the family's (`arch`, default `model.family`)."""
+    arch = arch or model.family
     cfg = cfg or GptqConfig()
     x, cos, sin = first_layer_inputs(model, samples, batch_sequences=cfg.batch_sequences)
     stages = [[g] for g in arch.input_groups] if cfg.sequential else [list(arch.input_groups)]

@@ -16,11 +16,14 @@ from typing import Any
 
 import torch
 
-from quantkit.format.checkpoint import LoadedCheckpoint, dequantize_checkpoint_tensors
+from quantkit.format.checkpoint import (
+    LoadedCheckpoint,
+    dequantize_checkpoint_tensors,
+    save_checkpoint,
+)
 from quantkit.format.dtypes import DTYPES
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import CausalLM, build_model
-from quantkit.models.families import Arch, arch_for
 from quantkit.quantize.algorithms import QuantizeJob, algorithm_for
 from quantkit.quantize.awq import AwqConfig
 from quantkit.quantize.gptq import GptqConfig
@@ -49,6 +52,28 @@ class QuantizeOutcome:
     @property
     def bytes_after(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def save(
+        self,
+        out: Path,
+        *,
+        source_dir: Path,
+        report: dict[str, Any] | None = None,
+        force: bool = False,
+    ) -> Path:
+        """Write this outcome as a checkpoint at `out` (atomically; see `save_checkpoint`),
+        the tokenizer and generation files copied from `source_dir`."""
+        return save_checkpoint(
+            out,
+            source_dir=source_dir,
+            config=self.config,
+            tensors=self.tensors,
+            scheme=self.scheme,
+            algorithm=self.algorithm,
+            quantized_modules=self.quantized_modules,
+            report=report or {},
+            force=force,
+        )
 
     def dense_state(self) -> dict[str, torch.Tensor]:
         """fp32 dense weights equal to what the checkpoint computes with (stored scales)."""
@@ -85,13 +110,13 @@ def load_dense(model_dir: Path) -> tuple[dict[str, Any], CausalLM, int]:
     return config, build_model(config, state, dtype=torch.float32), size
 
 
-def quantized_linears(model: CausalLM, arch: Arch) -> list[tuple[str, int]]:
-    """(module name, in_features) of every Linear the scheme quantizes (decoder layers only;
-    embeddings and lm_head stay dense)."""
+def quantized_linears(model: CausalLM) -> list[tuple[str, int]]:
+    """(module name, in_features) of every Linear the scheme quantizes: the family's Linears of
+    each decoder layer (embeddings and lm_head stay dense)."""
     return [
         (f"model.layers.{i}.{name}", layer.get_submodule(name).in_features)
         for i, layer in enumerate(model.model.layers)
-        for name in arch.linears
+        for name in model.family.linears
     ]
 
 
@@ -116,8 +141,7 @@ def quantize_model(
     t0 = time.perf_counter()
     config, model, size = load_dense(model_dir)
     timings["load_s"] = time.perf_counter() - t0
-    arch = arch_for(config)
-    layers = quantized_linears(model, arch)
+    layers = quantized_linears(model)
     scheme = scheme.resolve(layers)  # before any long work: a bad group size fails at once
     if on_loaded is not None:
         on_loaded(model)
@@ -129,7 +153,7 @@ def quantize_model(
         ids = samples()
         timings["calibration_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-    job = QuantizeJob(model, arch, scheme, layers, dtype, samples=ids, on_layer=on_layer)
+    job = QuantizeJob(model, model.family, scheme, layers, dtype, samples=ids, on_layer=on_layer)
     job.awq = awq or job.awq
     job.gptq = gptq or job.gptq
     module_tensors, reports = method.run(job)

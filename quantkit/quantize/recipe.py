@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import SchemeError
-from quantkit.format.checkpoint import check_output_dir, save_checkpoint
+from quantkit.format.checkpoint import check_output_dir
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import CausalLM, build_model
 from quantkit.quantize.algorithms import Algorithm, algorithm_for
@@ -137,17 +137,7 @@ def quantize_and_save(
     )
     report.update(extra_report or {})
     t0 = time.perf_counter()
-    save_checkpoint(
-        out,
-        source_dir=model_dir,
-        config=outcome.config,
-        tensors=outcome.tensors,
-        scheme=outcome.scheme,
-        algorithm=outcome.algorithm,
-        quantized_modules=outcome.quantized_modules,
-        report=report,
-        force=force,
-    )
+    outcome.save(out, source_dir=model_dir, report=report, force=force)
     outcome.timings["write_s"] = time.perf_counter() - t0
     outcome.timings["total_s"] = time.perf_counter() - started
     return outcome, report

@@ -1,15 +1,15 @@
 """The one-call CPU decode step (`fused_kernels.decode_cpu`) wired into `CausalLM`.
 
 `enable_cpu_decode(model)` attaches a `CpuDecodePath`. Each `setup_cache` binds it to the new
-cache when the model qualifies (CPU, fp32 activations, every Linear INT4 on the C kernel, q/k/v
-and gate/up fused); a forward pass of one new token per row (any batch), or of one row's T
-tokens (a prefill), then runs all layers in one C call, and everything else takes the PyTorch
-path. Row b sits at cache row b and each token attends to its row's positions <= its own: the
-mask every caller here builds (`generate`'s right padding and causal prefill, the serving
-engine's slots and prompt chunks). Prefills longer than the GEMV's measured crossover
-(`GEMV_MAX_M`, where dequantize + MKL wins) stay on the PyTorch path. QUANTKIT_CPU_DECODE=0
-turns it off (for comparisons). Measured on SmolLM2-135M INT4, 2 threads: see ARCHITECTURE.md / the
-decode benchmark.
+cache when the model qualifies (a family with a C layer layout, `model.family.decode`; CPU, fp32
+activations, every Linear INT4 on the C kernel, q/k/v and gate/up fused); a forward pass of one
+new token per row (any batch), or of one row's T tokens (a prefill), then runs all layers in one
+C call, and everything else takes the PyTorch path. Row b sits at cache row b and each token
+attends to its row's positions <= its own: the mask every caller here builds (`generate`'s right
+padding and causal prefill, the serving engine's slots and prompt chunks). Prefills longer than
+the GEMV's measured crossover (`GEMV_MAX_M`, where dequantize + MKL wins) stay on the PyTorch
+path. QUANTKIT_CPU_DECODE=0 turns it off (for comparisons). Measured on SmolLM2-135M INT4, 2
+threads: see ARCHITECTURE.md / the decode benchmark.
 
 Activations. The GEMVs take fp32 activations by default, which the tests hold to the PyTorch
 path within 1e-5. `set_act_dtype(model, torch.bfloat16)` rounds them to bf16 inside the GEMVs
@@ -23,6 +23,7 @@ measured by `quantkit.evals.act_precision`.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
@@ -34,6 +35,7 @@ from quantkit.fused_kernels.decode_cpu import (
     bf16_activations_available,
 )
 from quantkit.models.decoder import CausalLM
+from quantkit.models.family import DecodeLayout, layer_part
 from quantkit.runtime.quant_linear import QuantLinear
 
 __all__ = [
@@ -52,7 +54,7 @@ def _cpu_int4(module: object) -> object | None:
     """The bound C kernel of an INT4 QuantLinear on the cpu backend, else None."""
     if not isinstance(module, QuantLinear) or module.scheme.kind != "int4":
         return None
-    prepared = module._prepared_int4()
+    prepared = module._prepared()
     return prepared.run if prepared.backend == "cpu" else None
 
 
@@ -66,7 +68,8 @@ class CpuDecodePath:
         self.max_rows = GEMV_MAX_M.get(cpu_variant(), 1)  # a longer prefill: PyTorch + MKL
         self.act_dtype = act_dtype  # the GEMVs' activations (`set_act_dtype`)
         self.step = None
-        self._caches: list[torch.Tensor] = []
+        # (each layer's attention module, the K cache tensor bound): a new cache unbinds.
+        self._caches: list[tuple[Any, torch.Tensor]] = []
         self.reason = "no cache set up yet"
 
     def bind(self, model: CausalLM) -> None:
@@ -75,23 +78,26 @@ class CpuDecodePath:
         self.reason = self._bind(model)
 
     @staticmethod
-    def _layer_kernels(layer: object) -> list[object | None] | None:
-        """A decoder layer's four bound C kernels (None where a Linear is not INT4 on the cpu
-        backend), or None when q/k/v or gate/up are not fused."""
-        attn, mlp = layer.self_attn, layer.mlp  # type: ignore[attr-defined]
-        fused = [attn.fused_qkv, mlp.fused_gate_up]
-        if any(f is None or not f.valid() for f in fused):
+    def _layer_kernels(layout: DecodeLayout, layer: object) -> list[object | None] | None:
+        """A decoder layer's four bound C kernels, qkv, o, gate_up, down (None where a Linear
+        is not INT4 on the cpu backend), or None when q/k/v or gate/up are not fused."""
+        qkv, gate_up = layer_part(layer, layout.qkv), layer_part(layer, layout.gate_up)
+        if any(f is None or not f.valid() for f in (qkv, gate_up)):
             return None
-        return [_cpu_int4(m) for m in (fused[0].fused, attn.o_proj, fused[1].fused, mlp.down_proj)]
+        o, down = layer_part(layer, layout.o), layer_part(layer, layout.down)
+        return [_cpu_int4(m) for m in (qkv.fused, o, gate_up.fused, down)]
 
     def unsupported(self, model: CausalLM) -> str | None:
         """Why the step cannot run `model` (whatever its cache), or None when it can."""
         if os.environ.get("QUANTKIT_CPU_DECODE") == "0":
             return "QUANTKIT_CPU_DECODE=0"
+        layout = model.family.decode
+        if layout is None:
+            return f"family {model.family.name}: no C decode layout"
         if model.device.type != "cpu" or model.dtype != torch.float32:
             return f"needs fp32 on CPU, got {model.dtype} on {model.device.type}"
         for i, layer in enumerate(model.model.layers):
-            kernels = self._layer_kernels(layer)
+            kernels = self._layer_kernels(layout, layer)
             if kernels is None:
                 return f"layer {i}: q/k/v or gate/up not fused"
             if any(k is None for k in kernels):
@@ -102,18 +108,20 @@ class CpuDecodePath:
         reason = self.unsupported(model)
         if reason is not None:
             return reason
+        layout = model.family.decode
+        assert layout is not None
         parts = []
         for layer in model.model.layers:
-            kernels = self._layer_kernels(layer)
+            kernels = self._layer_kernels(layout, layer)
             assert kernels is not None
-            cache = layer.self_attn.cache
+            cache = layer_part(layer, layout.attention).cache
             if cache is None:
                 return "needs a KV cache"
             parts.append(
                 DecoderLayerParts(
                     *kernels,  # type: ignore[arg-type]
-                    in_norm=layer.input_layernorm.weight.detach(),
-                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    in_norm=layer_part(layer, layout.in_norm).weight.detach(),
+                    post_norm=layer_part(layer, layout.post_norm).weight.detach(),
                     k_cache=cache.k,
                     v_cache=cache.v,
                 )
@@ -127,7 +135,8 @@ class CpuDecodePath:
             self.step = CpuDecodeStep(parts, dims, act_dtype=self.act_dtype)
         except ValueError as exc:
             return str(exc)
-        self._caches = [p.k_cache for p in parts]
+        attention = [layer_part(layer, layout.attention) for layer in model.model.layers]
+        self._caches = [(a, p.k_cache) for a, p in zip(attention, parts, strict=True)]
         return "bound"
 
     def run(
@@ -139,10 +148,7 @@ class CpuDecodePath:
         step = self.step
         if step is None:
             return None
-        layers = model.model.layers
-        if any(
-            layer.self_attn.cache.k is not k for layer, k in zip(layers, self._caches, strict=True)
-        ):
+        if any(attention.cache.k is not k for attention, k in self._caches):
             return None
         b, t = input_ids.shape
         if b > step.cache_rows or (t > 1 and (b > 1 or t > self.max_rows)):

@@ -1,4 +1,6 @@
-"""One matmul for Linears that read the same input: q/k/v, and gate/up.
+"""One matmul for Linears that read the same input: the family's `fused` groups (q/k/v and
+gate/up for every family so far; `model.family.fused` says which, in what order, and where the
+decoder reads the fused module).
 
 A decode step of a small model is dominated by per-call overhead, not by bytes: SmolLM2-135M's
 576x192 k_proj GEMV takes ~5 us in the kernel and ~13 us as a module call. Concatenating the
@@ -117,23 +119,22 @@ def _fuse_int4(parts: Sequence[QuantLinear]) -> FusedLinear | None:
             spans["weight_zero_point"] = (row // 8, (row + n) // 8)
         for name, (a, b) in spans.items():
             setattr(part, name, getattr(fused, name)[a:b])
-        part.__dict__.pop("_int4_cache", None)  # it would keep the replaced tensors alive
+        part.__dict__.pop("_prepared_cache", None)  # it would keep the replaced tensors alive
         views.append(tuple((name, getattr(part, name)) for name in spans))
         row += n
     return FusedLinear(fused, parts, views)
 
 
 def fuse_projections(model: nn.Module) -> int:
-    """Fuse q/k/v and gate/up of every decoder layer of a `CausalLM` where possible; return
-    how many groups were fused. The model uses them while `valid()`; calling again is a no-op
-    for groups that are still valid."""
+    """Fuse the family's groups (`model.family.fused`: q/k/v, gate/up) of every decoder layer
+    of a `CausalLM` where possible; return how many groups were fused. The model uses them while
+    `valid()`; calling again is a no-op for groups that are still valid."""
     count = 0
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        for owner, attr, parts in (
-            (attn, "fused_qkv", (attn.q_proj, attn.k_proj, attn.v_proj)),
-            (mlp, "fused_gate_up", (mlp.gate_proj, mlp.up_proj)),
-        ):
+        for group in model.family.fused:
+            owner_name, _, attr = group.into.rpartition(".")
+            owner = layer.get_submodule(owner_name)
+            parts = [layer.get_submodule(name) for name in group.linears]
             current = owner.__dict__.get(attr)
             if current is None or not current.valid():
                 current = fuse(parts)

@@ -1,9 +1,12 @@
 """GGUF -> Hugging Face safetensors directory: names, q/k un-permutation, config, tokenizer.
 
-llama.cpp stores attn_q/attn_k rows permuted for its rotary layout; transformers' Llama expects
-the halves layout, so those rows are permuted back (`unpermute_qk`). Quantized GGUF tensors are
-dequantized with the `gguf` package and stored as bfloat16. The output is written into a
-temporary folder and renamed into place, so a crash never leaves a directory that looks whole.
+What is family-specific comes from the family's entry (`Family.gguf`, found by the file's
+`general.architecture`): the tensor-name map, the model_type written to config.json, and which
+tensors llama.cpp stored permuted. For llama those are attn_q/attn_k, whose rows llama.cpp
+reorders for its rotary layout; transformers' Llama expects the halves layout, so those rows
+are permuted back (`unpermute_qk`). Quantized GGUF tensors are dequantized with the `gguf`
+package and stored as bfloat16. The output is written into a temporary folder and renamed into
+place, so a crash never leaves a directory that looks whole.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import Any
 import torch
 
 from quantkit.errors import ModelSourceError
+from quantkit.models.families import gguf_architectures, gguf_family
+from quantkit.models.family import GgufNames
 from quantkit.paths import replace_dir
 
 
@@ -45,7 +50,6 @@ def source_key(gguf_path: Path) -> str:
 _KEY_SPAN = 1 << 20
 
 
-SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama",)
 INDEX_NAME = "model.safetensors.index.json"
 # Written last into a converted directory: which source it came from and with which converter.
 SOURCE_MARKER = "quantkit_source.json"
@@ -57,36 +61,32 @@ MAX_SHARD_BYTES = 2 << 30
 # --------------------------------------------------------------------------- GGUF
 
 
-# llama.cpp's per-layer tensor names -> transformers' LlamaForCausalLM names.
-_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
 _BLOCK = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The transformers name of a llama GGUF tensor; None for one with no HF counterpart."""
+def family_names(architecture: str) -> GgufNames:
+    """The GGUF names of the family converting `architecture`, or an error listing those that
+    some family converts."""
+    family = gguf_family(architecture)
+    if family is None or family.gguf is None:
+        raise ModelSourceError(
+            f"GGUF architecture: expected one of {', '.join(gguf_architectures())}, "
+            f"got {architecture!r}"
+        )
+    return family.gguf
+
+
+def hf_tensor_name(gguf_name: str, names: GgufNames) -> str | None:
+    """The transformers name of a GGUF tensor of the family with `names` (`family_names`); None
+    for one with no HF counterpart."""
     m = _BLOCK.match(gguf_name)
     if m:
         layer, part, kind = m.groups()
-        if part in _LAYER_NAMES:
-            return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        if part in names.layer:
+            return f"model.layers.{layer}.{names.layer[part]}.{kind}"
         return None
     stem, _, kind = gguf_name.rpartition(".")
-    return f"{_GLOBAL_NAMES[stem]}.{kind}" if stem in _GLOBAL_NAMES else None
+    return f"{names.globals[stem]}.{kind}" if stem in names.globals else None
 
 
 def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -120,13 +120,9 @@ def _float32_value(x: float) -> float:
 
 
 def _gguf_config(reader: Any) -> dict[str, Any]:
-    """config.json for the llama GGUF behind `reader`."""
+    """config.json for the GGUF behind `reader` (a family with GGUF names converts it)."""
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ModelSourceError(
-            f"GGUF architecture: expected one of {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}, "
-            f"got {arch!r}"
-        )
+    family = family_names(arch)  # raises for an architecture no family converts
     names = {t.name for t in reader.tensors}
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if embd is None:
@@ -164,8 +160,8 @@ def _gguf_config(reader: Any) -> dict[str, Any]:
         if (v := _field(reader, f"tokenizer.ggml.{key}", None)) is not None
     }
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [family.hf_architecture],
+        "model_type": family.model_type,
         "hidden_size": hidden,
         "intermediate_size": int(_field(reader, f"{arch}.feed_forward_length")),
         "num_hidden_layers": int(_field(reader, f"{arch}.block_count")),
@@ -201,16 +197,15 @@ def _plan_shards(reader: Any, max_shard_bytes: int) -> list[list[Any]]:
     return shards
 
 
-def _convert_tensor(t: Any, config: dict[str, Any]) -> torch.Tensor:
+def _convert_tensor(t: Any, config: dict[str, Any], names: GgufNames) -> torch.Tensor:
     from gguf.quants import dequantize
 
     # dequantize returns float32 in numpy order: the GGUF shape [cols, rows] reversed.
     w = torch.from_numpy(dequantize(t.data, t.tensor_type).copy())
     part = t.name.split(".")[2] if t.name.startswith("blk.") else ""
-    if part == "attn_q":
-        w = unpermute_qk(w, config["num_attention_heads"])
-    elif part == "attn_k":
-        w = unpermute_qk(w, config["num_key_value_heads"])
+    heads = names.rope_permuted.get(part)
+    if heads is not None:
+        w = unpermute_qk(w, config[heads])
     return w.to(torch.bfloat16)
 
 
@@ -222,7 +217,7 @@ def convert_gguf(
     key: str | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
-    """Write the llama GGUF at `gguf_path` as a bfloat16 HF directory at `target`, atomically.
+    """Write the GGUF at `gguf_path` as a bfloat16 HF directory at `target`, atomically.
 
     Everything is written into a temporary directory beside `target` and renamed into place at
     the end, so a crash or Ctrl-C never leaves a directory that looks whole; an existing
@@ -240,11 +235,13 @@ def convert_gguf(
             f"{gguf_path}: expected a GGUF file, got an unreadable one ({e})"
         ) from e
     config = _gguf_config(reader)
-    unknown = [t.name for t in reader.tensors if hf_tensor_name(t.name) is None]
+    arch = _field(reader, "general.architecture")
+    names = family_names(arch)
+    unknown = [t.name for t in reader.tensors if hf_tensor_name(t.name, names) is None]
     unknown = [n for n in unknown if n != "rope_freqs.weight"]
     if unknown:
         raise ModelSourceError(
-            f"GGUF tensors: expected dense llama tensors, got unsupported ones: {unknown[:5]}"
+            f"GGUF tensors: expected dense {arch} tensors, got unsupported ones: {unknown[:5]}"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
@@ -263,9 +260,9 @@ def convert_gguf(
                 )
                 tensors = {}
                 for t in shard:
-                    name = hf_tensor_name(t.name)
+                    name = hf_tensor_name(t.name, names)
                     if name is not None:
-                        tensors[name] = _convert_tensor(t, config)
+                        tensors[name] = _convert_tensor(t, config, names)
                         weight_map[name] = fname
                     bar.update(1)
                 save_file(tensors, tmp / fname, metadata={"format": "pt"})

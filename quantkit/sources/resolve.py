@@ -30,8 +30,9 @@ from quantkit.paths import file_lock, quantkit_home
 from quantkit.sources.gguf import (
     INDEX_NAME,
     SOURCE_MARKER,
-    SUPPORTED_GGUF_ARCHITECTURES,
     convert_gguf,
+    family_names,
+    gguf_architectures,
     hf_tensor_name,
     source_key,
     unpermute_qk,
@@ -39,9 +40,10 @@ from quantkit.sources.gguf import (
 
 __all__ = [
     "DEFAULT_MODEL",
-    "SUPPORTED_GGUF_ARCHITECTURES",
     "convert_gguf",
     "embedded_gguf_path",
+    "family_names",
+    "gguf_architectures",
     "hf_tensor_name",
     "load_state_dict",
     "read_config",

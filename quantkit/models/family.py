@@ -1,0 +1,161 @@
+"""What one model family's registry entry says (`Family`), and the pieces it is made of.
+
+Everything family-specific lives in an entry: which Linears of a decoder layer are quantized,
+the AWQ scale groups, the GPTQ input groups, which Linears run fused as one matmul, which carry
+biases, the norms, the rope settings read from config.json, the GGUF tensor names, the layer
+layout the C decode step reads, and the Linears' shapes for the roofline. The code that uses
+them (decoder, fusion, fast path, AWQ/GPTQ, GGUF conversion, roofline) names no Linear itself.
+Entries live in their own modules (`llama.py`, `qwen2.py`) and are registered in `families.py`.
+
+Module names are relative to one decoder layer (`self_attn.q_proj`), as Hugging Face spells
+them, so a checkpoint's state dict loads without renaming.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import reduce
+from typing import Any
+
+import torch
+
+from quantkit.errors import ModelSourceError
+
+
+@dataclass(frozen=True)
+class ScaleGroup:
+    """One AWQ scale group: a per-channel scale s folded into `prev` (its output divided by s,
+    the Linears' input columns multiplied) leaves the layer's function unchanged."""
+
+    prev: str  # a norm (scale its weight) or a Linear (scale its output rows)
+    linears: tuple[str, ...]  # Linears sharing prev's output as input
+    inspect: str  # module whose output the scale search compares ("self_attn", "mlp", ...)
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """Linears that read the same input and run as one matmul, their output rows concatenated
+    in this order; the decoder reads the fused module from the attribute `into`."""
+
+    into: str  # e.g. "self_attn.fused_qkv"
+    linears: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class DecodeLayout:
+    """One decoder layer as the C decode step (`fused_kernels.decode_cpu`) reads it: RMSNorm,
+    fused q/k/v (q, k, v rows in that order), RoPE, attention, o, RMSNorm, fused gate/up (gate
+    rows first), SiLU, down. A family whose layer differs has no layout (`Family.decode` None)."""
+
+    qkv: str  # a Fusion's `into`
+    o: str
+    gate_up: str  # a Fusion's `into`
+    down: str
+    in_norm: str
+    post_norm: str
+    attention: str  # the module holding the layer's KV cache (`cache`)
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary embedding settings read from config.json. A scaling rule (Llama 3's, YaRN) is a
+    `Family.rope` function that returns a Rope whose `inv_freq` applies it."""
+
+    theta: float
+
+    def inv_freq(self, head_dim: int) -> torch.Tensor:
+        """The [head_dim / 2] rotation frequencies (fp32), as the HF reference computes them."""
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        return 1.0 / (self.theta**exponents)
+
+
+def default_rope(config: Mapping[str, Any]) -> Rope:
+    """`rope_theta` (default 10000) and no rope scaling: what every family supports today.
+    transformers >= 5 writes both into `rope_parameters` instead of `rope_theta` and
+    `rope_scaling`; either spelling is read."""
+    params = config.get("rope_parameters") or {}
+    scaling = config.get("rope_scaling") or params
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+    if kind not in ("default", None):
+        raise ModelSourceError(
+            f"unsupported rope_scaling: expected none or 'default', got {kind!r}"
+        )
+    return Rope(theta=float(config.get("rope_theta", params.get("rope_theta", 10000.0))))
+
+
+@dataclass(frozen=True)
+class GgufNames:
+    """How a llama.cpp GGUF of this family maps onto the Hugging Face layout."""
+
+    architectures: tuple[str, ...]  # `general.architecture` values
+    model_type: str  # written to the converted config.json
+    hf_architecture: str  # its `architectures` entry, e.g. "LlamaForCausalLM"
+    layer: Mapping[str, str]  # blk.N.<part> -> module name in decoder layer N
+    globals: Mapping[str, str]  # tensor stem -> module name, e.g. token_embd -> model.embed_tokens
+    # Parts whose rows llama.cpp permuted for its rotary layout -> the config.json key holding
+    # their head count (undone by `sources.gguf.unpermute_qk`).
+    rope_permuted: Mapping[str, str]
+
+
+# The dimensions a Linear's shape is given in (`Family.linear_dims`); see `shape_dims`.
+SHAPE_DIMS = ("hidden", "intermediate", "q", "kv", "head_dim")
+
+
+def shape_dims(
+    *, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int
+) -> dict[str, int]:
+    """The values of `SHAPE_DIMS` for one model: q = heads x head_dim, kv = kv_heads x head_dim."""
+    return {
+        "hidden": hidden,
+        "intermediate": intermediate,
+        "q": heads * head_dim,
+        "kv": kv_heads * head_dim,
+        "head_dim": head_dim,
+    }
+
+
+@dataclass(frozen=True, eq=False)  # entries are singletons: equal when identical
+class Family:
+    model_types: tuple[str, ...]  # config.json model_type values
+    linears: tuple[str, ...]  # quantized Linears of one decoder layer, in forward order
+    linear_dims: Mapping[str, tuple[str, str]]  # Linear -> (out, in) in `SHAPE_DIMS`
+    norms: Mapping[str, str]  # a layer's norms -> their size in `SHAPE_DIMS`
+    scale_groups: tuple[ScaleGroup, ...]
+    # Linears that read the same input tensor, in the order the forward pass reaches them
+    # (GPTQ: one Hessian per group, and each group sees the already-quantized earlier ones).
+    input_groups: tuple[tuple[str, ...], ...]
+    fused: tuple[Fusion, ...]
+    decode: DecodeLayout | None  # None: the C decode step cannot run this family
+    gguf: GgufNames | None  # None: no GGUF conversion
+    # Linears that always carry a bias, and config flags that add biases to more of them
+    # (Llama's attention_bias: q/k/v/o; Qwen2 has q/k/v biases and no flag).
+    biases: tuple[str, ...] = ()
+    bias_flags: Mapping[str, tuple[str, ...]] | None = None
+    norm: str = "rmsnorm"  # the decoder's norm kind (`decoder.NORMS`)
+    rope: Callable[[Mapping[str, Any]], Rope] = default_rope
+    attention: str = "self_attn"  # the module that mixes tokens (takes cos/sin, a cache)
+    # v_proj -> o_proj folding only works when v's outputs map 1:1 onto o's inputs, i.e. no
+    # grouped-query attention; with GQA one v channel feeds several heads' o columns.
+    v_to_o: ScaleGroup | None = None
+    # Linears whose clipping is not searched: q/k feed a softmax through a dot product, where
+    # clipping error is amplified (same choice as the reference AWQ).
+    no_clip: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")
+
+    @property
+    def name(self) -> str:
+        return self.model_types[0]
+
+    def biased(self, config: Mapping[str, Any]) -> tuple[str, ...]:
+        """The Linears of one layer that carry a bias for this config.json, in forward order."""
+        out = set(self.biases)
+        for flag, linears in (self.bias_flags or {}).items():
+            if config.get(flag):
+                out.update(linears)
+        return tuple(n for n in self.linears if n in out)
+
+
+def layer_part(layer: Any, name: str) -> Any:
+    """`layer.self_attn.fused_qkv` for name "self_attn.fused_qkv": like `get_submodule`, but it
+    also reaches attributes that are not registered submodules (a fused matmul, None)."""
+    return reduce(getattr, name.split("."), layer)
