@@ -58,7 +58,7 @@ def _set_threads(threads: int | None) -> None:
 
 def _act_dtype(loaded: LoadedModel) -> str:
     """The dtype the C step's GEMVs take their activations in ('float32' without one)."""
-    path = getattr(loaded.model, "decode_path", None)
+    path = loaded.model.decode_path
     return name_of(path.act_dtype if path is not None else torch.float32)
 
 

@@ -174,7 +174,7 @@ def _machine(model: CausalLM) -> dict[str, Any]:
     C decode step rounds the GEMVs' activations to bf16
     (`quantkit.runtime.fast_path.set_act_dtype`)."""
     device, dtype = model.device, model.dtype
-    path = getattr(model, "decode_path", None)
+    path = model.decode_path
     if path is not None and path.act_dtype == torch.bfloat16:  # set_act_dtype checked the model
         dtype = torch.bfloat16
     info: dict[str, Any] = {"device": str(device), "dtype": str(dtype).removeprefix("torch.")}

@@ -81,7 +81,7 @@ def test_qwen2_biases_and_symmetric_per_channel(tmp_path: Path) -> None:
     model = load_model(ckpt, tokenizer=False).model
     assert model.model.layers[0].self_attn.fused_qkv.fused.bias is not None
     fast = _greedy(model, PROMPTS[0])
-    object.__setattr__(model, "decode_path", None)
+    model.decode_path = None
     assert fast.tokens == _greedy(model, PROMPTS[0]).tokens
 
 
@@ -123,7 +123,7 @@ def test_prefill_through_the_step_matches_torch(llama_ckpt: Path) -> None:
     out = {}
     for fast in (True, False):
         if not fast:
-            object.__setattr__(model, "decode_path", None)
+            model.decode_path = None
         with torch.no_grad():
             model.setup_cache(batch=1, max_len=s)
             chunks = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -272,6 +272,48 @@ class Body(nn.Module):
         self.rotary = Rotary(cfg.head_dim, cfg.rope)
 
 
+class FastPath(Protocol):
+    """A one-call decode path the model carries in `CausalLM.decode_path`: every layer of a step
+    in one call (on a CPU, `quantkit.runtime.fast_path.CpuDecodePath`, the C step). The model
+    only binds it to each cache and asks it to `run`; the callers (generate through the
+    model's forward, the serving engine, the benchmarks) use the rest."""
+
+    max_rows: int  # the longest one-row prefill run as rows of one call; longer ones: PyTorch
+    act_dtype: torch.dtype  # the dtype of the activations its matmuls take
+    step: object | None  # the bound step; None when `reason` says why nothing is bound
+    reason: str  # "bound", or why the path cannot run the model's current cache
+
+    def bind(self, model: CausalLM) -> None:
+        """Bind to the model's current cache (`setup_cache`, `drop_cache`), or set `reason`."""
+        ...
+
+    def unsupported(self, model: CausalLM) -> str | None:
+        """Why the path cannot run `model` whatever its cache, or None when it can."""
+        ...
+
+    def run(
+        self, model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Hidden states [B, T, H] after every layer (row b at cache row b), or None when the
+        bound step does not apply to this call (then the PyTorch layers run)."""
+        ...
+
+    def run_rows(
+        self,
+        model: CausalLM,
+        tokens: list[int],
+        positions: list[int],
+        slots: list[int] | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [R, 1, H] after every layer: token r at cache row slots[r] (default
+        r), position positions[r]; the caller vouches that the bound cache is the model's."""
+        ...
+
+    def unbound(self) -> FastPath:
+        """A new path with the same settings, bound to nothing yet."""
+        ...
+
+
 class CausalLM(nn.Module):
     """The whole model: `forward(ids)` for full sequences; `setup_cache` + positions for decode."""
 
@@ -282,7 +324,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         # A `quantkit.runtime.fast_path.CpuDecodePath` (see enable_cpu_decode): every layer of a
         # one-token-per-row step in one C call. Bound to each cache by setup_cache.
-        self.decode_path: Any = None
+        self.decode_path: FastPath | None = None
 
     @property
     def family(self) -> Family:

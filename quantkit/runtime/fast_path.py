@@ -185,7 +185,7 @@ class CpuDecodePath:
 def auto_act_dtype(model: CausalLM, *, quantized: bool) -> torch.dtype:
     """bf16 for a quantized model whose layers run the C step on a CPU with AVX512-BF16, else
     fp32. Dense models keep fp32, the activations transformers computes with."""
-    path = getattr(model, "decode_path", None)
+    path = model.decode_path
     if quantized and path is not None and path.unsupported(model) is None:
         return torch.bfloat16 if bf16_activations_available() else torch.float32
     return torch.float32
@@ -198,7 +198,7 @@ def set_act_dtype(model: CausalLM, dtype: torch.dtype) -> None:
         raise GenerationError(
             f"activation dtype: expected one of {', '.join(ACT_DTYPES)}, got {dtype}"
         )
-    path = getattr(model, "decode_path", None)
+    path = model.decode_path
     if dtype == torch.bfloat16:
         why = "no C decode path" if path is None else path.unsupported(model)
         if why is None and not bf16_activations_available():
@@ -217,5 +217,5 @@ def set_act_dtype(model: CausalLM, dtype: torch.dtype) -> None:
 def enable_cpu_decode(model: CausalLM) -> CpuDecodePath:
     """Attach a CpuDecodePath to `model` (bound at each `setup_cache`)."""
     path = CpuDecodePath()
-    object.__setattr__(model, "decode_path", path)
+    model.decode_path = path  # a plain attribute (not a Module): the typed slot `FastPath`
     return path

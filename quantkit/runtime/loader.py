@@ -60,7 +60,10 @@ def load_model(
         for name in loaded.quantized_modules:
             local = loaded.module_tensors(name)
             bias = local.pop("bias", None)
-            modules[name] = QuantLinear.from_tensors(local, scheme=loaded.scheme, bias=bias)
+            # load_checkpoint validated every module (bias included): not once more here.
+            modules[name] = QuantLinear.from_tensors(
+                local, scheme=loaded.scheme, bias=bias, validated=True
+            )
     model = build_model(loaded.config, loaded.tensors, dtype=options.torch_dtype(), modules=modules)
     model = model.to(options.device)
     # q/k/v and gate/up as one matmul each (row views, no extra memory; see

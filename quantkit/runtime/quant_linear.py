@@ -84,12 +84,21 @@ class QuantLinear(nn.Module):
         *,
         scheme: QuantScheme,
         bias: torch.Tensor | None = None,
+        validated: bool = False,
     ) -> QuantLinear:
-        """A QuantLinear holding `tensors` (local checkpoint names) as they are, once validated."""
+        """A QuantLinear holding `tensors` (local checkpoint names) as they are, once validated.
+
+        `validated=True`: the caller already ran `check_module_tensors` on exactly these
+        tensors, bias included (the loader, after `load_checkpoint`), so it is not run again."""
         tensors = dict(tensors)
         if bias is not None:
             tensors["bias"] = bias
-        n, k = check_module_tensors(tensors, scheme=scheme)
+        if not validated:
+            n, k = check_module_tensors(tensors, scheme=scheme)
+        elif scheme.kind == "int4":
+            n, k = (int(v) for v in tensors["weight_shape"].tolist())
+        else:
+            n, k = tensors["weight"].shape
         scale = tensors["weight_scale"]
         # Meta buffers first, then the real tensors: no throwaway allocation of the weight.
         module = cls(k, n, scheme=scheme, bias="bias" in tensors, dtype=scale.dtype, device="meta")

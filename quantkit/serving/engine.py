@@ -15,23 +15,21 @@ running request; a slot is reused once its request finishes). Each step:
    cache position (rows of different lengths share the step). A request leaves when it hits
    its token limit or an EOS.
 
-Slots, positions and masks. The decode forward covers slots [0, hi), hi = 1 + the highest slot
-being decoded (new requests take the lowest free slot, so the window stays tight). A slot in
-that window with nothing to decode (free, still prefilling, or finished but riding along in a
-static batch) is fed a dummy token at a position where the write is harmless: its next prefill
-position (overwritten by the real K/V before anything reads it) or 0. Every query attends to its
-own row's slots <= its position, so a row computes exactly what it would alone (tested: greedy
-tokens equal `generate` on each request alone). The attention width is cut to the longest
-position in the window (rounded up to `_WIDTH_ROUND`), not the whole cache, so a step's
-attention cost follows the context actually held.
-
-The cache is the engine's own `_SlotKV`, a `KVCache` whose `k`/`v` are pointed, before each
-forward, at views of the window of an all-slots store; it is installed into each attention layer
-for the duration of a run, so the decoder runs unchanged through `CausalLM.forward`. When the
-model has a one-call decode path (`decode_path`: on a CPU, every layer of a step in one C call)
-it is bound once to the whole store, and each decode step hands it exactly the rows decoding,
-each at its own slot and position: no dummy rows, and cap 1 runs as fast as `generate` at
-batch 1. Prefill chunks go through it too, a chunk's tokens as rows at one slot.
+Forwards. The cache is a `rows.SlotKV` per layer (every slot's K/V in one store), installed
+into each attention layer for the duration of a run. Every forward goes through one interface,
+`rows.RowRunner`, picked once at install: `run_rows(tokens, positions, slots)` for a decode step
+(the logits of exactly the rows decoding, and the rows computed) and `run_chunk` for a prefill
+chunk. Where the model has a one-call decode path (`CausalLM.decode_path`: on a CPU, every layer
+of a step in one C call) it is bound once to the whole store (`rows.PathRows`): a step computes
+exactly the rows decoding, each at its own slot and position, and cap 1 runs as fast as
+`generate` at batch 1. Otherwise `rows.WindowRows` runs the PyTorch layers over slots [0, hi),
+hi = 1 + the highest slot being decoded (new requests take the lowest free slot, so the window
+stays tight). A slot in that window with nothing to decode (free, still prefilling, or finished
+but riding along in a static batch) is fed a dummy token at a position where the write is
+harmless (`_fed`): its next prefill position (overwritten by the real K/V before anything reads
+it) or 0. Every query attends to its own row's slots <= its position, so a row computes exactly
+what it would alone (tested: greedy tokens equal `generate` on each request alone), and the
+attention width follows the context actually held.
 
 Time: a virtual clock (`VirtualClock`) that runs with the wall clock while the engine works and
 jumps over idle gaps to the next arrival. A request "arrives" when that clock passes its arrival
@@ -45,13 +43,13 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import torch
 
 from quantkit.errors import GenerationError
-from quantkit.models.decoder import CausalLM, KVCache
+from quantkit.models.decoder import CausalLM
 from quantkit.runtime.sampling import SamplingParams, make_generator, sample
+from quantkit.serving.rows import PathRows, RowRunner, SlotKV, WindowRows, round_width
 from quantkit.serving.types import (
     DecodeStep,
     EngineConfig,
@@ -72,35 +70,6 @@ __all__ = [
     "run_engine",
 ]
 
-# The attention window is rounded up to this many positions: fewer distinct shapes, and a
-# masked position costs one dot product.
-_WIDTH_ROUND = 32
-
-# --------------------------------------------------------------------------- the KV cache
-
-
-class _SlotKV(KVCache):
-    """One layer's K/V for every slot, [slots, Hkv, max_len, D], kept in `store_k`/`store_v`.
-
-    Before each forward, `select` points the model's `KVCache.k`/`.v` at a window of it (rows
-    [start, stop), positions [0, width)) as views, not copies: the model's own `update` (or its
-    one-row fast path) then writes into the slots' storage and attends to the window only.
-    """
-
-    def __init__(
-        self, slots: int, max_len: int, *, kv_heads: int, head_dim: int, like: torch.Tensor
-    ) -> None:
-        super().__init__(slots, max_len, kv_heads, head_dim, dtype=like.dtype, device=like.device)
-        self.store_k, self.store_v = self.k, self.v
-
-    def select(self, start: int, stop: int, width: int) -> None:
-        self.k = self.store_k[start:stop, :, :width]
-        self.v = self.store_v[start:stop, :, :width]
-
-    def select_all(self) -> None:
-        self.k, self.v = self.store_k, self.store_v
-
-
 # --------------------------------------------------------------------------- the engine
 
 
@@ -120,10 +89,6 @@ class _Active:
     @property
     def prefilling(self) -> bool:
         return self.prefilled < len(self.request.prompt)
-
-
-def _round_width(needed: int, max_len: int) -> int:
-    return min(max_len, -(-needed // _WIDTH_ROUND) * _WIDTH_ROUND)
 
 
 def _check_requests(requests: Sequence[Request], vocab: int, context: int) -> None:
@@ -164,14 +129,13 @@ class _Engine:
         self.params, self.eos, self.clock = params, eos, clock
         self.device = model.device
         self.generator = make_generator(params, self.device)
-        self.caches: list[_SlotKV] = []
-        self.path: Any = None  # see _bind_decode_path
+        self.caches: list[SlotKV] = []
+        self.rows: RowRunner  # every forward (see install)
         self.slots: list[_Active | None] = [None] * config.batch_cap
         self.waiting: deque[tuple[Request, RequestResult]] = deque()
         self.decode_steps: list[DecodeStep] = []
         self.prefill_chunks: list[PrefillChunk] = []
         self._order = 0
-        self.positions = torch.arange(max_len, device=self.device)
 
     # -- cache
     def install(self) -> None:
@@ -179,7 +143,7 @@ class _Engine:
         like = self.model.model.embed_tokens.weight
         self.caches = []
         for layer in self.model.model.layers:
-            cache = _SlotKV(
+            cache = SlotKV(
                 self.config.batch_cap,
                 self.max_len,
                 kv_heads=cfg.num_kv_heads,
@@ -188,24 +152,21 @@ class _Engine:
             )
             layer.self_attn.cache = cache
             self.caches.append(cache)
-        self.path = self._bind_decode_path()
+        self.rows = self._row_runner()
 
-    def select(self, start: int, stop: int, width: int) -> None:
-        for cache in self.caches:
-            cache.select(start, stop, width)
-
-    def _bind_decode_path(self) -> Any:
-        """The model's one-call decode path (`CausalLM.decode_path`: on a CPU, every layer of a
-        step in one C call), bound to the store of every slot. None when the model has no such
-        path or it does not apply here (then every step takes the PyTorch layers)."""
-        path = getattr(self.model, "decode_path", None)
+    def _row_runner(self) -> RowRunner:
+        """What runs every forward of this run, picked once: the model's one-call decode path
+        (`CausalLM.decode_path`) bound to the store of every slot where it binds, else the
+        PyTorch layers over a window of slots (also the path's runner of long prefill chunks)."""
+        window = WindowRows(self.model, self.caches, self.max_len, self._idle)
+        path = self.model.decode_path
         if path is None:
-            return None
+            return window
         for cache in self.caches:
             cache.select_all()
         bound = path.unbound()
         bound.bind(self.model)
-        return bound if bound.step is not None else None
+        return window if bound.step is None else PathRows(self.model, bound, window)
 
     # -- token bookkeeping
     def _emit(self, active: _Active, token: int, now: float) -> None:
@@ -254,19 +215,7 @@ class _Engine:
             budget -= n
             began = self.clock.now()
             end = start + n
-            if self.path is not None and n <= self.path.max_rows:
-                # The chunk's tokens as rows of one call, all at this slot (a causal prefill).
-                chunk, at_slot = list(prompt[start:end]), [active.slot] * n
-                hidden = self.path.run_rows(self.model, chunk, list(range(start, end)), at_slot)
-                logits = self.model.logits(hidden[-1:])[:, -1]
-            else:
-                width = _round_width(end, self.max_len)
-                self.select(active.slot, active.slot + 1, width)
-                ids = torch.tensor([prompt[start:end]], device=self.device)
-                pos = torch.arange(start, end, device=self.device).unsqueeze(0)
-                mask = (self.positions[:width] <= pos[0, :, None]).view(1, 1, n, width)
-                at = torch.tensor([n - 1], device=self.device)
-                logits = self.model(ids, positions=pos, mask=mask, logits_at=at)[:, -1]
+            logits = self.rows.run_chunk(active.slot, prompt[start:end], start)
             active.prefilled = end
             if end == len(prompt):
                 token = self._sample(logits)[0]
@@ -281,36 +230,17 @@ class _Engine:
         """(token, position) a slot feeds to a decode step. A slot with nothing to decode (free
         or finished: token 0 at position 0; still prefilling: its next prompt position, which
         its next chunk overwrites before anything reads it) makes a harmless write: a static
-        batch computes its finished rows as such a server does, and the window below covers
-        every slot under the highest one decoded."""
+        batch computes its finished rows as such a server does, and a `WindowRows` step covers
+        every slot under the highest one decoded (`_idle`)."""
         if active is None or active.done:
             return 0, 0
         if active.decoding:
             return active.result.tokens[-1], active.next_pos
         return 0, active.prefilled
 
-    def _forward_path(self, span: list[_Active]) -> tuple[dict[int, int], int]:
-        """(sampled token by slot, rows computed): exactly `span`'s rows, through the bound
-        one-call path, each at its own slot and position."""
-        fed = [self._fed(a) for a in span]
-        tokens, positions = [t for t, _ in fed], [p for _, p in fed]
-        hidden = self.path.run_rows(self.model, tokens, positions, [a.slot for a in span])
-        sampled = self._sample(self.model.logits(hidden)[:, -1])
-        return {a.slot: t for a, t in zip(span, sampled, strict=True)}, len(span)
-
-    def _forward_window(self, span: list[_Active]) -> tuple[dict[int, int], int]:
-        """(sampled token by slot, rows computed): one PyTorch forward over slots [0, hi)."""
-        hi = 1 + max(a.slot for a in span)
-        by_slot = {a.slot: a for a in self.occupied()}
-        fed = [self._fed(by_slot.get(slot)) for slot in range(hi)]
-        positions = [p for _, p in fed]
-        width = _round_width(max(positions) + 1, self.max_len)
-        self.select(0, hi, width)
-        pos = torch.tensor(positions, device=self.device).unsqueeze(1)
-        tokens = torch.tensor([t for t, _ in fed], device=self.device).unsqueeze(1)
-        mask = (self.positions[:width] <= pos).view(hi, 1, 1, width)
-        logits = self.model(tokens, positions=pos, mask=mask)[:, -1]
-        return dict(enumerate(self._sample(logits))), hi
+    def _idle(self, slot: int) -> tuple[int, int]:
+        """(token, position) a slot not asked for feeds to a window's decode step."""
+        return self._fed(self.slots[slot])
 
     def decode(self) -> None:
         rows = [a for a in self.occupied() if a.decoding]
@@ -318,8 +248,10 @@ class _Engine:
             return
         span = self.occupied() if self.config.mode == "static" else rows
         began = self.clock.now()
-        forward = self._forward_path if self.path is not None else self._forward_window
-        sampled, window = forward(span)
+        fed = [self._fed(a) for a in span]
+        slots = [a.slot for a in span]
+        logits, window = self.rows.run_rows([t for t, _ in fed], [p for _, p in fed], slots)
+        sampled = dict(zip(slots, self._sample(logits), strict=True))
         self.clock.forward_done()
         now = self.clock.now()
         context = sum(a.next_pos + 1 for a in rows)
@@ -360,7 +292,7 @@ def run_engine(
     _check_requests(requests, cfg.vocab_size, cfg.max_position_embeddings)
     longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
     if max_len is None:
-        max_len = _round_width(longest, cfg.max_position_embeddings)
+        max_len = round_width(longest, cfg.max_position_embeddings)
     if not longest <= max_len:
         raise GenerationError(
             f"max_len: expected >= {longest} positions for these requests, got {max_len}"
