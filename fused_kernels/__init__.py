@@ -14,6 +14,8 @@ backend is used.
 - `w4a16_cpu` (+ `w4a16_cpu_source`, `cpu_build`): compiled C GEMV and dequantize + MKL.
 - `fp8_reference`, `fp8_triton` (W8A16 GEMM + GEMV, fp8 `tl.dot` W8A8), `fp8_cpu` (+
   `fp8_cpu_source`): the FP8 kernels; `fp8_checks`: their input checks.
+- `triton_launch`, `cpu_launch`: what the Triton and the CPU launchers share (device and path
+  checks, grids and launches; library loading, status codes, the bound-layer call).
 - `bench`: `python -m quantkit.fused_kernels.bench`, decode and prefill timings against dense
   matmul and the measured copy bandwidth.
 """

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from quantkit.cpu import cpu_name
 from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.bench_fp8 import FP8_IMPLS, fp8_op
 from quantkit.fused_kernels.prepared_linear import prepare_int4
@@ -123,15 +124,7 @@ def copy_bandwidth(
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = platform.processor() or "cpu"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model} ({torch.get_num_threads()} threads)"
+    return f"{cpu_name()} ({torch.get_num_threads()} threads)"
 
 
 def git_commit() -> str:

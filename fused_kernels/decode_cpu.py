@@ -21,7 +21,8 @@ from quantkit.errors import KernelUnavailableError
 from quantkit.fused_kernels.cpu_abi import DecoderDims as _Dims
 from quantkit.fused_kernels.cpu_abi import DecoderLayer as _DecoderLayer
 from quantkit.fused_kernels.cpu_build import DTYPE_CODES
-from quantkit.fused_kernels.w4a16_cpu import CpuInt4Layer, _check_status, _library
+from quantkit.fused_kernels.cpu_launch import check_status
+from quantkit.fused_kernels.w4a16_cpu import CpuInt4Layer, _library
 
 __all__ = ["CpuDecodeStep", "DecoderLayerParts", "DecoderDims", "bf16_activations_available"]
 
@@ -187,5 +188,5 @@ class CpuDecodeStep:
             *self._args, x.data_ptr(), rows, slot_t.data_ptr(), pos_t.data_ptr(),
             cos.data_ptr(), sin.data_ptr(), self._act, work.data_ptr(), work.numel(), threads,
         )  # fmt: skip
-        _check_status(status, "qk_decode_step")
+        check_status(status, "qk_decode_step")
         return x

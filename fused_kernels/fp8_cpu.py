@@ -24,15 +24,13 @@ launcher to it.
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 
 from quantkit.errors import KernelUnavailableError
-from quantkit.fused_kernels import cpu_abi
+from quantkit.fused_kernels import cpu_launch
 from quantkit.fused_kernels.cpu_abi import Fp8Layer
 from quantkit.fused_kernels.cpu_build import DTYPE_CODES, cpu_variant
+from quantkit.fused_kernels.cpu_launch import check_status, require_cpu, rows_stride
 from quantkit.fused_kernels.fp8_checks import check_fp8_activations, check_fp8_weights
 from quantkit.fused_kernels.w4a16_cpu import has_bf16_matmul
 
@@ -48,34 +46,17 @@ GEMV_MAX_M_BF16 = 64
 _PREFILL_CHUNK_BYTES = 8 << 20
 
 
-@functools.cache
-def _library(variant: str | None = None) -> ctypes.CDLL:
-    """The compiled kernels for `variant` (default: the best this CPU runs), built on first use
-    (one gcc call, cached on disk; functools.cache keeps the loaded handle, not tensors)."""
-    return cpu_abi.load("qk_fp8_cpu", variant=variant)  # csrc/fp8.c, typed by `cpu_abi`
+# The compiled kernels (csrc/fp8.c, typed by `cpu_abi`): _library(variant=None).
+_library = cpu_launch.library_loader("qk_fp8_cpu")
 
 
 def fp8_cpu_available() -> bool:
     """True if the C kernel builds and loads here (builds it on first call)."""
-    try:
-        _library()
-    except KernelUnavailableError:
-        return False
-    return True
-
-
-def _check_status(status: int, what: str) -> None:
-    if status != 0:
-        raise MemoryError(f"{what}: expected a scratch buffer, got allocation failure ({status})")
-
-
-def _rows_stride(t: torch.Tensor) -> torch.Tensor:
-    """t with unit stride along its last dim (the kernels index rows by stride only)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+    return cpu_launch.loads(_library)
 
 
 def _codes(weight: torch.Tensor) -> torch.Tensor:
-    return _rows_stride(weight).view(torch.uint8)
+    return rows_stride(weight).view(torch.uint8)
 
 
 def nan_safe_scale(weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
@@ -107,13 +88,13 @@ def dequantize_fp8_cpu(
     n0, n1 = rows or (0, w.shape[0])
     k = w.shape[1]
     out = torch.empty(n1 - n0, k, dtype=torch.float32)
-    scale = None if weight_scale is None else _rows_stride(weight_scale.reshape(-1, 1))
+    scale = None if weight_scale is None else rows_stride(weight_scale.reshape(-1, 1))
     status = _library(variant).qk_fp8_dequant(
         w.data_ptr(), n0, n1, k, w.stride(0),
         None if scale is None else scale.data_ptr(), DTYPE_CODES[scale.dtype] if scale is not None
         else 0, 0 if scale is None else scale.stride(0), out.data_ptr(), torch.get_num_threads(),
     )  # fmt: skip
-    _check_status(status, "qk_fp8_dequant")
+    check_status(status, "qk_fp8_dequant")
     return out
 
 
@@ -127,14 +108,14 @@ def quantize_per_token_cpu(
             f"cpu backend: expected activations in float32, bfloat16 or float16, got {x.dtype}"
         )
     k = x.shape[-1]
-    x2 = _rows_stride(x.reshape(-1, k))
+    x2 = rows_stride(x.reshape(-1, k))
     m = x2.shape[0]
     codes = torch.empty(m, k, dtype=torch.uint8)
     scales = torch.empty(m, 1, dtype=torch.float32)
     status = _library(variant).qk_fp8_quant_tokens(
         x2.data_ptr(), DTYPE_CODES[x.dtype], m, k, x2.stride(0), codes.data_ptr(), scales.data_ptr()
     )
-    _check_status(status, "qk_fp8_quant_tokens")
+    check_status(status, "qk_fp8_quant_tokens")
     x8 = codes.view(torch.float8_e4m3fn).reshape(*x.shape)
     return x8, scales.reshape(*x.shape[:-1], 1)
 
@@ -182,19 +163,18 @@ def fp8_linear_cpu(
     if check:
         check_fp8_weights(weight, weight_scale, bias=bias)
         check_fp8_activations(x, weight, backend="cpu")
-        if x.device.type != "cpu":
-            raise KernelUnavailableError(f"cpu backend: expected CPU tensors, got {x.device}")
+        require_cpu(x)
         weight_scale = nan_safe_scale(weight, weight_scale)
     n, k = weight.shape
     lead = x.shape[:-1]
-    x2 = _rows_stride(x.reshape(-1, k))
+    x2 = rows_stride(x.reshape(-1, k))
     m = x2.shape[0]
     if m == 0:
         return x.new_empty(*lead, n)
     max_m = GEMV_MAX_M[variant or cpu_variant()]
     if x.dtype == torch.bfloat16 and has_bf16_matmul():
         max_m = min(max_m, GEMV_MAX_M_BF16)
-    scale = _rows_stride(weight_scale.reshape(n, 1))
+    scale = rows_stride(weight_scale.reshape(n, 1))
     if m > max_m:
         y = _prefill(x2, weight, scale, act_dynamic=act_dynamic)
         if bias is not None:
@@ -209,11 +189,11 @@ def fp8_linear_cpu(
         None if b is None else b.data_ptr(), 0 if b is None else DTYPE_CODES[b.dtype],
         out.data_ptr(), DTYPE_CODES[x.dtype], n, torch.get_num_threads(),
     )  # fmt: skip
-    _check_status(status, "qk_fp8_gemv")
+    check_status(status, "qk_fp8_gemv")
     return out.reshape(*lead, n)
 
 
-class CpuFp8Layer:
+class CpuFp8Layer(cpu_launch.BoundGemvLayer):
     """One FP8 linear bound to the C GEMV once; a call passes only x and the output.
 
     As `w4a16_cpu.CpuInt4Layer`: at SmolLM2 sizes decode is dominated by per-call overhead, so
@@ -221,6 +201,8 @@ class CpuFp8Layer:
     here, at load time. Holds references to the tensors it was built from; build a new one if
     the layer's tensors are replaced.
     """
+
+    gemv = "qk_fp8_gemv"
 
     def __init__(
         self,
@@ -232,57 +214,23 @@ class CpuFp8Layer:
         variant: str | None = None,
     ) -> None:
         n, k = check_fp8_weights(weight, weight_scale, bias=bias)
-        if weight.device.type != "cpu":
-            raise KernelUnavailableError(f"cpu backend: expected CPU tensors, got {weight.device}")
+        require_cpu(weight)
         w = weight.contiguous()
         scale = nan_safe_scale(w, weight_scale).reshape(n, 1).contiguous()
         b = None if bias is None else bias.contiguous()
-        self.tensors = (w, scale)
-        self.bias, self.act_dynamic, self.variant = b, act_dynamic, variant
+        self.bias, self.act_dynamic = b, act_dynamic
         self.in_features, self.out_features = k, n
-        self._max_m = GEMV_MAX_M[variant or cpu_variant()]
-        self._max_m_bf16 = min(self._max_m, GEMV_MAX_M_BF16) if has_bf16_matmul() else self._max_m
-        self._layer = Fp8Layer(
+        max_m = GEMV_MAX_M[variant or cpu_variant()]
+        layer = Fp8Layer(
             w.data_ptr(), n, k, w.stride(0), scale.data_ptr(), DTYPE_CODES[scale.dtype],
             scale.stride(0), None if b is None else b.data_ptr(),
             0 if b is None else DTYPE_CODES[b.dtype], int(act_dynamic),
         )  # fmt: skip
-        self._fn = _library(variant).qk_fp8_gemv_layer
-
-    def __reduce__(self) -> tuple:
-        # The ctypes struct holds raw pointers, which neither pickle nor deepcopy can copy:
-        # rebuild from the (copied) tensors instead, so a module holding this still copies.
-        w, scale = self.tensors
-        return (_rebuild, (w, scale, self.act_dynamic, self.bias, self.variant))
+        self._bind(
+            fp8_linear_cpu, (w, scale), dict(act_dynamic=act_dynamic, bias=b), variant=variant,
+            layer=layer, fn=_library(variant).qk_fp8_gemv_layer, max_m=max_m,
+            max_m_bf16=min(max_m, GEMV_MAX_M_BF16) if has_bf16_matmul() else max_m,
+        )  # fmt: skip
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.is_cpu:
-            raise KernelUnavailableError(f"cpu backend: expected CPU tensors, got {x.device}")
-        n = self.out_features
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        m = x2.shape[0]
-        max_m = self._max_m_bf16 if x.dtype == torch.bfloat16 else self._max_m
-        if m > max_m or m == 0 or x2.stride(-1) != 1:
-            return fp8_linear_cpu(
-                x, *self.tensors, act_dynamic=self.act_dynamic, bias=self.bias, check=False,
-                variant=self.variant,
-            )  # fmt: skip
-        out = torch.empty(m, n, dtype=x.dtype)
-        code = DTYPE_CODES[x.dtype]
-        status = self._fn(
-            self._layer, x2.data_ptr(), code, m, x2.stride(0), out.data_ptr(), code, n,
-            torch.get_num_threads(),
-        )  # fmt: skip
-        if status:
-            _check_status(status, "qk_fp8_gemv")
-        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
-
-
-def _rebuild(
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    act_dynamic: bool,
-    bias: torch.Tensor | None,
-    variant: str | None,
-) -> CpuFp8Layer:
-    return CpuFp8Layer(weight, weight_scale, act_dynamic=act_dynamic, bias=bias, variant=variant)
+        return self._gemv(x)

@@ -38,8 +38,9 @@ import triton
 import triton.language as tl
 
 from quantkit.errors import KernelUnavailableError
+from quantkit.fused_kernels import triton_launch
 from quantkit.fused_kernels.fp8_checks import check_fp8_activations, check_fp8_weights
-from quantkit.fused_kernels.w4a16_configs import GEMV_MAX_M, BlockConfig, gemv_block_m, m_bucket
+from quantkit.fused_kernels.w4a16_configs import BlockConfig, gemv_block_m, m_bucket
 
 _EPS = 1e-10  # quantkit.format.packing's smallest scale
 
@@ -229,9 +230,7 @@ def _autotuned(kind: str, bucket: int) -> triton.runtime.Autotuner:
 
 def is_interpreted() -> bool:
     """True if the kernels were decorated under TRITON_INTERPRET=1 (they run on CPU tensors)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_fp8_gemm_kernel, InterpretedFunction)
+    return triton_launch.is_interpreted(_fp8_gemm_kernel)
 
 
 def fp8_dot_supported(device: torch.device) -> bool:
@@ -250,26 +249,10 @@ def _describe(device: torch.device) -> str:
     return f"{torch.cuda.get_device_name(device)} (sm_{major}{minor})"
 
 
-def _check_device(device: torch.device, dtype: torch.dtype) -> None:
-    if device.type == "cuda":
-        return
-    if device.type == "cpu" and is_interpreted():
-        if dtype == torch.bfloat16:
-            raise KernelUnavailableError(
-                "triton interpreter: expected float16 or float32 activations (numpy has no "
-                "bfloat16), got bfloat16"
-            )
-        return
-    raise KernelUnavailableError(
-        f"triton backend: expected CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set "
-        f"before quantkit.fused_kernels.fp8_triton is imported), got {device}"
-    )
-
-
 def quantize_per_token_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (float8_e4m3fn [M, K], fp32 scale [M, 1]), bit-identical to
     `quantkit.format.packing.quantize_fp8_per_token`."""
-    _check_device(x.device, x.dtype)
+    triton_launch.check_device(x.device, x.dtype, interpreted=is_interpreted(), module=__name__)
     m, k = x.shape
     codes = torch.empty(m, k, dtype=torch.uint8, device=x.device)
     scales = torch.empty(m, 1, dtype=torch.float32, device=x.device)
@@ -300,21 +283,16 @@ def fp8_linear_triton(
     if check:
         check_fp8_weights(weight, weight_scale, bias=bias)
         check_fp8_activations(x, weight, backend="triton")
-    _check_device(x.device, x.dtype)
-    if path not in ("auto", "gemv", "gemm"):
-        raise ValueError(f"path: expected 'auto', 'gemv' or 'gemm', got {path!r}")
+    triton_launch.check_launch(x, path, interpreted=is_interpreted(), module=__name__)
     if act_dynamic and not fp8_dot_supported(x.device):
         raise KernelUnavailableError(
             f"triton backend: W8A8 expected a GPU with fp8 tensor cores (sm_89+), got "
             f"{_describe(x.device)}; use W8A16"
         )
     n, k = weight.shape
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
+    lead, x2, m, kind = triton_launch.rows(x, k, path)
     if m == 0:
         return x.new_empty(*lead, n)
-    kind = path if path != "auto" else ("gemv" if m <= GEMV_MAX_M else "gemm")
     if config is None and is_interpreted():
         config = interpreter_config(kind, m)
     xs = None
@@ -325,10 +303,7 @@ def fp8_linear_triton(
     common = dict(HAS_XS=xs is not None, DOT_PRECISION="ieee")
     w_args = (weight, scale, xs if xs is not None else scale)
     if kind == "gemv":
-        block_m = gemv_block_m(m)
-        if config is not None and config.block_m != block_m:
-            raise ValueError(f"config.block_m: the GEMV takes {block_m} for M={m}, got {config}")
-        y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+        block_m, y = triton_launch.gemv_buffer(m, n, x.device, config)
         # fp8 values are exact in every one of these; the interpreter computes in fp32
         compute = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}.get(x.dtype)
         if act_dynamic:
@@ -339,33 +314,19 @@ def fp8_linear_triton(
             xin, *w_args, y, m, n, k, xin.stride(0), xin.stride(1), weight.stride(0),
             weight.stride(1), scale.stride(0), y.stride(0), y.stride(1),
         )  # fmt: skip
-        if config is None:
-            grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-            _autotuned("gemv", 1)[grid](*args, BLOCK_M=block_m, COMPUTE=compute, **common)
-        else:
-            grid = (triton.cdiv(n, config.block_n), config.split_k)
-            _fp8_gemv_kernel[grid](
-                *args, BLOCK_M=block_m, COMPUTE=compute, num_warps=config.num_warps,
-                **config.meta("gemv"), **common,
-            )  # fmt: skip
-        if bias is not None:
-            y += bias.float()
-        return y.to(x.dtype).reshape(*lead, n)
+        triton_launch.launch(
+            "gemv", _fp8_gemv_kernel, functools.partial(_autotuned, "gemv", 1), args, m=m, n=n,
+            config=config, BLOCK_M=block_m, COMPUTE=compute, **common,
+        )  # fmt: skip
+        return triton_launch.gemv_result(y, x, bias, lead)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     args = (
         xin, *w_args, bias if bias is not None else y, y, m, n, k, xin.stride(0), xin.stride(1),
         weight.stride(0), weight.stride(1), scale.stride(0), y.stride(0), y.stride(1),
     )  # fmt: skip
-    common.update(HAS_BIAS=bias is not None, FP8_DOT=act_dynamic)
-    if config is None:
-        grid = lambda meta: (  # noqa: E731
-            triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),
-        )
-        _autotuned("gemm", m_bucket(m))[grid](*args, **common)
-    else:
-        grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
-        _fp8_gemm_kernel[grid](
-            *args, num_warps=config.num_warps, num_stages=config.num_stages,
-            **config.meta("gemm"), **common,
-        )  # fmt: skip
+    triton_launch.launch(
+        "gemm", _fp8_gemm_kernel, functools.partial(_autotuned, "gemm", m_bucket(m)), args,
+        m=m, n=n,
+        config=config, HAS_BIAS=bias is not None, FP8_DOT=act_dynamic, **common,
+    )  # fmt: skip
     return y.reshape(*lead, n)

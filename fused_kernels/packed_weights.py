@@ -75,9 +75,7 @@ class PackedInt4:
 
     def check(self, *, bias: torch.Tensor | None = None) -> None:
         """Raise unless these tensors (and `bias`) form one valid INT4 linear."""
-        check_int4_weights(
-            *self.tensors, in_features=self.in_features, group_size=self.group_size, bias=bias
-        )
+        check_int4_weights(self, bias=bias)
 
     @property
     def device(self) -> torch.device:

@@ -165,10 +165,7 @@ def int4_linear(
         weight_packed=weight_packed, weight_scale=weight_scale, weight_zero_point=weight_zero_point
     )
     weights = PackedInt4.from_tensors(tensors, scheme=scheme, in_features=in_features)
-    check_int4_operands(
-        x, *weights.tensors, in_features=in_features, group_size=weights.group_size, bias=bias,
-        backend=backend or "int4_linear",
-    )  # fmt: skip
+    check_int4_operands(x, weights, bias=bias, backend=backend or "int4_linear")
     return choose_kernel(scheme, x.device, backend).launch(x, weights, bias=bias)
 
 

@@ -6,9 +6,14 @@ backend cannot run on is `KernelUnavailableError` (the tensors are fine, the bac
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from quantkit.errors import KernelUnavailableError
+
+if TYPE_CHECKING:  # packed_weights imports this module
+    from quantkit.fused_kernels.packed_weights import PackedInt4
 
 ACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -41,27 +46,14 @@ def resolve_group_size(group_size: int, in_features: int) -> int:
 
 def check_int4_operands(
     x: torch.Tensor,
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_zero_point: torch.Tensor | None,
+    weights: PackedInt4,
     *,
-    in_features: int,
-    group_size: int,
     bias: torch.Tensor | None = None,
     backend: str,
 ) -> None:
-    """Raise unless the operands form one valid compressed-tensors W4A16 linear.
-
-    `group_size` is already resolved (in_features for per channel).
-    """
-    check_int4_weights(
-        weight_packed,
-        weight_scale,
-        weight_zero_point,
-        in_features=in_features,
-        group_size=group_size,
-        bias=bias,
-    )
+    """Raise unless x, `weights` and `bias` form one valid compressed-tensors W4A16 linear."""
+    check_int4_weights(weights, bias=bias)
+    in_features, device = weights.in_features, weights.weight_packed.device
     if x.dtype not in ACT_DTYPES:
         raise KernelUnavailableError(
             f"{backend} backend: expected activations in float32, bfloat16 or float16, "
@@ -71,20 +63,15 @@ def check_int4_operands(
         raise ValueError(
             f"x: expected shape [..., {in_features}] (in_features), got {tuple(x.shape)}"
         )
-    if x.device != weight_packed.device:
-        raise ValueError(f"x: expected the weights' device {weight_packed.device}, got {x.device}")
+    if x.device != device:
+        raise ValueError(f"x: expected the weights' device {device}, got {x.device}")
 
 
-def check_int4_weights(
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_zero_point: torch.Tensor | None,
-    *,
-    in_features: int,
-    group_size: int,
-    bias: torch.Tensor | None = None,
-) -> None:
-    """The weight half of `check_int4_operands` (run once by `prepare_int4`)."""
+def check_int4_weights(weights: PackedInt4, *, bias: torch.Tensor | None = None) -> None:
+    """The weight half of `check_int4_operands` (`PackedInt4.check`, run once by
+    `prepare_linear`)."""
+    weight_packed, weight_scale, weight_zero_point = weights.tensors
+    in_features, group_size = weights.in_features, weights.group_size
     if weight_packed.dtype != torch.int32 or weight_packed.dim() != 2:
         raise ValueError(
             "weight_packed: expected a 2-D int32 tensor [N, ceil(K/8)], "

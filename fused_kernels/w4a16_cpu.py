@@ -21,10 +21,11 @@ import functools
 
 import torch
 
-from quantkit.errors import KernelUnavailableError
-from quantkit.fused_kernels import cpu_abi
+from quantkit.fused_kernels import cpu_launch
 from quantkit.fused_kernels.cpu_abi import W4Layer
 from quantkit.fused_kernels.cpu_build import DTYPE_CODES, cpu_flags, cpu_variant
+from quantkit.fused_kernels.cpu_launch import check_status, require_cpu, rows_stride
+from quantkit.fused_kernels.packed_weights import PackedInt4
 from quantkit.fused_kernels.w4a16_checks import check_int4_operands
 
 # Largest M that takes the GEMV; above it fp32 MKL on dequantized chunks wins. Crossovers
@@ -46,29 +47,15 @@ def _variant(variant: str | None) -> str:
     return variant or cpu_variant()
 
 
-@functools.cache
-def _library(variant: str | None = None) -> ctypes.CDLL:
-    """The compiled kernels for `variant` (default: the best this CPU runs), built on first use
-    (one gcc call, cached on disk; functools.cache keeps the loaded handle, not tensors)."""
-    # One library: the decode step (`decode_cpu`, csrc/decode.c) calls the GEMV's static
-    # functions; its functions are typed from `cpu_abi` (csrc/quantkit_kernels.h).
-    return cpu_abi.load("qk_w4a16_cpu", variant=variant)
+# The compiled kernels for a variant: _library(variant=None). One library: the decode step
+# (`decode_cpu`, csrc/decode.c) calls the GEMV's static functions; its functions are typed from
+# `cpu_abi` (csrc/quantkit_kernels.h).
+_library = cpu_launch.library_loader("qk_w4a16_cpu")
 
 
 def cpu_kernel_available() -> bool:
     """True if the C kernel builds and loads here (builds it on first call)."""
-    try:
-        _library()
-    except KernelUnavailableError:
-        return False
-    return True
-
-
-def _check_status(status: int, what: str) -> None:
-    if status == 1:
-        raise ValueError(f"{what}: expected a group size that is a multiple of 32 or per-channel")
-    if status != 0:
-        raise MemoryError(f"{what}: expected a scratch buffer, got allocation failure ({status})")
+    return cpu_launch.loads(_library)
 
 
 def _dequant_rows(
@@ -88,7 +75,7 @@ def _dequant_rows(
         None if zp is None else zp.data_ptr(), 0 if zp is None else zp.stride(0),
         out.data_ptr(), threads,
     )  # fmt: skip
-    _check_status(status, "qk_w4_dequant")
+    check_status(status, "qk_w4_dequant")
     return out
 
 
@@ -125,18 +112,11 @@ def w4a16_linear_cpu(
     instruction set (`cpu_build.supported_variants()`; default the best), for tests and benches.
     """
     if check:
-        check_int4_operands(
-            x,
-            weight_packed,
-            weight_scale,
-            weight_zero_point,
-            in_features=in_features,
-            group_size=group_size,
-            bias=bias,
-            backend="cpu",
+        weights = PackedInt4(
+            weight_packed, weight_scale, weight_zero_point, in_features, group_size
         )
-        if x.device.type != "cpu":
-            raise KernelUnavailableError(f"cpu backend: expected CPU tensors, got {x.device}")
+        check_int4_operands(x, weights, bias=bias, backend="cpu")
+        require_cpu(x)
     lib = _library(variant)
     gemv_max_m = GEMV_MAX_M[_variant(variant)]
     if x.dtype == torch.bfloat16 and has_bf16_matmul():
@@ -146,17 +126,13 @@ def w4a16_linear_cpu(
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     # The kernel indexes with row strides only; these are no-ops for the usual contiguous case.
-    wp = weight_packed if weight_packed.stride(-1) == 1 else weight_packed.contiguous()
-    scale = weight_scale if weight_scale.stride(-1) == 1 else weight_scale.contiguous()
-    zp = weight_zero_point
-    if zp is not None and zp.stride(-1) != 1:
-        zp = zp.contiguous()
+    wp, scale = rows_stride(weight_packed), rows_stride(weight_scale)
+    zp = None if weight_zero_point is None else rows_stride(weight_zero_point)
     threads = torch.get_num_threads()
     if m == 0:
         return x.new_empty(*lead, n)
     if m <= gemv_max_m:
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
+        x2 = rows_stride(x2)
         b = None if bias is None else bias.contiguous()
         out = torch.empty(m, n, dtype=x.dtype)
         status = lib.qk_w4a16_gemv(
@@ -167,7 +143,7 @@ def w4a16_linear_cpu(
             None if b is None else b.data_ptr(), 0 if b is None else DTYPE_CODES[b.dtype],
             out.data_ptr(), DTYPE_CODES[x.dtype], n, threads,
         )  # fmt: skip
-        _check_status(status, "qk_w4a16_gemv")
+        check_status(status, "qk_w4a16_gemv")
         return out.reshape(*lead, n)
     # Prefill: rows of W in chunks, each multiplied while it is still in cache.
     bf16 = x.dtype == torch.bfloat16 and has_bf16_matmul()
@@ -192,7 +168,7 @@ def has_bf16_matmul() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
-class CpuInt4Layer:
+class CpuInt4Layer(cpu_launch.BoundGemvLayer):
     """One INT4 linear bound to the C GEMV once; a call passes only x and the output.
 
     Decode at SmolLM2 sizes is dominated by per-call overhead (the 576x576 GEMV itself takes
@@ -200,6 +176,8 @@ class CpuInt4Layer:
     are settled here, at load time. Holds references to the tensors it was built from (their
     memory stays valid); build a new one if the layer's tensors are replaced.
     """
+
+    gemv = "qk_w4a16_gemv"
 
     def __init__(
         self,
@@ -212,64 +190,34 @@ class CpuInt4Layer:
         bias: torch.Tensor | None = None,
         variant: str | None = None,
     ) -> None:
-        if weight_packed.device.type != "cpu":
-            raise KernelUnavailableError(
-                f"cpu backend: expected CPU tensors, got {weight_packed.device}"
-            )
+        require_cpu(weight_packed)
         wp, scale = weight_packed.contiguous(), weight_scale.contiguous()
         zp = None if weight_zero_point is None else weight_zero_point.contiguous()
         b = None if bias is None else bias.contiguous()
-        self.tensors = (wp, scale, zp)
         self.bias = b
         self.in_features, self.out_features = in_features, wp.shape[0]
-        self.group_size, self.variant = group_size, variant
-        self._max_m = GEMV_MAX_M[_variant(variant)]
-        self._max_m_bf16 = min(self._max_m, GEMV_MAX_M_BF16) if has_bf16_matmul() else self._max_m
-        self._layer = W4Layer(
+        self.group_size = group_size
+        max_m = GEMV_MAX_M[_variant(variant)]
+        layer = W4Layer(
             wp.data_ptr(), wp.shape[0], in_features, wp.stride(0),
             scale.data_ptr(), DTYPE_CODES[scale.dtype], scale.shape[1], scale.stride(0),
             None if zp is None else zp.data_ptr(), 0 if zp is None else zp.stride(0), group_size,
             None if b is None else b.data_ptr(), 0 if b is None else DTYPE_CODES[b.dtype],
         )  # fmt: skip
-        self._fn = _library(variant).qk_w4a16_gemv_layer
+        self._bind(
+            w4a16_linear_cpu, (wp, scale, zp),
+            dict(in_features=in_features, group_size=group_size, bias=b), variant=variant,
+            layer=layer, fn=_library(variant).qk_w4a16_gemv_layer, max_m=max_m,
+            max_m_bf16=min(max_m, GEMV_MAX_M_BF16) if has_bf16_matmul() else max_m,
+        )  # fmt: skip
         if group_size != in_features and group_size % 32:
             raise ValueError(
                 f"group_size: expected a multiple of 32 or per-channel, got {group_size}"
             )
-
-    def __reduce__(self) -> tuple:
-        # The ctypes struct holds raw pointers, which neither pickle nor deepcopy can copy:
-        # rebuild from the (copied) tensors, so a module caching this layer still copies.
-        kwargs = dict(in_features=self.in_features, group_size=self.group_size, bias=self.bias)
-        return (_rebuild_layer, (self.tensors, kwargs, self.variant))
 
     def __call__(self, x: torch.Tensor, *, bf16_activations: bool = False) -> torch.Tensor:
         """x [..., K] @ dequant(W).T. bf16_activations: the GEMV rounds x (and the dequantized
         weights) to bf16 and sums the products in fp32, as the decode step's bf16 mode does
         (where the build has AVX512-BF16 and the groups are powers of two; else fp32); a
         call too big for the GEMV ignores it."""
-        if not x.is_cpu:
-            raise KernelUnavailableError(f"cpu backend: expected CPU tensors, got {x.device}")
-        n = self.out_features
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        m = x2.shape[0]
-        max_m = self._max_m_bf16 if x.dtype == torch.bfloat16 else self._max_m
-        if m > max_m or m == 0 or x2.stride(-1) != 1:
-            return w4a16_linear_cpu(
-                x, *self.tensors, in_features=self.in_features, group_size=self.group_size,
-                bias=self.bias, check=False, variant=self.variant,
-            )  # fmt: skip
-        out = torch.empty(m, n, dtype=x.dtype)
-        code = DTYPE_CODES[x.dtype]
-        status = self._fn(
-            self._layer, x2.data_ptr(), code, m, x2.stride(0), out.data_ptr(), code, n,
-            DTYPE_CODES[torch.bfloat16 if bf16_activations else torch.float32],
-            torch.get_num_threads(),
-        )  # fmt: skip
-        if status:
-            _check_status(status, "qk_w4a16_gemv")
-        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
-
-
-def _rebuild_layer(tensors: tuple, kwargs: dict, variant: str | None) -> CpuInt4Layer:
-    return CpuInt4Layer(*tensors, **kwargs, variant=variant)
+        return self._gemv(x, DTYPE_CODES[torch.bfloat16 if bf16_activations else torch.float32])

@@ -34,21 +34,18 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.errors import KernelUnavailableError
+from quantkit.fused_kernels import triton_launch
+from quantkit.fused_kernels.packed_weights import PackedInt4
 from quantkit.fused_kernels.w4a16_checks import check_int4_operands, resolve_group_size
 from quantkit.fused_kernels.w4a16_configs import (
-    GEMV_MAX_M,
     BlockConfig,
     clamp_block_k,
     gemm_configs,
-    gemv_block_m,
     gemv_configs,
     interpreter_config,
     m_bucket,
     max_block_k,
 )
-
-_TL_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -201,25 +198,7 @@ def _w4_dequant_kernel(
 
 def is_interpreted() -> bool:
     """True if the kernels were decorated under TRITON_INTERPRET=1 (they run on CPU tensors)."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_w4a16_gemm_kernel, InterpretedFunction)
-
-
-def _check_device(device: torch.device, dtype: torch.dtype) -> None:
-    if device.type == "cuda":
-        return
-    if device.type == "cpu" and is_interpreted():
-        if dtype == torch.bfloat16:
-            raise KernelUnavailableError(
-                "triton interpreter: expected float16 or float32 activations (numpy has no "
-                "bfloat16), got bfloat16"
-            )
-        return
-    raise KernelUnavailableError(
-        f"triton backend: expected CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set "
-        f"before quantkit.fused_kernels.w4a16_triton is imported), got {device}"
-    )
+    return triton_launch.is_interpreted(_w4a16_gemm_kernel)
 
 
 @functools.cache
@@ -270,67 +249,42 @@ def w4a16_linear_triton(
     """
     group_size = resolve_group_size(group_size, in_features)
     if check:
-        check_int4_operands(
-            x, weight_packed, weight_scale, weight_zero_point, in_features=in_features,
-            group_size=group_size, bias=bias, backend="triton",
-        )  # fmt: skip
-    _check_device(x.device, x.dtype)
-    if path not in ("auto", "gemv", "gemm"):
-        raise ValueError(f"path: expected 'auto', 'gemv' or 'gemm', got {path!r}")
+        weights = PackedInt4(
+            weight_packed, weight_scale, weight_zero_point, in_features, group_size
+        )
+        check_int4_operands(x, weights, bias=bias, backend="triton")
+    triton_launch.check_launch(x, path, interpreted=is_interpreted(), module=__name__)
     k, n = in_features, weight_packed.shape[0]
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
+    lead, x2, m, kind = triton_launch.rows(x, k, path)
     if m == 0:
         return x.new_empty(*lead, n)
-    kind = path if path != "auto" else ("gemv" if m <= GEMV_MAX_M else "gemm")
     zp_t, *strides = _weight_args(weight_packed, weight_scale, weight_zero_point)
     common = dict(HAS_ZP=weight_zero_point is not None, DOT_PRECISION="ieee")
     if config is None and is_interpreted():
         config = interpreter_config(kind, m, group_size=group_size, in_features=k)
+    tuned = functools.partial(_autotuned, kind, m_bucket(m))
     if kind == "gemv":
-        block_m = gemv_block_m(m)
-        if config is not None and config.block_m != block_m:
-            raise ValueError(f"config.block_m: the GEMV takes {block_m} for M={m}, got {config}")
-        # fp32 buffer for any SPLIT_K (autotune may pick one that adds partial sums)
-        y = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+        block_m, y = triton_launch.gemv_buffer(m, n, x.device, config)
         args = (
             x2, weight_packed, weight_scale, zp_t, y, m, n, k, group_size,
             x2.stride(0), x2.stride(1), weight_packed.stride(0), weight_packed.stride(1),
             *strides, y.stride(0), y.stride(1),
         )  # fmt: skip
-        if config is None:
-            kernel = _autotuned("gemv", m_bucket(m))
-            grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-            kernel[grid](*args, BLOCK_M=block_m, **common)
-        else:
-            grid = (triton.cdiv(n, config.block_n), config.split_k)
-            _w4a16_gemv_kernel[grid](
-                *args, BLOCK_M=block_m, num_warps=config.num_warps, **config.meta("gemv"),
-                **common,
-            )  # fmt: skip
-        if bias is not None:
-            y += bias.float()
-        return y.to(x.dtype).reshape(*lead, n)
+        triton_launch.launch(
+            "gemv", _w4a16_gemv_kernel, tuned, args, m=m, n=n, config=config, BLOCK_M=block_m,
+            **common,
+        )  # fmt: skip
+        return triton_launch.gemv_result(y, x, bias, lead)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     args = (
         x2, weight_packed, weight_scale, zp_t, bias if bias is not None else y, y, m, n, k,
         group_size, x2.stride(0), x2.stride(1), weight_packed.stride(0), weight_packed.stride(1),
         *strides, y.stride(0), y.stride(1),
     )  # fmt: skip
-    common["HAS_BIAS"] = bias is not None
-    if config is None:
-        kernel = _autotuned("gemm", m_bucket(m))
-        grid = lambda meta: (  # noqa: E731
-            triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),
-        )
-        kernel[grid](*args, **common)
-    else:
-        grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n),)
-        _w4a16_gemm_kernel[grid](
-            *args, num_warps=config.num_warps, num_stages=config.num_stages,
-            **config.meta("gemm"), **common,
-        )  # fmt: skip
+    triton_launch.launch(
+        "gemm", _w4a16_gemm_kernel, tuned, args, m=m, n=n, config=config,
+        HAS_BIAS=bias is not None, **common,
+    )  # fmt: skip
     return y.reshape(*lead, n)
 
 
@@ -346,7 +300,9 @@ def dequantize_triton(
     matmul kernels see them: the oracle test of the kernels' unpacking."""
     group_size = resolve_group_size(group_size, in_features)
     n, k = weight_packed.shape[0], in_features
-    _check_device(weight_packed.device, torch.float32)
+    triton_launch.check_device(
+        weight_packed.device, torch.float32, interpreted=is_interpreted(), module=__name__
+    )
     dev = weight_packed.device
     codes = torch.empty(n, k, dtype=torch.int8, device=dev)
     zeros = torch.empty(n, k // group_size, dtype=torch.int32, device=dev)

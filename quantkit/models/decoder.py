@@ -11,7 +11,6 @@ Shapes: B batch, T new tokens, S cache length, H hidden, Hq/Hkv heads, D head_di
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -430,7 +429,3 @@ def build_model(
     for module in (modules or {}).values():
         module.to(dense["model.embed_tokens.weight"].device)
     return model.eval()
-
-
-def num_parameters(model: nn.Module) -> int:
-    return sum(math.prod(p.shape) for p in model.parameters())

@@ -29,6 +29,7 @@ from quantkit.models.family import Family, ScaleGroup
 from quantkit.quantize.layer_walk import (
     LayerErrorReport,
     PhaseClock,
+    finish_layer,
     first_layer_inputs,
     layer_call,
     run_chunked,
@@ -272,11 +273,10 @@ def awq_quantize(
         out_q = run_chunked(run_layer, x_attn_seq, cfg.batch_sequences)
         report.method_error = float((out_q - layer_target).pow(2).mean())
         # Feed the quantized layer's output onward.
-        x = run_chunked(run_layer, x, cfg.batch_sequences)
-        clock.lap("propagate")
-        reports.append(report)
-        if on_layer is not None:
-            on_layer(report)
+        x = finish_layer(
+            run_layer, x, cfg.batch_sequences, clock=clock, report=report, reports=reports,
+            on_layer=on_layer,
+        )  # fmt: skip
     return result, reports
 
 

@@ -53,9 +53,9 @@ from quantkit.models.family import Family
 from quantkit.quantize.layer_walk import (
     LayerErrorReport,
     PhaseClock,
+    finish_layer,
     first_layer_inputs,
     layer_call,
-    run_chunked,
 )
 
 # (columns [N, m] of the weight, their original column indices [m]) -> the dequantized values
@@ -381,9 +381,8 @@ def gptq_quantize(
                     row += m.out_features
             clock.lap("round")
         # Feed the quantized layer's output onward.
-        x = run_chunked(run_layer, x, cfg.batch_sequences)
-        clock.lap("propagate")
-        reports.append(report)
-        if on_layer is not None:
-            on_layer(report)
+        x = finish_layer(
+            run_layer, x, cfg.batch_sequences, clock=clock, report=report, reports=reports,
+            on_layer=on_layer,
+        )  # fmt: skip
     return result, reports

@@ -1,6 +1,7 @@
 """What the layer-by-layer quantizers (AWQ, GPTQ) share: the calibration activations entering
 the first decoder layer, a decoder layer as a function of its input, chunked runs, a clock per
-phase, and the per-layer report's error change against round to nearest.
+phase, the per-layer report's error change against round to nearest, and the end of each layer's
+step (`finish_layer`).
 
 Both quantizers walk the decoder one layer at a time and feed the *quantized* layer's output to
 the next, so peak memory is the model plus one layer's activations over the calibration set.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -69,3 +71,27 @@ class PhaseClock:
         now = time.perf_counter()
         self.into[phase] = self.into.get(phase, 0.0) + now - self.t
         self.t = now
+
+
+Report = TypeVar("Report", bound=LayerErrorReport)
+
+
+def finish_layer(
+    run_layer: Callable,
+    x: torch.Tensor,
+    chunk: int,
+    *,
+    clock: PhaseClock,
+    report: Report,
+    reports: list[Report],
+    on_layer: Callable[[Report], None] | None,
+) -> torch.Tensor:
+    """The end of one layer's step: the quantized layer's output over x (in chunks of `chunk`
+    sequences), the next layer's input, timed as "propagate"; then the report is appended to
+    `reports` and passed to `on_layer`."""
+    x = run_chunked(run_layer, x, chunk)
+    clock.lap("propagate")
+    reports.append(report)
+    if on_layer is not None:
+        on_layer(report)
+    return x
