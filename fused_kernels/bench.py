@@ -197,9 +197,7 @@ def bench_shape(
                 continue
             if impl == "reference" and m > 16:
                 continue  # the reference's prefill is dense fp32 matmul plus the dequantize
-            fn, nbytes, label = _op(
-                impl, x, prepared, layers, dense, group=group, sweep_bytes=sweep_bytes
-            )
+            fn, nbytes, label = _op(impl, x, prepared, layers, dense, sweep_bytes=sweep_bytes)
             # the reference takes milliseconds per call: cache residency does not matter there
             sweep = min(copies, 2) if impl == "reference" else copies
             samples = sorted(time_calls(fn, sweep, device, budget_s=budget_s, clock=clock))
@@ -236,7 +234,6 @@ def _op(
     layers: list[tuple],
     dense: dict[str, list],
     *,
-    group: int,
     sweep_bytes: int,
 ) -> tuple[Callable[[int], object], int, str]:
     """(call on copy c, weight bytes a call reads, label) for one implementation."""
@@ -247,7 +244,7 @@ def _op(
         return (lambda c: prepared[c](x)), prepared[0].nbytes, f"int4 {prepared[0].backend}"
     if impl == "reference":
         return (
-            lambda c: w4a16_linear_reference(x, *layers[c], in_features=k, group_size=group),
+            lambda c: w4a16_linear_reference(x, prepared[c].weights),
             prepared[0].nbytes,
             "int4 reference",
         )

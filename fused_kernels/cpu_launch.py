@@ -92,8 +92,9 @@ class BoundGemvLayer:
         max_m_bf16: int,
     ) -> None:
         """`launcher(x, *tensors, **kwargs, check=False, variant=variant)` runs a call the
-        GEMV does not take; `fn(layer, ...)` is the GEMV, which takes at most `max_m` rows
-        (`max_m_bf16` for bf16 activations)."""
+        GEMV does not take (`tensors`: the launcher's positional weight arguments, a
+        `PackedInt4` or the FP8 tensors); `fn(layer, ...)` is the GEMV, which takes at most
+        `max_m` rows (`max_m_bf16` for bf16 activations)."""
         self.tensors, self.variant = tensors, variant
         self._launcher, self._kwargs = launcher, kwargs
         self._layer, self._fn = layer, fn

@@ -23,8 +23,9 @@ line once). A wanted entry may refuse instead of falling back (`KernelUnavailabl
 asked for by name and not installed (naming the extra), cpu asked for on non-CPU tensors. When
 nothing fits, one `KernelUnavailableError` lists every kernel's reason.
 
-A new backend: one kernel file (a launcher `f(x, *weights.tensors, **weights.kernel_args(...),
-check=...)`, optionally a class that binds one layer's weights once) and one entry in `KERNELS`.
+A new backend: one kernel file (a launcher `f(x, *weights.launch_args,
+**weights.kernel_args(...), check=...)`, optionally a class that binds one layer's weights once)
+and one entry in `KERNELS`.
 """
 
 from __future__ import annotations
@@ -56,8 +57,9 @@ def _runs_anywhere(kernel: Kernel, device: torch.device, requested: bool) -> str
 @dataclass(frozen=True)
 class Kernel:
     """One registry entry. `module` is a file of `quantkit.fused_kernels`; `launcher` its
-    function y = launcher(x, *weights.tensors, **weights.kernel_args(...)); `layer` an optional
-    class binding one layer's weights once (layer(*tensors, **kwargs)(x)); `devices` the device
+    function y = launcher(x, *weights.launch_args, **weights.kernel_args(...)) (INT4: the
+    `PackedInt4` itself; FP8: its two tensors); `layer` an optional class binding one layer's
+    weights once (layer(*weights.launch_args, **kwargs)(x)); `devices` the device
     types it is picked for unasked (empty: every type); `takes_check` whether the launcher has
     `check=` (prepared calls pass False); `w8a8` a module function(device) -> bool saying where
     it runs W8A8 (None: everywhere)."""
@@ -107,11 +109,11 @@ class Kernel:
         kwargs = weights.kernel_args(bias=bias, act_dynamic=act_dynamic)
         module = self.load()
         if self.layer is not None:
-            return getattr(module, self.layer)(*weights.tensors, **kwargs)
+            return getattr(module, self.layer)(*weights.launch_args, **kwargs)
         if self.takes_check:
             kwargs["check"] = False
         kernel = functools.partial(getattr(module, self.launcher), **kwargs)
-        return functools.partial(_on_device, kernel, self.backend, weights.tensors)
+        return functools.partial(_on_device, kernel, self.backend, weights)
 
     def launch(
         self,
@@ -125,21 +127,21 @@ class Kernel:
         kwargs = weights.kernel_args(bias=bias, act_dynamic=act_dynamic)
         if self.takes_check:
             kwargs["check"] = False
-        return getattr(self.load(), self.launcher)(x, *weights.tensors, **kwargs)
+        return getattr(self.load(), self.launcher)(x, *weights.launch_args, **kwargs)
 
 
 def _on_device(
     kernel: Callable[..., torch.Tensor],
     backend: str,
-    tensors: tuple,
+    weights: PackedWeights,
     x: torch.Tensor,
 ) -> torch.Tensor:
-    device = tensors[0].device
+    device = weights.device
     if x.device != device:
         raise KernelUnavailableError(
             f"{backend} backend: expected x on the weights' device {device}, got {x.device}"
         )
-    return kernel(x, *tensors)
+    return kernel(x, *weights.launch_args)
 
 
 # --------------------------------------------------------------------------- blockers

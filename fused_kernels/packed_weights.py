@@ -7,9 +7,10 @@
   `weight_scale` [N, 1].
 
 Both hold references to the layer's tensors (no copies) and are built from a module's tensors
-and its scheme (`packed_weights`). The kernel launchers keep their loose-tensor signatures (tests
-and benches call them directly); a value reaches them as `launcher(x, *w.tensors,
-**w.kernel_args(bias=..., act_dynamic=...))`, the one place that spelling lives.
+and its scheme (`packed_weights`). The INT4 launchers take the value itself
+(`launcher(x, weights, *, bias=...)`); the FP8 ones keep their two loose tensors. Either reaches
+its launcher as `launcher(x, *w.launch_args, **w.kernel_args(bias=..., act_dynamic=...))`, the
+one place that spelling lives.
 """
 
 from __future__ import annotations
@@ -65,13 +66,18 @@ class PackedInt4:
 
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The launchers' positional weight arguments."""
+        """The weight tensors: packed ints, scales, zero points (or None)."""
         return self.weight_packed, self.weight_scale, self.weight_zero_point
+
+    @property
+    def launch_args(self) -> tuple[PackedInt4]:
+        """The launchers' positional weight arguments: this value."""
+        return (self,)
 
     def kernel_args(self, *, bias: torch.Tensor | None, act_dynamic: bool = False) -> dict:
         """The launchers' keyword arguments. INT4 has no activation quantization (a scheme with
         it is refused by `QuantScheme`), so `act_dynamic` is always False here."""
-        return dict(in_features=self.in_features, group_size=self.group_size, bias=bias)
+        return dict(bias=bias)
 
     def check(self, *, bias: torch.Tensor | None = None) -> None:
         """Raise unless these tensors (and `bias`) form one valid INT4 linear."""
@@ -116,6 +122,11 @@ class PackedFp8:
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.weight, self.weight_scale
+
+    @property
+    def launch_args(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The launchers' positional weight arguments: the two tensors."""
+        return self.tensors
 
     def kernel_args(self, *, bias: torch.Tensor | None, act_dynamic: bool = False) -> dict:
         return dict(act_dynamic=act_dynamic, bias=bias)

@@ -95,28 +95,23 @@ def dequantize_cpu(
 
 def w4a16_linear_cpu(
     x: torch.Tensor,
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_zero_point: torch.Tensor | None,
+    weights: PackedInt4,
     *,
-    in_features: int,
-    group_size: int,
     bias: torch.Tensor | None = None,
     check: bool = True,
     variant: str | None = None,
 ) -> torch.Tensor:
     """y [..., N] = x [..., K] @ dequant(W).T (+ bias), fp32 accumulation, in x.dtype.
 
-    `group_size` is resolved (in_features for per channel). `check=False` skips the operand
-    checks for callers that ran them once already (`PreparedLinear`). `variant` picks the
+    `weights.group_size` is resolved (in_features for per channel). `check=False` skips the
+    operand checks for callers that ran them once already (`PreparedLinear`). `variant` picks the
     instruction set (`cpu_build.supported_variants()`; default the best), for tests and benches.
     """
     if check:
-        weights = PackedInt4(
-            weight_packed, weight_scale, weight_zero_point, in_features, group_size
-        )
         check_int4_operands(x, weights, bias=bias, backend="cpu")
         require_cpu(x)
+    weight_packed, weight_scale, weight_zero_point = weights.tensors
+    in_features, group_size = weights.in_features, weights.group_size
     lib = _library(variant)
     gemv_max_m = GEMV_MAX_M[_variant(variant)]
     if x.dtype == torch.bfloat16 and has_bf16_matmul():
@@ -181,15 +176,13 @@ class CpuInt4Layer(cpu_launch.BoundGemvLayer):
 
     def __init__(
         self,
-        weight_packed: torch.Tensor,
-        weight_scale: torch.Tensor,
-        weight_zero_point: torch.Tensor | None,
+        weights: PackedInt4,
         *,
-        in_features: int,
-        group_size: int,
         bias: torch.Tensor | None = None,
         variant: str | None = None,
     ) -> None:
+        weight_packed, weight_scale, weight_zero_point = weights.tensors
+        in_features, group_size = weights.in_features, weights.group_size
         require_cpu(weight_packed)
         wp, scale = weight_packed.contiguous(), weight_scale.contiguous()
         zp = None if weight_zero_point is None else weight_zero_point.contiguous()
@@ -205,8 +198,8 @@ class CpuInt4Layer(cpu_launch.BoundGemvLayer):
             None if b is None else b.data_ptr(), 0 if b is None else DTYPE_CODES[b.dtype],
         )  # fmt: skip
         self._bind(
-            w4a16_linear_cpu, (wp, scale, zp),
-            dict(in_features=in_features, group_size=group_size, bias=b), variant=variant,
+            w4a16_linear_cpu, (PackedInt4(wp, scale, zp, in_features, group_size),),
+            dict(bias=b), variant=variant,
             layer=layer, fn=_library(variant).qk_w4a16_gemv_layer, max_m=max_m,
             max_m_bf16=min(max_m, GEMV_MAX_M_BF16) if has_bf16_matmul() else max_m,
         )  # fmt: skip

@@ -28,6 +28,7 @@ imported: `triton.jit` reads it at decoration time) the kernels run on CPU tenso
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -230,12 +231,8 @@ def _weight_args(
 
 def w4a16_linear_triton(
     x: torch.Tensor,
-    weight_packed: torch.Tensor,
-    weight_scale: torch.Tensor,
-    weight_zero_point: torch.Tensor | None,
+    weights: PackedInt4,
     *,
-    in_features: int,
-    group_size: int,
     bias: torch.Tensor | None = None,
     path: str = "auto",
     config: BlockConfig | None = None,
@@ -245,13 +242,15 @@ def w4a16_linear_triton(
 
     `path`: "gemv" (M <= 16), "gemm" or "auto" (gemv when M <= 16). `config` fixes the blocks
     (default: autotuned per M bucket on a GPU, `interpreter_config` under the interpreter).
-    `group_size` is resolved (in_features for per channel); `check=False` skips operand checks.
+    `weights.group_size` is resolved (in_features for per channel); `check=False` skips operand
+    checks.
     """
-    group_size = resolve_group_size(group_size, in_features)
+    weight_packed, weight_scale, weight_zero_point = weights.tensors
+    in_features = weights.in_features
+    group_size = resolve_group_size(weights.group_size, in_features)
     if check:
-        weights = PackedInt4(
-            weight_packed, weight_scale, weight_zero_point, in_features, group_size
-        )
+        if group_size != weights.group_size:
+            weights = dataclasses.replace(weights, group_size=group_size)
         check_int4_operands(x, weights, bias=bias, backend="triton")
     triton_launch.check_launch(x, path, interpreted=is_interpreted(), module=__name__)
     k, n = in_features, weight_packed.shape[0]

@@ -201,7 +201,7 @@ def test_a_new_backend_is_one_entry(monkeypatch) -> None:
     prepared = prepare_int4(*tensors, scheme=INT4, in_features=128)
     assert (prepared.kernel, prepared.backend) == ("mine-int4", "mine")
     x = torch.randn(3, 128)
-    ref = w4a16_linear_reference(x, *tensors, in_features=128, group_size=64)
+    ref = w4a16_linear_reference(x, PackedInt4(*tensors, 128, 64))
     assert torch.equal(prepared(x), ref)
     assert chosen(INT4, "cpu", "cpu")[0] == "cpu-int4"
     assert chosen(INT4, "cpu", "mine")[0] == "mine-int4"

@@ -21,6 +21,7 @@ from quantkit.format.packing import (
     pack_zero_points,
 )
 from quantkit.fused_kernels.cpu_build import build_library, supported_variants
+from quantkit.fused_kernels.packed_weights import PackedInt4
 from quantkit.fused_kernels.w4a16_reference import w4a16_linear_reference
 
 VARIANTS = supported_variants()
@@ -88,12 +89,9 @@ def test_cpu_matches_reference(variant: str, case: tuple, monkeypatch) -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(m, k, generator=gen).to(dtype)
     bias = torch.randn(n, generator=gen).to(dtype) if with_bias else None
-    y = cpu.w4a16_linear_cpu(x, wp, scale, zp, in_features=k, group_size=g, bias=bias,
-                             variant=variant)  # fmt: skip
-    ref = w4a16_linear_reference(
-        x.float(), wp, scale, zp, in_features=k, group_size=g,
-        bias=None if bias is None else bias.float(),
-    )  # fmt: skip
+    weights = PackedInt4(wp, scale, zp, k, g)
+    y = cpu.w4a16_linear_cpu(x, weights, bias=bias, variant=variant)
+    ref = w4a16_linear_reference(x.float(), weights, bias=None if bias is None else bias.float())
     w = dequantize_packed_int4(wp, scale, zp, in_features=k, group_size=g)
     assert y.dtype == dtype and y.shape == (m, n)
     torch.testing.assert_close(y.float(), ref.to(dtype).float(), **tolerances(x, w))
@@ -118,8 +116,8 @@ def test_cpu_dtype_conversions_are_exact(variant: str, dtype: torch.dtype) -> No
     bias = torch.randn(n, generator=gen).to(dtype)
     bias[1] = finfo.max
     bias[2] = 0.0
-    y = cpu.w4a16_linear_cpu(x, pack_int4(codes), scale, None, in_features=k, group_size=k,
-                             bias=bias, variant=variant)  # fmt: skip
+    weights = PackedInt4(pack_int4(codes), scale, None, k, k)
+    y = cpu.w4a16_linear_cpu(x, weights, bias=bias, variant=variant)
     expected = (x.float() * scale.float().T + bias.float()).to(dtype)
     assert torch.equal(y, expected)
 
@@ -134,31 +132,29 @@ def test_cpu_dequantize_is_bit_exact(n: int, k: int, group: int, symmetric: bool
 def test_cpu_handles_views_and_leading_dims() -> None:
     wp, scale, zp, g = make_layer(40, 256, 64, False)
     x = torch.randn(256, 6).T.reshape(2, 3, 256)  # non-contiguous input, 3-D
-    y = cpu.w4a16_linear_cpu(x, wp, scale, zp, in_features=256, group_size=g)
-    ref = w4a16_linear_reference(x, wp, scale, zp, in_features=256, group_size=g)
+    weights = PackedInt4(wp, scale, zp, 256, g)
+    y = cpu.w4a16_linear_cpu(x, weights)
+    ref = w4a16_linear_reference(x, weights)
     assert y.shape == (2, 3, 40)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
-    assert cpu.w4a16_linear_cpu(x[:0], wp, scale, zp, in_features=256, group_size=g).shape == (
-        0, 3, 40,
-    )  # fmt: skip
+    assert cpu.w4a16_linear_cpu(x[:0], weights).shape == (0, 3, 40)
 
 
 def test_cpu_rejects_bad_inputs() -> None:
     wp, scale, zp, g = make_layer(40, 256, 64, False)
-    kw = dict(in_features=256, group_size=g)
+    weights = PackedInt4(wp, scale, zp, 256, g)
     with pytest.raises(KernelUnavailableError, match="got torch.float64"):
-        cpu.w4a16_linear_cpu(torch.randn(1, 256, dtype=torch.float64), wp, scale, zp, **kw)
+        cpu.w4a16_linear_cpu(torch.randn(1, 256, dtype=torch.float64), weights)
     with pytest.raises(ValueError, match=r"expected 32 words per row .* got 31"):
-        cpu.w4a16_linear_cpu(torch.randn(1, 256), wp[:, :31], scale, zp, **kw)
+        cpu.w4a16_linear_cpu(torch.randn(1, 256), PackedInt4(wp[:, :31], scale, zp, 256, g))
     with pytest.raises(ValueError, match=r"weight_zero_point: expected int32 \[5, 4\]"):
-        cpu.w4a16_linear_cpu(torch.randn(1, 256), wp, scale, zp[:4], **kw)
+        cpu.w4a16_linear_cpu(torch.randn(1, 256), PackedInt4(wp, scale, zp[:4], 256, g))
     with pytest.raises(ValueError, match=r"bias: expected a float \[40\] tensor"):
-        cpu.w4a16_linear_cpu(torch.randn(1, 256), wp, scale, zp, bias=torch.ones(41), **kw)
+        cpu.w4a16_linear_cpu(torch.randn(1, 256), weights, bias=torch.ones(41))
     # groups of 16 are valid quantization but not a layout the C kernel takes
     wp16, scale16, zp16, _ = make_layer(40, 256, 16, False)
     with pytest.raises(ValueError, match="multiple of 32 or per-channel"):
-        cpu.w4a16_linear_cpu(torch.randn(1, 256), wp16, scale16, zp16, in_features=256,
-                             group_size=16)  # fmt: skip
+        cpu.w4a16_linear_cpu(torch.randn(1, 256), PackedInt4(wp16, scale16, zp16, 256, 16))
 
 
 def test_build_is_cached_and_keyed(kernel_home) -> None:
@@ -197,9 +193,9 @@ def test_cpu_prefill_path_matches_reference(variant: str, monkeypatch) -> None:
         wp, scale, zp, g = make_layer(n, k, group, symmetric, dtype=torch.bfloat16)
         x = torch.randn(m, k)
         bias = torch.randn(n)
-        y = cpu.w4a16_linear_cpu(x, wp, scale, zp, in_features=k, group_size=g, bias=bias,
-                                 variant=variant)  # fmt: skip
-        ref = w4a16_linear_reference(x, wp, scale, zp, in_features=k, group_size=g, bias=bias)
+        weights = PackedInt4(wp, scale, zp, k, g)
+        y = cpu.w4a16_linear_cpu(x, weights, bias=bias, variant=variant)
+        ref = w4a16_linear_reference(x, weights, bias=bias)
         # the same fp32 weights and MKL matmul as the reference: equal up to MKL's blocking
         torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-5)
 
@@ -212,9 +208,9 @@ def test_cpu_bf16_prefill_path(monkeypatch) -> None:
     wp, scale, zp, g = make_layer(300, 576, 64, False, dtype=torch.bfloat16)
     x = torch.randn(40, 576).to(torch.bfloat16)
     bias = torch.randn(300).to(torch.bfloat16)
-    y = cpu.w4a16_linear_cpu(x, wp, scale, zp, in_features=576, group_size=g, bias=bias)
-    ref = w4a16_linear_reference(x.float(), wp, scale, zp, in_features=576, group_size=g,
-                                 bias=bias.float())  # fmt: skip
+    weights = PackedInt4(wp, scale, zp, 576, g)
+    y = cpu.w4a16_linear_cpu(x, weights, bias=bias)
+    ref = w4a16_linear_reference(x.float(), weights, bias=bias.float())
     w = dequantize_packed_int4(wp, scale, zp, in_features=576, group_size=g)
     magnitude = (x.float().abs() @ w.abs().T).max().item()
     assert y.dtype == torch.bfloat16
@@ -257,7 +253,7 @@ def test_cpu_bf16_activations_sum_bf16_operands_in_fp32(case: tuple) -> None:
         pytest.skip("bf16 activations need a CPU with AVX512-BF16")
     m, n, k, group, symmetric = case
     wp, scale, zp, g = make_layer(n, k, group, symmetric, dtype=torch.bfloat16, seed=m)
-    layer = cpu.CpuInt4Layer(wp, scale, zp, in_features=k, group_size=g)
+    layer = cpu.CpuInt4Layer(PackedInt4(wp, scale, zp, k, g))
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
     y = layer(x, bf16_activations=True)
     w = _bf16_weights(wp, scale, zp, n=n, k=k, g=g)
@@ -271,6 +267,6 @@ def test_cpu_bf16_activations_fall_back_to_fp32_where_groups_do_not_fit() -> Non
     """Per-channel (K not a power-of-two number of blocks) keeps fp32 activations: the same
     result as the fp32 GEMV, bit for bit."""
     wp, scale, zp, g = make_layer(20, 200, -1, False)
-    layer = cpu.CpuInt4Layer(wp, scale, zp, in_features=200, group_size=g)
+    layer = cpu.CpuInt4Layer(PackedInt4(wp, scale, zp, 200, g))
     x = torch.randn(3, 200, generator=torch.Generator().manual_seed(2))
     assert torch.equal(layer(x, bf16_activations=True), layer(x))

@@ -16,6 +16,7 @@ from quantkit.errors import KernelUnavailableError, SchemeError
 from quantkit.format.packing import int4_qparams, int4_quantize, pack_int4, pack_zero_points
 from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.kernel_registry import choose_kernel, resolve_backend
+from quantkit.fused_kernels.packed_weights import PackedInt4
 from quantkit.fused_kernels.prepared_linear import PreparedLinear, int4_linear, prepare_int4
 from quantkit.fused_kernels.w4a16_reference import w4a16_linear_reference
 
@@ -69,7 +70,7 @@ def test_triton_on_cpu_falls_back_with_one_warning(monkeypatch, layer) -> None:
     assert len(messages) == 1, messages
     assert "triton backend unavailable" in messages[0] and "using cpu" in messages[0]
     assert "\n" not in messages[0]
-    ref = w4a16_linear_reference(x, *layer, in_features=256, group_size=64)
+    ref = w4a16_linear_reference(x, PackedInt4(*layer, 256, 64))
     torch.testing.assert_close(y.float(), ref.float(), rtol=2**-7, atol=1e-3)
 
 
@@ -82,7 +83,7 @@ def test_cpu_without_compiler_falls_back_to_reference(monkeypatch, tmp_path, lay
     x = torch.randn(2, 256)
     with pytest.warns(RuntimeWarning):
         y = int4_linear(x, *layer, scheme=SCHEME, in_features=256)
-    assert torch.equal(y, w4a16_linear_reference(x, *layer, in_features=256, group_size=64))
+    assert torch.equal(y, w4a16_linear_reference(x, PackedInt4(*layer, 256, 64)))
     cpu._library.cache_clear()  # the failed build is not cached, but be explicit
 
 
@@ -96,7 +97,7 @@ def test_int4_linear_matches_reference(backend: str, layer) -> None:
     x = torch.randn(2, 5, 256, dtype=torch.float32)
     bias = torch.randn(72)
     y = int4_linear(x, *layer, scheme=SCHEME, in_features=256, bias=bias, backend=backend)
-    ref = w4a16_linear_reference(x, *layer, in_features=256, group_size=64, bias=bias)
+    ref = w4a16_linear_reference(x, PackedInt4(*layer, 256, 64), bias=bias)
     assert y.shape == (2, 5, 72)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
 
@@ -113,7 +114,7 @@ def test_prepared_layer(layer) -> None:
     y = prepared(x)
     same = int4_linear(x, *layer, scheme=SCHEME, in_features=256, bias=bias, prepared=prepared)
     assert torch.equal(y, same)
-    ref = w4a16_linear_reference(x, *layer, in_features=256, group_size=64, bias=bias)
+    ref = w4a16_linear_reference(x, PackedInt4(*layer, 256, 64), bias=bias)
     torch.testing.assert_close(y.float(), ref.float(), rtol=2**-7, atol=1e-3)
     with pytest.raises(ValueError, match="made from this weight_packed"):
         int4_linear(x, packed.clone(), scale, zero, scheme=SCHEME, in_features=256,

@@ -42,6 +42,7 @@ from quantkit.format.packing import (
     unpack_int4,
     unpack_zero_points,
 )
+from quantkit.fused_kernels.packed_weights import PackedInt4
 from quantkit.fused_kernels.w4a16_reference import w4a16_linear_reference
 
 # find_spec, not import: importing triton here would decorate its library before a later
@@ -146,6 +147,12 @@ def make_layer(n: int, k: int, group: int, symmetric: bool, *, seed: int = 0) ->
     )
 
 
+def packed(layer: dict, in_features: int, group_size: int) -> PackedInt4:
+    """`make_layer`'s tensors as the launchers take them."""
+    names = ("weight_packed", "weight_scale", "weight_zero_point")
+    return PackedInt4(*(layer[name] for name in names), in_features, group_size)
+
+
 def tolerances(x: torch.Tensor, w: torch.Tensor) -> dict[str, float]:
     """(atol, rtol) for a kernel output against the fp32 reference.
 
@@ -168,13 +175,12 @@ def test_w4a16_matches_reference(tk, case: dict) -> None:
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(case["m"], case["k"], generator=gen).to(case["dtype"])
     bias = torch.randn(case["n"], generator=gen).to(case["dtype"])
-    args = (x, layer["weight_packed"], layer["weight_scale"], layer["weight_zero_point"])
-    kw = dict(in_features=case["k"], group_size=layer["group"])
-    ref = w4a16_linear_reference(args[0].float(), *args[1:], bias=bias.float(), **kw)
-    w = dequantize_packed_int4(*args[1:], **kw)
+    weights = packed(layer, case["k"], layer["group"])
+    ref = w4a16_linear_reference(x.float(), weights, bias=bias.float())
+    w = dequantize_packed_int4(*weights.tensors, in_features=case["k"], group_size=layer["group"])
     paths = ["auto", "gemm"] if case["m"] <= 16 else ["auto"]
     for path in paths:
-        y = tk.w4a16_linear_triton(*args, bias=bias, path=path, **kw)
+        y = tk.w4a16_linear_triton(x, weights, bias=bias, path=path)
         assert y.dtype == x.dtype and y.shape == (case["m"], case["n"])
         tol = tolerances(x, w)
         torch.testing.assert_close(y.float(), ref, **tol, msg=lambda m, p=path: f"{p}: {m}")
@@ -211,13 +217,12 @@ def test_kernel_unpacking_is_bit_exact(tk, n: int, k: int, group: int, symmetric
 def test_split_k_and_single_split_agree(tk) -> None:
     layer = make_layer(96, 512, 64, False)
     x = torch.randn(4, 512)
-    args = (x, layer["weight_packed"], layer["weight_scale"], layer["weight_zero_point"])
-    kw = dict(in_features=512, group_size=64)
+    weights = packed(layer, 512, 64)
     one = tk.BlockConfig(block_m=4, block_n=32, block_k=64, split_k=1)
     four = tk.BlockConfig(block_m=4, block_n=32, block_k=64, split_k=4)
-    y1 = tk.w4a16_linear_triton(*args, path="gemv", config=one, **kw)
-    y4 = tk.w4a16_linear_triton(*args, path="gemv", config=four, **kw)
-    ref = w4a16_linear_reference(*args, **kw)
+    y1 = tk.w4a16_linear_triton(x, weights, path="gemv", config=one)
+    y4 = tk.w4a16_linear_triton(x, weights, path="gemv", config=four)
+    ref = w4a16_linear_reference(x, weights)
     torch.testing.assert_close(y1, ref, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(y4, ref, rtol=1e-5, atol=1e-4)
 
@@ -226,19 +231,19 @@ def test_split_k_and_single_split_agree(tk) -> None:
 def test_triton_rejects_bad_inputs(tk) -> None:
     layer = make_layer(64, 128, 32, False)
     wp, scale, zp = layer["weight_packed"], layer["weight_scale"], layer["weight_zero_point"]
-    kw = dict(in_features=128, group_size=32)
+    weights = PackedInt4(wp, scale, zp, 128, 32)
     with pytest.raises(
         KernelUnavailableError, match="expected float16 or float32 activations.*got bfloat16"
     ):
-        tk.w4a16_linear_triton(torch.randn(1, 128, dtype=torch.bfloat16), wp, scale, zp, **kw)
+        tk.w4a16_linear_triton(torch.randn(1, 128, dtype=torch.bfloat16), weights)
     with pytest.raises(ValueError, match=r"expected shape \[\.\.\., 128\].*got \(1, 100\)"):
-        tk.w4a16_linear_triton(torch.randn(1, 100), wp, scale, zp, **kw)
+        tk.w4a16_linear_triton(torch.randn(1, 100), weights)
     with pytest.raises(ValueError, match="weight_scale: expected a float"):
-        tk.w4a16_linear_triton(torch.randn(1, 128), wp, scale[:, :2], zp, **kw)
+        tk.w4a16_linear_triton(torch.randn(1, 128), PackedInt4(wp, scale[:, :2], zp, 128, 32))
     with pytest.raises(ValueError, match="path: expected"):
-        tk.w4a16_linear_triton(torch.randn(1, 128), wp, scale, zp, path="fast", **kw)
+        tk.w4a16_linear_triton(torch.randn(1, 128), weights, path="fast")
     with pytest.raises(ValueError, match="takes at most 16 rows, got 33"):
-        tk.w4a16_linear_triton(torch.randn(33, 128), wp, scale, zp, path="gemv", **kw)
+        tk.w4a16_linear_triton(torch.randn(33, 128), weights, path="gemv")
 
 
 @interpreted
@@ -255,7 +260,7 @@ def test_dispatch_runs_triton_under_interpreter(tk, monkeypatch) -> None:
     x = torch.randn(2, 128)
     prepared = prepare_int4(*tensors, scheme=scheme, in_features=128)
     assert prepared.backend == "triton"
-    ref = w4a16_linear_reference(x, *tensors, in_features=128, group_size=32)
+    ref = w4a16_linear_reference(x, PackedInt4(*tensors, 128, 32))
     torch.testing.assert_close(prepared(x), ref, rtol=1e-5, atol=1e-4)
     y = int4_linear(x, *tensors, scheme=scheme, in_features=128)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
@@ -308,6 +313,7 @@ _GPU_SCRIPT = textwrap.dedent(
     """
     import torch
     from quantkit.format.packing import dequantize_packed_int4
+    from quantkit.fused_kernels.packed_weights import PackedInt4
     from quantkit.fused_kernels.w4a16_triton import is_interpreted, w4a16_linear_triton
     from quantkit.format.packing import int4_qparams, int4_quantize, pack_int4, pack_zero_points
 
@@ -326,7 +332,7 @@ _GPU_SCRIPT = textwrap.dedent(
         wd = dequantize_packed_int4(*t, in_features=k, group_size=gs)
         for dt, tol in tols.items():
             x = torch.randn(m, k, device="cuda").to(dt)
-            y = w4a16_linear_triton(x, *t, in_features=k, group_size=g).float()
+            y = w4a16_linear_triton(x, PackedInt4(*t, k, g)).float()
             ref = x.double() @ wd.double().T
             mag = (x.double().abs() @ wd.double().abs().T).max()
             err = ((y.double() - ref).abs().max() / mag).item()
