@@ -19,11 +19,11 @@ The perplexity task reads the held-out split of the Wikipedia sample used for ca
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from quantkit.errors import EvalError
+from quantkit.paths import DATA_ENV, data_folder
 
 __all__ = [
     "DATA_ENV",
@@ -36,7 +36,6 @@ __all__ = [
     "resolve_task_names",
 ]
 
-DATA_ENV = "QUANTKIT_DATA"
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 # Short name (what `quantkit eval --tasks` takes) -> the lm-eval task name in tasks/*.yaml.
 # The task names carry a prefix so that they never shadow lm-eval's own (hub-backed) tasks.
@@ -55,11 +54,9 @@ _ALIASES = {"openbook_qa": "openbookqa", "lambada_openai": "lambada", "wiki": "w
 def benchmarks_dir(data_dir: str | Path | None = None) -> Path:
     """The folder holding the benchmark .jsonl files (see the module docstring for the order);
     EvalError when neither `data_dir` nor $QUANTKIT_DATA names one."""
-    if data_dir:
-        return Path(data_dir).expanduser()
-    env = os.environ.get(DATA_ENV)
-    if env:
-        return Path(env).expanduser() / "benchmarks"
+    folder = data_folder("benchmarks", explicit=data_dir)
+    if folder is not None:
+        return folder
     raise EvalError(
         f"no benchmark data: pass --data-dir DIR (quantkit eval) or --metadata data_dir=DIR "
         f"(quantkit lm-eval) naming the folder of arc_easy.jsonl, piqa.jsonl, ..., or set "

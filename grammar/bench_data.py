@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections import defaultdict
 from collections.abc import Sequence
@@ -12,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import EvalError
+from quantkit.paths import DATA_ENV, data_folder
 
 __all__ = [
     "BENCH_ENV",
@@ -24,7 +24,6 @@ __all__ = [
 ]
 
 BENCH_ENV = "QUANTKIT_JSONSCHEMABENCH"  # JSONSchemaBench's root folder itself
-DATA_ENV = "QUANTKIT_DATA"  # the project's data folder: JSONSchemaBench is its jsonschemabench/
 
 # Published compile coverage ("compliance") on GlaiveAI-2K, JSONSchemaBench paper, table 3.
 PUBLISHED_GLAIVE = {"Outlines": 0.96, "XGrammar": 0.93, "Guidance": 0.98}
@@ -33,12 +32,9 @@ PUBLISHED_GLAIVE = {"Outlines": 0.96, "XGrammar": 0.93, "Guidance": 0.98}
 def default_bench_dir() -> Path:
     """$QUANTKIT_JSONSCHEMABENCH, else $QUANTKIT_DATA/jsonschemabench; EvalError when neither is
     set (there is no default: pass --data to the bench modules or set one of the two)."""
-    env = os.environ.get(BENCH_ENV)
-    if env:
-        return Path(env).expanduser()
-    data = os.environ.get(DATA_ENV)
-    if data:
-        return Path(data).expanduser() / "jsonschemabench"
+    folder = data_folder("jsonschemabench", env=BENCH_ENV)
+    if folder is not None:
+        return folder
     raise EvalError(
         f"no JSONSchemaBench data: pass --data DIR or set {BENCH_ENV}=DIR (a folder holding "
         f"maskbench/data/*.json), or set {DATA_ENV} to a folder holding jsonschemabench/"

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections import defaultdict
@@ -30,6 +29,7 @@ from quantkit.errors import EvalError, GrammarError
 from quantkit.grammar.acceptance import accepts_text
 from quantkit.grammar.bench_data import DATA_ENV, classify_error
 from quantkit.grammar.constraints import json_schema_grammar
+from quantkit.paths import data_folder
 
 __all__ = ["SUITE_ENV", "KeywordReport", "default_suite_dir", "main", "run_suite"]
 
@@ -39,12 +39,9 @@ SUITE_ENV = "QUANTKIT_JSON_SCHEMA_TEST_SUITE"  # the test suite's root folder it
 def default_suite_dir() -> Path:
     """$QUANTKIT_JSON_SCHEMA_TEST_SUITE, else $QUANTKIT_DATA/json-schema-test-suite; EvalError
     when neither is set (there is no default: pass --data or set one of the two)."""
-    env = os.environ.get(SUITE_ENV)
-    if env:
-        return Path(env).expanduser()
-    data = os.environ.get(DATA_ENV)
-    if data:
-        return Path(data).expanduser() / "json-schema-test-suite"
+    folder = data_folder("json-schema-test-suite", env=SUITE_ENV)
+    if folder is not None:
+        return folder
     raise EvalError(
         f"no JSON-Schema-Test-Suite data: pass --data DIR or set {SUITE_ENV}=DIR (a folder "
         f"holding tests/draft2020-12/*.json), or set {DATA_ENV} to a folder holding "

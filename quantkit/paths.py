@@ -19,6 +19,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 HOME_ENV = "QUANTKIT_HOME"
+# The project's data folder (benchmarks/, jsonschemabench/, json-schema-test-suite/): only ever
+# named by the user, never defaulted, so nothing reads data from beside the repository.
+DATA_ENV = "QUANTKIT_DATA"
 
 
 def quantkit_home(home: Path | str | None = None) -> Path:
@@ -27,6 +30,20 @@ def quantkit_home(home: Path | str | None = None) -> Path:
         return Path(home).expanduser()
     env = os.environ.get(HOME_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "quantkit"
+
+
+def data_folder(
+    sub: str, *, explicit: str | Path | None = None, env: str | None = None
+) -> Path | None:
+    """A data set's folder: `explicit` (a flag), else $`env` (the set's own variable), else
+    $QUANTKIT_DATA/`sub`; None when nothing names one (the caller says what to set)."""
+    if explicit:
+        return Path(explicit).expanduser()
+    own = os.environ.get(env) if env else None
+    if own:
+        return Path(own).expanduser()
+    shared = os.environ.get(DATA_ENV)
+    return Path(shared).expanduser() / sub if shared else None
 
 
 @contextmanager
