@@ -19,13 +19,11 @@ from quantkit.quantize.algorithms import (
     Algorithm,
     algorithm_for,
 )
-from quantkit.quantize.awq import AwqConfig, LayerReport
+from quantkit.quantize.awq import AwqConfig
 from quantkit.quantize.calibration import heldout_tokens
 from quantkit.quantize.gptq import GptqConfig
 from quantkit.quantize.pipeline import LayerProgress, QuantizeOutcome
 from quantkit.quantize.recipe import Calibration, Hooks, Recipe, quantize_and_save
-from quantkit.sources.resolve import resolve_model
-from quantkit.sources.tokenizer import load_tokenizer
 
 
 def _group_size(value: str) -> int | str:
@@ -147,7 +145,7 @@ def quantize_cmd(
         output
         or Path("out") / f"{Path(model).name.removesuffix('.gguf')}-{algorithm}-{scheme.kind}"
     )
-    hooks = _progress(_perplexity_scorer(model, eval_tokens))
+    hooks = _progress(_perplexity_scorer(eval_tokens))
     try:
         outcome, report = quantize_and_save(recipe, out, force=force, hooks=hooks)
     finally:
@@ -157,7 +155,8 @@ def quantize_cmd(
 
 
 class _CliHooks(Hooks):
-    bar: tqdm | None = None  # made when the calibrated algorithm starts its layer walk
+    bar: tqdm | None = None  # made when a calibrated algorithm starts its layer walk
+    method: str = ""
 
 
 def _progress(score: Any) -> _CliHooks:
@@ -165,12 +164,14 @@ def _progress(score: Any) -> _CliHooks:
     hooks = _CliHooks(score=score)
 
     def on_start(method: Algorithm, layers: int) -> None:
+        hooks.method = method.name
         if method.calibrated:
             hooks.bar = tqdm(desc=method.name.upper(), unit="layer", total=layers)
 
     def on_layer(report: LayerProgress) -> None:
         assert hooks.bar is not None
-        what = "MSE" if report_is_awq(report) else "error"
+        # AWQ compares the layer's output MSE, GPTQ the Linears' output error (tr(dW H dW^T)).
+        what = "MSE" if hooks.method == "awq" else "error"
         hooks.bar.set_postfix_str(
             f"layer {report.index}: {what} vs RTN {-report.loss_reduction:+.0%}"
         )
@@ -180,20 +181,16 @@ def _progress(score: Any) -> _CliHooks:
     return hooks
 
 
-def report_is_awq(report: LayerProgress) -> bool:
-    return isinstance(report, LayerReport)
-
-
-def _perplexity_scorer(model: str, eval_tokens: int) -> Any:
+def _perplexity_scorer(eval_tokens: int) -> Any:
     """Held-out perplexity of a model, window 512 (None when --eval-tokens is 0)."""
     if eval_tokens <= 0:
         return None
     held = None
 
-    def score(dense: CausalLM, which: str) -> dict[str, Any]:
+    def score(dense: CausalLM, which: str, tokenizer: Any) -> dict[str, Any]:
         nonlocal held
-        if held is None:  # the model is resolved (and converted) by now: the tokenizer is there
-            held = heldout_tokens(load_tokenizer(resolve_model(model)), max_tokens=eval_tokens)
+        if held is None:  # tokenized once, on the reference, for both models
+            held = heldout_tokens(tokenizer, max_tokens=eval_tokens)
         if which == "reference":
             click.echo(f"perplexity of the reference model on {held.numel()} held-out tokens ...")
             return {"reference": perplexity(dense, held, window=512, progress=True).ppl}

@@ -69,7 +69,8 @@ class Hooks:
 
     on_layer: Callable[[LayerProgress], None] | None = None
     on_start: Callable[[Algorithm, int], None] | None = None  # (algorithm, layer count)
-    score: Callable[[CausalLM, str], dict[str, Any]] | None = None  # (model, "reference"|...)
+    # (model, "reference" | "quantized", the model's tokenizer) -> fields of the report
+    score: Callable[[CausalLM, str, Any], dict[str, Any]] | None = None
 
 
 def quantize_and_save(
@@ -94,9 +95,10 @@ def quantize_and_save(
     model_dir = resolve_model(recipe.model, home=home, progress=progress)
     n_samples = cal.samples or method.calib_samples
     calib_ids = None
+    # Loaded once (~2 s for SmolLM2's tokenizer.json) for calibration and the scorer alike.
+    tokenizer = load_tokenizer(model_dir) if method.calibrated or hooks.score else None
     if method.calibrated:
         # Tokenize and check the calibration text before any model work: a bad file fails fast.
-        tokenizer = load_tokenizer(model_dir)
         docs = texts if texts is not None else wiki_split(home=home).calibration
         calib_ids = calibration_samples(
             docs, tokenizer, n_samples=n_samples, seq_len=cal.seq_len, seed=cal.seed
@@ -105,7 +107,7 @@ def quantize_and_save(
 
     def on_loaded(dense: CausalLM) -> None:
         if hooks.score is not None:
-            scores.update(hooks.score(dense, "reference"))
+            scores.update(hooks.score(dense, "reference", tokenizer))
         if hooks.on_start is not None:
             hooks.on_start(method, dense.config.num_layers)
 
@@ -121,7 +123,7 @@ def quantize_and_save(
     )
     if hooks.score is not None:
         t0 = time.perf_counter()
-        scores.update(hooks.score(quantized_model(outcome), "quantized"))
+        scores.update(hooks.score(quantized_model(outcome), "quantized", tokenizer))
         outcome.timings["eval_s"] = time.perf_counter() - t0
     calibration = None
     if method.calibrated:

@@ -80,17 +80,10 @@ def load_model(
 
 def _apply_precision(model: CausalLM, options: RuntimeOptions, *, quantized: bool) -> None:
     """The lm_head's dtype, then the C step's activation dtype ("model" leaves each as is)."""
-    if options.head_dtype != "model":
-        head = (
-            auto_head_dtype(model, quantized=quantized)
-            if options.head_dtype == "auto"
-            else DTYPES[options.head_dtype]
-        )
-        set_head_dtype(model, head)
-    if options.act_dtype != "model":
-        act = (
-            auto_act_dtype(model, quantized=quantized)
-            if options.act_dtype == "auto"
-            else DTYPES[options.act_dtype]
-        )
-        set_act_dtype(model, act)
+    for choice, auto, apply in (
+        (options.head_dtype, auto_head_dtype, set_head_dtype),
+        (options.act_dtype, auto_act_dtype, set_act_dtype),
+    ):
+        if choice != "model":
+            dtype = auto(model, quantized=quantized) if choice == "auto" else DTYPES[choice]
+            apply(model, dtype)

@@ -36,7 +36,7 @@ class RuntimeOptions:
             ("head dtype", self.head_dtype, ("auto", "model", *DTYPES)),
             ("activation dtype", self.act_dtype, ("auto", "model", *ACT_DTYPE_NAMES)),
         ):
-            if value not in allowed and not isinstance(value, torch.dtype):
+            if value not in allowed:
                 dtype_named(str(value), allowed=allowed, what=what)  # raises with the list
 
     def torch_dtype(self) -> torch.dtype:
