@@ -1,7 +1,7 @@
 """The layers of ARCHITECTURE.md, enforced: each package imports only what its rule allows.
 
-    cli -> evals, grammar -> serving, perf -> quantize -> runtime -> fused_kernels
-        -> sources -> models -> format -> paths, cpu -> errors
+    cli -> server -> grammar; cli -> evals; grammar, evals -> serving, perf -> quantize
+        -> runtime -> fused_kernels -> sources -> models -> format -> paths, cpu -> errors
 
 Read an arrow as "may import". A package may import itself and everything its rule lists;
 anything else, in particular anything above it, fails this test with the offending line.
@@ -44,8 +44,16 @@ RULES: dict[str, frozenset[str]] = {
     # stand side by side and do not import each other.
     "grammar": frozenset({*_CORE, "fused_kernels", "runtime", "quantize", "perf", "serving"}),
     "evals": frozenset({*_CORE, "fused_kernels", "runtime", "quantize", "perf", "serving"}),
+    # The HTTP server: the serving engine plus grammar for `response_format`.
+    "server": frozenset(
+        {*_CORE, "fused_kernels", "runtime", "quantize", "perf", "serving", "grammar"}
+    ),
     "cli": frozenset(
-        {*_CORE, "fused_kernels", "runtime", "quantize", "perf", "serving", "grammar", "evals"}
+        {
+            *_CORE,
+            *("fused_kernels", "runtime", "quantize", "perf", "serving", "grammar", "evals"),
+            "server",
+        }
     ),
 }
 

@@ -1,0 +1,1 @@
+"""`quantkit serve`: the OpenAI-compatible HTTP server on the continuous-batching engine."""
