@@ -17,13 +17,13 @@ from safetensors.torch import load_file, save_file
 from quantkit.errors import CheckpointError, SchemeError
 from quantkit.format.checkpoint import (
     dequantize_checkpoint_tensors,
-    fp8_tensors,
-    int4_tensors,
     load_checkpoint,
     save_checkpoint,
     scheme_from_quantization_config,
     scheme_to_quantization_config,
 )
+from quantkit.format.fp8 import fp8_tensors
+from quantkit.format.int4 import int4_tensors
 from quantkit.format.packing import (
     dequantize_fp8,
     int4_dequantize,

@@ -16,12 +16,12 @@ import torch
 from quantkit.format.checkpoint import (
     LoadedCheckpoint,
     dequantize_checkpoint_tensors,
-    fp8_tensors,
-    int4_tensors,
     load_checkpoint,
     save_checkpoint,
     scheme_to_quantization_config,
 )
+from quantkit.format.fp8 import fp8_tensors
+from quantkit.format.int4 import int4_tensors
 from quantkit.format.packing import (
     int4_qparams,
     int4_quantize,

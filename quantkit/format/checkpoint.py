@@ -3,12 +3,9 @@
 A checkpoint is an ordinary Hugging Face model directory: `config.json` with a
 `quantization_config`, `*.safetensors` (sharded with `model.safetensors.index.json` when large),
 the source's tokenizer files and `generation_config.json`, and `quantkit.json` (format version,
-the scheme, the quantized modules and the quantizer's report). The tensor layout per quantized
-Linear is documented once, in `quantkit.format.packing`:
-
-- INT4 (`pack-quantized`): `weight_packed` int32 [N, ceil(K/8)], `weight_scale` [N, K/G] in the
-  model dtype, `weight_zero_point` int32 [ceil(N/8), K/G] (asymmetric only), `weight_shape` [2].
-- FP8 (`float-quantized`): `weight` float8_e4m3fn [N, K], `weight_scale` [N, 1].
+the scheme, the quantized modules and the quantizer's report). The tensors of one quantized
+Linear are its format's (`quantkit.format.formats`: `int4` pack-quantized, `fp8`
+float-quantized), each documented in that format's module.
 
 Facts checked against compressed-tensors 0.20.1: its `PackedQuantizationCompressor` writes
 `weight_shape = torch.tensor(weight.shape)` (int64) and unpacks the zero point with
@@ -32,12 +29,9 @@ from quantkit.format.compressed_tensors import (
     scheme_from_quantization_config,
     scheme_to_quantization_config,
 )
-from quantkit.format.packing import dequantize_fp8, dequantize_packed_int4
+from quantkit.format.formats import FORMATS
 from quantkit.format.scheme import QuantScheme
-
-# The per-module tensor contract lives beside QuantLinear (which holds those tensors); it is
-# re-exported here because writing a checkpoint starts from it.
-from quantkit.format.tensors import check_module_tensors, fp8_tensors, int4_tensors
+from quantkit.format.tensors import check_module_tensors
 from quantkit.paths import replace_dir
 
 __all__ = [
@@ -45,8 +39,6 @@ __all__ = [
     "check_module_tensors",
     "check_output_dir",
     "dequantize_checkpoint_tensors",
-    "fp8_tensors",
-    "int4_tensors",
     "load_checkpoint",
     "save_checkpoint",
     "scheme_from_quantization_config",
@@ -75,8 +67,6 @@ COPIED_FILES: tuple[str, ...] = (
     "chat_template.json",
     "generation_config.json",
 )
-# Suffixes that only a quantized module carries; a prefix holding any of them is quantized.
-_QUANT_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_zero_point", ".weight_shape")
 
 
 # --------------------------------------------------------------------------- save
@@ -98,7 +88,7 @@ def save_checkpoint(
     """Write a compressed-tensors checkpoint to `out` atomically and return `out`.
 
     `tensors` is the complete state dict under HF names: dense tensors as they are and, for each
-    module in `quantized_modules`, the tensors of `int4_tensors` / `fp8_tensors` under
+    module in `quantized_modules`, the tensors of its format's contract under
     "<module>.<local name>". Everything is written into a temporary directory beside `out` and
     renamed into place at the end, so an error or Ctrl-C never leaves a half checkpoint at `out`.
     """
@@ -261,7 +251,7 @@ def load_checkpoint(path: Path) -> LoadedCheckpoint:
     listed = [] if metadata is None else list(metadata.get("quantized_modules", []))
     for prefix in listed:
         if prefix not in found:
-            name = f"{prefix}.weight_packed" if scheme.kind == "int4" else f"{prefix}.weight"
+            name = f"{prefix}.{scheme.format.tensor_names(scheme)[0]}"
             raise CheckpointError(
                 f"missing tensor {name}: {METADATA_NAME} lists {prefix} as quantized"
             )
@@ -345,14 +335,13 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def _quantized_prefixes(tensors: Mapping[str, torch.Tensor]) -> set[str]:
-    """Modules carrying any INT4 tensor or an fp8 `weight`."""
+    """Modules carrying a tensor that only a quantized module of some format carries (checked
+    against every format, so tensors of the wrong format are found, then refused by name)."""
     found = set()
     for name, t in tensors.items():
-        for suffix in _QUANT_SUFFIXES:
-            if name.endswith(suffix):
-                found.add(name[: -len(suffix)])
-        if name.endswith(".weight") and t.dtype == torch.float8_e4m3fn:
-            found.add(name[: -len(".weight")])
+        prefix, _, local = name.rpartition(".")
+        if prefix and any(f.marks_quantized(local, t) for f in FORMATS.values()):
+            found.add(prefix)
     return found
 
 
@@ -385,21 +374,8 @@ def dequantize_checkpoint_tensors(
     scheme = loaded.scheme
     for prefix in loaded.quantized_modules:
         local = {k: dense.pop(f"{prefix}.{k}") for k in _module_view(loaded.tensors, prefix)}
-        scale = local["weight_scale"]
-        out_dtype = dtype or scale.dtype
-        if scheme.kind == "int4":
-            n, k = (int(v) for v in local["weight_shape"].tolist())
-            group = scheme.group_size_for(k)
-            w = dequantize_packed_int4(
-                local["weight_packed"],
-                scale,
-                local.get("weight_zero_point"),
-                in_features=k,
-                group_size=group,
-                dtype=out_dtype,
-            )
-        else:
-            w = dequantize_fp8(local["weight"], scale, dtype=out_dtype)
+        out_dtype = dtype or local["weight_scale"].dtype
+        w = scheme.format.dequantize(local, scheme, dtype=out_dtype)
         dense[f"{prefix}.weight"] = w
         if "bias" in local:
             dense[f"{prefix}.bias"] = local["bias"]

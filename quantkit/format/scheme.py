@@ -16,13 +16,11 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from quantkit.errors import SchemeError
+from quantkit.format.formats import format_for
+from quantkit.format.weight_format import WeightFormat
 
-Kind = Literal["int4", "fp8"]
 ActivationScheme = Literal["none", "dynamic"]
 
-KINDS: tuple[str, ...] = ("int4", "fp8")
-BITS: dict[str, int] = {"int4": 4, "fp8": 8}
-INT_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, -1)
 # Largest first: `auto` picks the largest that divides every layer (fewer scales to read).
 AUTO_CANDIDATES: tuple[int, ...] = (128, 64, 32)
 
@@ -31,8 +29,8 @@ AUTO_CANDIDATES: tuple[int, ...] = (128, 64, 32)
 class QuantScheme:
     """How the weights of every quantized Linear are stored.
 
-    kind: `int4` (group-wise codes with scales, and zero points unless symmetric) or `fp8`
-        (E4M3 with one scale per output channel).
+    kind: a format of `quantkit.format.formats`: `int4` (group-wise codes with scales, and zero
+        points unless symmetric) or `fp8` (E4M3 with one scale per output channel).
     group_size: 32/64/128 input channels share one scale (and zero point); -1 = one per output
         channel; "auto" until `resolve()` picks one for a concrete model. Always -1 for fp8.
     symmetric: INT4 without zero points (codes in [-7, 7]); fp8 is always symmetric.
@@ -40,40 +38,28 @@ class QuantScheme:
         them per token at run time (W8A8).
     """
 
-    kind: Kind = "int4"
+    kind: str = "int4"
     group_size: int | Literal["auto"] = "auto"
     symmetric: bool = False
     activations: ActivationScheme = "none"
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise SchemeError(f"kind: expected one of {', '.join(KINDS)}, got {self.kind!r}")
+        fmt = format_for(self.kind)
         if self.activations not in ("none", "dynamic"):
             raise SchemeError(
                 f"activations: expected 'none' or 'dynamic', got {self.activations!r}"
             )
-        if self.kind == "fp8":
-            if self.group_size not in (-1, "auto"):
-                raise SchemeError(
-                    f"group_size: fp8 uses one scale per output channel (-1), got {self.group_size}"
-                )
-            # fp8 is per channel by definition; normalise so equal schemes compare equal.
-            object.__setattr__(self, "group_size", -1)
-            object.__setattr__(self, "symmetric", True)
-            return
-        if self.group_size != "auto" and self.group_size not in INT_GROUP_SIZES:
-            raise SchemeError(
-                "group_size: expected auto, 32, 64, 128 or -1 (per channel), "
-                f"got {self.group_size!r}"
-            )
-        if self.activations != "none":
-            raise SchemeError(
-                f"activations: only fp8 quantizes activations, got {self.activations!r} with int4"
-            )
+        for field, value in fmt.normalized(self).items():
+            object.__setattr__(self, field, value)
+
+    @property
+    def format(self) -> WeightFormat:
+        """Everything about how this scheme's weights are stored (`quantkit.format.formats`)."""
+        return format_for(self.kind)
 
     @property
     def bits(self) -> int:
-        return BITS[self.kind]
+        return self.format.bits
 
     @property
     def is_resolved(self) -> bool:
@@ -121,12 +107,7 @@ class QuantScheme:
     def describe(self, algorithm: str | None = None) -> str:
         """One human line, e.g. 'int4 g64 asymmetric', or with the algorithm that chose the
         codes 'awq int4 g64 asymmetric' / 'fp8 e4m3 per-channel (W8A16, gptq)'."""
-        if self.kind == "fp8":
-            act = "W8A8 dynamic per-token" if self.activations == "dynamic" else "W8A16"
-            return f"fp8 e4m3 per-channel ({act}{f', {algorithm}' if algorithm else ''})"
-        group = "per-channel" if self.group_size == -1 else f"g{self.group_size}"
-        kind = "symmetric" if self.symmetric else "asymmetric"
-        return f"{f'{algorithm} ' if algorithm else ''}int4 {group} {kind}"
+        return self.format.describe(self, algorithm)
 
     def to_json(self) -> dict[str, object]:
         """The fields quantkit.json stores (`from_json` reads them back)."""

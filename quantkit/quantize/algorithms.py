@@ -7,7 +7,7 @@ algorithm up once and calls it; a new algorithm is one function plus one entry h
 
 | algorithm | formats | calibration | what it does |
 |---|---|---|---|
-| rtn  | int4, fp8 | none | round to nearest on min/max (int4) or absmax (fp8) scales |
+| rtn  | every format | none | round to nearest on min/max (int4) or absmax (fp8) scales |
 | awq  | int4      | 64 x 512 tokens | activation-aware scales folded into the previous op |
 | gptq | int4, fp8 | 128 x 512 tokens | error-compensated rounding on RTN's scales, layer by layer |
 """
@@ -20,15 +20,13 @@ from dataclasses import dataclass, field
 import torch
 
 from quantkit.errors import SchemeError
-from quantkit.format.packing import quantize_fp8
+from quantkit.format.formats import FORMATS
 from quantkit.format.scheme import QuantScheme
-from quantkit.format.tensors import fp8_tensors
 from quantkit.models.decoder import CausalLM
 from quantkit.models.family import Family
 from quantkit.quantize.awq import AwqConfig, awq_quantize
 from quantkit.quantize.gptq import GptqConfig, gptq_quantize
 from quantkit.quantize.layer_walk import LayerErrorReport
-from quantkit.quantize.rtn import rtn_quantize_weight
 
 # Calibration windows (x 512 tokens) for the activation statistics. 64, not AWQ's 128: on
 # SmolLM2-135M, 64 samples closed 56-57% of the RTN gap on every seed measured while 128 gave
@@ -67,7 +65,7 @@ Run = Callable[[QuantizeJob], tuple[ModuleTensors, list[LayerErrorReport]]]
 @dataclass(frozen=True)
 class Algorithm:
     name: str
-    kinds: tuple[str, ...]  # the QuantScheme kinds it can produce
+    only: tuple[str, ...] | None  # the QuantScheme kinds it can produce; None = every format
     calib_samples: int  # default calibration windows; 0 = needs no calibration text
     run: Run
 
@@ -75,17 +73,18 @@ class Algorithm:
     def calibrated(self) -> bool:
         return self.calib_samples > 0
 
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """The formats it produces, read from the format registry when it takes them all."""
+        return tuple(FORMATS) if self.only is None else self.only
+
 
 def _rtn(job: QuantizeJob) -> tuple[ModuleTensors, list[LayerErrorReport]]:
+    fmt, scheme = job.scheme.format, job.scheme
     out: ModuleTensors = {}
     for name, _ in job.layers:
-        if job.scheme.kind == "fp8":
-            # A per-output-channel absmax scale is all E4M3 needs.
-            w8, scale = quantize_fp8(job.weight(name))
-            out[name] = fp8_tensors(w8, scale, dtype=job.storage_dtype)
-        else:
-            q = rtn_quantize_weight(job.weight(name), scheme=job.scheme)
-            out[name] = q.tensors(scheme=job.scheme, dtype=job.storage_dtype)
+        q = fmt.round_to_nearest(job.weight(name), scheme)
+        out[name] = fmt.store(q, scheme, dtype=job.storage_dtype)
     return out, []
 
 
@@ -116,19 +115,20 @@ def _gptq(job: QuantizeJob) -> tuple[ModuleTensors, list[LayerErrorReport]]:
 ALGORITHMS: dict[str, Algorithm] = {
     a.name: a
     for a in (
-        Algorithm("rtn", ("int4", "fp8"), 0, _rtn),
+        # Every format rounds to nearest (`WeightFormat.round_to_nearest`).
+        Algorithm("rtn", None, 0, _rtn),
         Algorithm("awq", ("int4",), DEFAULT_CALIB_SAMPLES, _awq),
         Algorithm("gptq", ("int4", "fp8"), GPTQ_CALIB_SAMPLES, _gptq),
     )
 }
-# What `quantkit quantize` uses when no --method is given.
+# What `quantkit quantize` uses when no --method is given; a format not listed gets rtn.
 DEFAULT_ALGORITHM: dict[str, str] = {"int4": "awq", "fp8": "gptq"}
 
 
 def algorithm_for(name: str | None, scheme: QuantScheme) -> Algorithm:
     """The registry entry for `name` (None: the format's default); an algorithm that cannot
     produce the format is an error naming the ones that can."""
-    name = DEFAULT_ALGORITHM[scheme.kind] if name is None else name
+    name = DEFAULT_ALGORITHM.get(scheme.kind, "rtn") if name is None else name
     if name not in ALGORITHMS:
         raise SchemeError(f"method: expected one of {', '.join(ALGORITHMS)}, got {name!r}")
     algorithm = ALGORITHMS[name]

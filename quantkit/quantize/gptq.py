@@ -37,6 +37,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from quantkit.format.fp8 import fp8_tensors
+from quantkit.format.int4 import int4_tensors
 from quantkit.format.packing import (
     INT4_MAX,
     INT4_MIN,
@@ -47,7 +49,6 @@ from quantkit.format.packing import (
     int4_quantize,
 )
 from quantkit.format.scheme import QuantScheme
-from quantkit.format.tensors import fp8_tensors, int4_tensors
 from quantkit.models.decoder import CausalLM
 from quantkit.models.family import Family
 from quantkit.quantize.layer_walk import (

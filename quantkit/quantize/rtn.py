@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from quantkit.format.int4 import INT4
 from quantkit.format.packing import int4_dequantize, int4_qparams, int4_quantize
 from quantkit.format.scheme import QuantScheme
-from quantkit.format.tensors import int4_tensors
+from quantkit.format.weight_format import Codes
 
 
 @dataclass
@@ -25,14 +26,9 @@ class Int4Weights:
         )
 
     def tensors(self, *, scheme: QuantScheme, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The checkpoint tensors with the scales stored in `dtype`. The codes were chosen for
-        fp32 scales; they are re-derived for the scale as stored, so the checkpoint's weights
-        are the best this storage dtype allows."""
-        scale = self.scale.to(dtype).float()
-        g = scheme.group_size_for(self.codes.shape[1])
-        w = int4_dequantize(self.codes, self.scale, self.zero, group_size=g)
-        codes = int4_quantize(w, scale, self.zero, group_size=g)
-        return int4_tensors(codes, scale, self.zero, dtype=dtype)
+        """The checkpoint tensors with the scales stored in `dtype` (codes re-derived for the
+        stored scales: `Int4Format.store`)."""
+        return INT4.store(Codes(self.codes, self.scale, self.zero), scheme, dtype=dtype)
 
 
 def rtn_quantize_weight(

@@ -14,18 +14,10 @@ import torch
 from torch import nn
 
 from quantkit.errors import SchemeError
-from quantkit.format.packing import (
-    int4_qparams,
-    int4_quantize,
-    quantize_fp8,
-)
+from quantkit.format.dtypes import SCALE_DTYPES
 from quantkit.format.scheme import QuantScheme
-from quantkit.format.tensors import (
-    SCALE_DTYPES,
-    check_module_tensors,
-    fp8_tensors,
-    int4_tensors,
-)
+from quantkit.format.tensors import check_module_tensors
+from quantkit.format.weight_format import Codes
 from quantkit.fused_kernels.packed_weights import packed_weights
 from quantkit.fused_kernels.prepared_linear import PreparedLinear, prepare_linear
 
@@ -57,24 +49,9 @@ class QuantLinear(nn.Module):
         self.out_features = out_features
         self.scheme = scheme
         n, k = out_features, in_features
-        if scheme.kind == "int4":
-            groups = scheme.groups(k)
-            self.register_buffer(
-                "weight_packed", torch.empty(n, (k + 7) // 8, dtype=torch.int32, device=device)
-            )
-            self.register_buffer("weight_scale", torch.empty(n, groups, dtype=dtype, device=device))
-            zp = None
-            if not scheme.symmetric:
-                zp = torch.empty((n + 7) // 8, groups, dtype=torch.int32, device=device)
-            self.register_buffer("weight_zero_point", zp)
-            self.register_buffer(
-                "weight_shape", torch.tensor([n, k], dtype=torch.int64, device=device)
-            )
-        else:
-            self.register_buffer(
-                "weight", torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device)
-            )
-            self.register_buffer("weight_scale", torch.empty(n, 1, dtype=dtype, device=device))
+        # The format's tensors, in its order: state_dict() (and so the checkpoint) keeps it.
+        for local, t in scheme.format.empty(n, k, scheme, dtype=dtype, device=device).items():
+            self.register_buffer(local, t)
         self.register_buffer("bias", torch.empty(n, dtype=dtype, device=device) if bias else None)
 
     @classmethod
@@ -93,12 +70,10 @@ class QuantLinear(nn.Module):
         tensors = dict(tensors)
         if bias is not None:
             tensors["bias"] = bias
-        if not validated:
-            n, k = check_module_tensors(tensors, scheme=scheme)
-        elif scheme.kind == "int4":
-            n, k = (int(v) for v in tensors["weight_shape"].tolist())
+        if validated:
+            n, k = scheme.format.shape(tensors)
         else:
-            n, k = tensors["weight"].shape
+            n, k = check_module_tensors(tensors, scheme=scheme)
         scale = tensors["weight_scale"]
         # Meta buffers first, then the real tensors: no throwaway allocation of the weight.
         module = cls(k, n, scheme=scheme, bias="bias" in tensors, dtype=scale.dtype, device="meta")
@@ -119,9 +94,10 @@ class QuantLinear(nn.Module):
     ) -> QuantLinear:
         """Quantize a dense Linear (or weight [N, K]) into a QuantLinear.
 
-        With `codes`/`scale`/`zero` (int8 codes for INT4, float8 weights for FP8) from a
+        With `codes`/`scale`/`zero` (the format's codes: int8 for INT4, float8 for FP8) from a
         quantizer such as AWQ, those are packed as given; without them the weight is
-        round-to-nearest quantized. Scales are stored in `dtype` (default the weight's dtype).
+        round-to-nearest quantized by its format. Scales are stored in `dtype` (default the
+        weight's dtype).
         """
         if isinstance(linear, nn.Linear):
             weight, bias = linear.weight.detach(), linear.bias
@@ -134,21 +110,11 @@ class QuantLinear(nn.Module):
         dtype = dtype or (weight.dtype if weight.dtype in SCALE_DTYPES else torch.float32)
         if (codes is None) != (scale is None):
             raise SchemeError("codes and scale: expected both or neither, got only one")
-        if scheme.kind == "int4":
-            group = scheme.group_size
-            if codes is None:
-                scale, zero = int4_qparams(weight, group_size=group, symmetric=scheme.symmetric)
-                codes = int4_quantize(weight, scale, zero, group_size=group)
-            if (zero is None) != scheme.symmetric:
-                raise SchemeError(
-                    f"zero: expected {'no zero point' if scheme.symmetric else 'zero points'} "
-                    f"for {scheme.describe()}, got {'none' if zero is None else 'zero points'}"
-                )
-            tensors = int4_tensors(codes, scale, zero, dtype=dtype)
+        if codes is None:
+            q = scheme.format.round_to_nearest(weight, scheme)
         else:
-            if codes is None:
-                codes, scale = quantize_fp8(weight)
-            tensors = fp8_tensors(codes, scale, dtype=dtype)
+            q = Codes(codes, scale, zero)  # type: ignore[arg-type]
+        tensors = scheme.format.pack(q, scheme, dtype=dtype)
         if bias is not None:
             tensors["bias"] = bias.detach().to(dtype)
         return cls.from_tensors(tensors, scheme=scheme)

@@ -1,0 +1,23 @@
+"""The stored weight formats quantkit reads and writes: one line each.
+
+A new format is one module with a `WeightFormat` subclass (see `quantkit.format.weight_format`)
+and one entry here; `QuantScheme(kind=...)`, compressed-tensors configs, the checkpoint's tensor
+contract, `QuantLinear` and round-to-nearest quantization all find it through this table.
+"""
+
+from __future__ import annotations
+
+from quantkit.errors import SchemeError
+from quantkit.format.fp8 import FP8
+from quantkit.format.int4 import INT4
+from quantkit.format.weight_format import WeightFormat
+
+FORMATS: dict[str, WeightFormat] = {f.kind: f for f in (INT4, FP8)}
+
+
+def format_for(kind: str) -> WeightFormat:
+    """The format a `QuantScheme.kind` names; anything else is a SchemeError listing them."""
+    fmt = FORMATS.get(kind)
+    if fmt is None:
+        raise SchemeError(f"kind: expected one of {', '.join(FORMATS)}, got {kind!r}")
+    return fmt

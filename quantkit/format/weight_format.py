@@ -1,0 +1,150 @@
+"""`WeightFormat`: everything one stored weight format is, in one object.
+
+A format (INT4 `pack-quantized`, FP8 `float-quantized`, ...) is one module that subclasses this
+and one line in `quantkit.format.formats`. The rest of quantkit asks the format instead of
+branching on `scheme.kind`:
+
+- the scheme: which `QuantScheme` fields it allows and how it reads as one line;
+- compressed-tensors: its `weights` / `input_activations` entries in config.json, both ways;
+- the tensor contract: the local tensor names, shapes and dtypes of one quantized Linear (the
+  checkpoint writer, the loader and `QuantLinear` all read it from here);
+- the math: round-to-nearest, packing codes into those tensors, and dequantizing them back.
+
+What a format needs from the layers above is registered there, not here: the kernels that run it
+(`quantkit.fused_kernels.kernel_registry`) and the algorithms that can produce it
+(`quantkit.quantize.algorithms`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from quantkit.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from quantkit.format.scheme import QuantScheme
+
+Tensors = dict[str, torch.Tensor]
+
+
+class Codes(NamedTuple):
+    """A quantizer's result for one Linear, before packing: the format's codes, fp32 scales and
+    (for formats with them) zero points."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+
+
+class WeightFormat(ABC):
+    """One stored weight format. Subclasses set the class attributes and implement the methods;
+    instances hold no state."""
+
+    kind: str  # QuantScheme.kind
+    bits: int
+    ct_type: str  # compressed-tensors `weights.type`
+    ct_formats: tuple[str, ...]  # config `format` names read; the first is written
+
+    # ---------------------------------------------------------------- the scheme
+
+    @abstractmethod
+    def normalized(self, scheme: QuantScheme) -> dict[str, Any]:
+        """The scheme's fields after checking them for this format (SchemeError naming the
+        field otherwise); fields the format fixes are set, so equal schemes compare equal."""
+
+    @abstractmethod
+    def describe(self, scheme: QuantScheme, algorithm: str | None) -> str:
+        """One human line, e.g. 'awq int4 g64 asymmetric'."""
+
+    # ---------------------------------------------------------------- compressed-tensors
+
+    @abstractmethod
+    def config_entries(self, scheme: QuantScheme) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """(`weights`, `input_activations`) of the config group, as compressed-tensors writes
+        them."""
+
+    @abstractmethod
+    def scheme_fields(
+        self, weights: Mapping[str, Any], *, fmt: Any, acts: Any, where: str
+    ) -> dict[str, Any]:
+        """The QuantScheme fields a config group describes; anything this format cannot run is
+        a CheckpointError naming the field."""
+
+    # ---------------------------------------------------------------- tensor contract
+
+    @abstractmethod
+    def tensor_names(self, scheme: QuantScheme) -> tuple[str, ...]:
+        """The local names one quantized Linear stores (bias apart); the first one alone marks
+        a module as quantized in error messages."""
+
+    @abstractmethod
+    def marks_quantized(self, local: str, tensor: torch.Tensor) -> bool:
+        """Whether a tensor with this local name and value can only belong to a quantized
+        module of this format (how the loader finds the quantized modules)."""
+
+    @abstractmethod
+    def check(
+        self, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme, name: Callable[[str], str]
+    ) -> tuple[int, int]:
+        """Validate shapes and dtypes of present tensors; return (N, K). `name(local)` gives the
+        full tensor name for messages."""
+
+    @abstractmethod
+    def shape(self, tensors: Mapping[str, torch.Tensor]) -> tuple[int, int]:
+        """(N, K) of tensors already validated."""
+
+    @abstractmethod
+    def empty(
+        self, n: int, k: int, scheme: QuantScheme, *, dtype: torch.dtype, device: Any
+    ) -> dict[str, torch.Tensor | None]:
+        """Uninitialised tensors of the contract for an [N, K] Linear, scales in `dtype`
+        (None for a tensor the scheme leaves out, e.g. zero points when symmetric)."""
+
+    # ---------------------------------------------------------------- the math
+
+    @abstractmethod
+    def round_to_nearest(self, weight: torch.Tensor, scheme: QuantScheme) -> Codes:
+        """Plain round-to-nearest codes of a dense weight [N, K]."""
+
+    @abstractmethod
+    def pack(self, q: Codes, scheme: QuantScheme, *, dtype: torch.dtype) -> Tensors:
+        """The tensors of the contract for codes as given, scales stored in `dtype`."""
+
+    def store(self, q: Codes, scheme: QuantScheme, *, dtype: torch.dtype) -> Tensors:
+        """The tensors a quantizer writes: `pack`, after whatever fix-up storing the scales in
+        `dtype` calls for (by default none)."""
+        return self.pack(q, scheme, dtype=dtype)
+
+    @abstractmethod
+    def dequantize(
+        self, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme, *, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """The dense weight [N, K] in `dtype` from the contract's tensors."""
+
+
+def check_tensor(
+    name: str, t: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
+) -> None:
+    """A CheckpointError naming the tensor unless it has exactly `shape` and one of `dtypes`."""
+    if tuple(t.shape) != shape:
+        raise CheckpointError(f"tensor {name}: expected shape {list(shape)}, got {list(t.shape)}")
+    if t.dtype not in dtypes:
+        wanted = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise CheckpointError(
+            f"tensor {name}: expected dtype {wanted}, got {str(t.dtype).removeprefix('torch.')}"
+        )
+
+
+def expect(cfg: Mapping[str, Any], key: str, allowed: tuple[Any, ...], *, where: str = "") -> Any:
+    """cfg[key], which must be one of `allowed` (compared with its type: True is not 1); else a
+    CheckpointError naming the quantization_config field."""
+    value = cfg.get(key)
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        field = f"quantization_config.{where + '.' if where else ''}{key}"
+        wanted = " or ".join(repr(a) for a in allowed)
+        raise CheckpointError(f"{field}: expected {wanted}, got {value!r}")
+    return value

@@ -1,0 +1,158 @@
+"""The weight-format registry: a format is one `WeightFormat` plus one entry in `FORMATS`.
+
+The proof is a toy third format, INT8 per output channel (W8A16, compressed-tensors `int`,
+`naive-quantized`), defined here and nowhere else: registered, it goes through the scheme, the
+compressed-tensors config both ways, RTN quantization, the checkpoint writer and loader, the
+dense oracle and QuantLinear's buffers without another line changing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from quantkit.errors import CheckpointError, SchemeError
+from quantkit.format import formats
+from quantkit.format.checkpoint import (
+    dequantize_checkpoint_tensors,
+    load_checkpoint,
+    save_checkpoint,
+)
+from quantkit.format.compressed_tensors import (
+    scheme_from_quantization_config,
+    scheme_to_quantization_config,
+)
+from quantkit.format.dtypes import SCALE_DTYPES
+from quantkit.format.scheme import QuantScheme
+from quantkit.format.weight_format import Codes, Tensors, WeightFormat, check_tensor, expect
+from quantkit.quantize.algorithms import algorithm_for
+from quantkit.runtime.quant_linear import QuantLinear
+
+
+class Int8Format(WeightFormat):
+    kind = "int8"
+    bits = 8
+    ct_type = "int"
+    ct_formats = ("naive-quantized",)
+
+    def normalized(self, scheme: QuantScheme) -> dict[str, Any]:
+        if scheme.activations != "none":
+            raise SchemeError(f"activations: expected 'none' for int8, got {scheme.activations!r}")
+        return {"group_size": -1, "symmetric": True}
+
+    def describe(self, scheme: QuantScheme, algorithm: str | None) -> str:
+        return "int8 per-channel"
+
+    def config_entries(self, scheme: QuantScheme) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        weights = {"num_bits": 8, "type": "int", "strategy": "channel", "group_size": None}
+        return {**weights, "symmetric": True, "dynamic": False}, None
+
+    def scheme_fields(
+        self, weights: Mapping[str, Any], *, fmt: Any, acts: Any, where: str
+    ) -> dict[str, Any]:
+        expect(weights, "num_bits", (8,), where=f"{where}.weights")
+        return {"kind": "int8"}
+
+    def tensor_names(self, scheme: QuantScheme) -> tuple[str, ...]:
+        return ("weight", "weight_scale")
+
+    def marks_quantized(self, local: str, tensor: torch.Tensor) -> bool:
+        return local == "weight_scale" or (local == "weight" and tensor.dtype == torch.int8)
+
+    def check(
+        self, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme, name: Callable[[str], str]
+    ) -> tuple[int, int]:
+        n, k = tensors["weight"].shape
+        check_tensor(name("weight"), tensors["weight"], (n, k), (torch.int8,))
+        check_tensor(name("weight_scale"), tensors["weight_scale"], (n, 1), SCALE_DTYPES)
+        return n, k
+
+    def shape(self, tensors: Mapping[str, torch.Tensor]) -> tuple[int, int]:
+        n, k = tensors["weight"].shape
+        return n, k
+
+    def empty(
+        self, n: int, k: int, scheme: QuantScheme, *, dtype: torch.dtype, device: Any
+    ) -> dict[str, torch.Tensor | None]:
+        return {
+            "weight": torch.empty(n, k, dtype=torch.int8, device=device),
+            "weight_scale": torch.empty(n, 1, dtype=dtype, device=device),
+        }
+
+    def round_to_nearest(self, weight: torch.Tensor, scheme: QuantScheme) -> Codes:
+        scale = weight.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-10) / 127
+        return Codes(torch.round(weight.float() / scale).to(torch.int8), scale, None)
+
+    def pack(self, q: Codes, scheme: QuantScheme, *, dtype: torch.dtype) -> Tensors:
+        return {"weight": q.codes.contiguous(), "weight_scale": q.scale.to(dtype).contiguous()}
+
+    def dequantize(
+        self, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme, *, dtype: torch.dtype
+    ) -> torch.Tensor:
+        return (tensors["weight"].float() * tensors["weight_scale"].float()).to(dtype)
+
+
+@pytest.fixture
+def int8(monkeypatch: pytest.MonkeyPatch) -> WeightFormat:
+    """The one registry line a new format adds."""
+    fmt = Int8Format()
+    monkeypatch.setitem(formats.FORMATS, fmt.kind, fmt)
+    return fmt
+
+
+def test_registered_formats_are_int4_and_fp8() -> None:
+    assert list(formats.FORMATS) == ["int4", "fp8"]
+    with pytest.raises(SchemeError, match="kind: expected one of int4, fp8, got 'int8'"):
+        QuantScheme("int8")
+
+
+def test_a_new_format_is_one_class_and_one_registry_line(int8: WeightFormat, tmp_path: Path):
+    scheme = QuantScheme("int8")
+    assert (scheme.group_size, scheme.symmetric, scheme.bits) == (-1, True, 8)
+    assert scheme.describe() == "int8 per-channel"
+
+    # compressed-tensors config, both ways: the int4 format does not claim 8-bit ints.
+    cfg = scheme_to_quantization_config(scheme)
+    assert cfg["format"] == "naive-quantized"
+    assert scheme_from_quantization_config(cfg) == scheme
+    # RTN is the algorithm every format gets, and the default for one without a listed default.
+    assert algorithm_for(None, scheme).name == "rtn"
+
+    torch.manual_seed(0)
+    w = torch.randn(16, 32)
+    layer = QuantLinear.from_float(w, scheme=scheme, dtype=torch.float32)
+    assert layer.weight.dtype == torch.int8 and layer.weight_scale.shape == (16, 1)
+    state = {f"model.layers.0.mlp.down_proj.{k}": v for k, v in layer.state_dict().items()}
+    state["model.embed_tokens.weight"] = torch.randn(8, 32)
+    source = tmp_path / "src"
+    source.mkdir()
+    out = save_checkpoint(
+        tmp_path / "ckpt",
+        tensors=state,
+        config={"model_type": "llama"},
+        scheme=scheme,
+        quantized_modules=["model.layers.0.mlp.down_proj"],
+        source_dir=source,
+        algorithm="rtn",
+        report={},
+    )
+    loaded = load_checkpoint(out)
+    assert loaded.scheme == scheme
+    assert loaded.quantized_modules == ["model.layers.0.mlp.down_proj"]
+    dense = dequantize_checkpoint_tensors(loaded, dtype=torch.float32)[
+        "model.layers.0.mlp.down_proj.weight"
+    ]
+    # Per-channel int8: at most half a step (absmax / 127 / 2) from the original weight.
+    step = w.abs().amax(dim=1, keepdim=True) / 127
+    assert ((dense - w).abs() <= step / 2 + 1e-6).all()
+
+
+def test_a_new_format_is_validated_by_its_own_contract(int8: WeightFormat) -> None:
+    scheme = QuantScheme("int8")
+    bad = {"weight": torch.zeros(4, 8, dtype=torch.int16), "weight_scale": torch.ones(4, 1)}
+    with pytest.raises(CheckpointError, match=r"tensor weight: expected dtype int8, got int16"):
+        QuantLinear.from_tensors(bad, scheme=scheme)
