@@ -1,4 +1,5 @@
-"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM) built from config.json.
+"""The decoder of every registered family (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3), from
+config.json.
 
 Module names follow Hugging Face's (`model.layers.3.self_attn.q_proj`, ...) so a checkpoint's
 state dict loads without renaming. What differs between families (biases, norm kind, rope
@@ -11,7 +12,6 @@ Shapes: B batch, T new tokens, S cache length, H hidden, Hq/Hkv heads, D head_di
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -19,88 +19,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.errors import ModelSourceError
-from quantkit.models.families import family_for
-from quantkit.models.family import Family, Rope
+from quantkit.models.config import ModelConfig
+from quantkit.models.family import Family
+from quantkit.models.layers import (
+    ACTIVATIONS,
+    NORMS,
+    KVCache,
+    Rotary,
+    apply_rope,
+    attend,
+    window_mask,
+)
 
-
-@dataclass(frozen=True)
-class ModelConfig:
-    family: Family  # the registry entry, looked up once here
-    model_type: str
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope: Rope
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    biases: tuple[str, ...]  # the Linears of a layer that carry a bias
-
-    @classmethod
-    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        family = family_for(cfg)  # raises for unsupported families
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        return cls(
-            family=family,
-            model_type=str(cfg["model_type"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            vocab_size=int(cfg["vocab_size"]),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope=family.rope(cfg),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            biases=family.biased(cfg),
-        )
-
-    def linear(self, name: str, n: int, k: int) -> nn.Linear:
-        """The layer's Linear `name` [n, k], with a bias where the family puts one."""
-        return nn.Linear(k, n, bias=name in self.biases)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one op, the same arithmetic as below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in fp32 like the HF reference, so bf16 runs match it.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
-
-
-class Rotary(nn.Module):
-    """RoPE in the HF layout (rotate_half over the two halves of each head); the frequencies
-    are the family's (`Family.rope`)."""
-
-    def __init__(self, head_dim: int, rope: Rope) -> None:
-        super().__init__()
-        self.register_buffer("inv_freq", rope.inv_freq(head_dim), persistent=False)
-
-    def forward(
-        self, positions: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [B, T] -> cos, sin [B, T, 1, D] (for q/k laid out [B, T, heads, D])."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq
-        emb = torch.cat([freqs, freqs], dim=-1).unsqueeze(2)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-# The norm kinds a family may name (`Family.norm`).
-NORMS: dict[str, type[nn.Module]] = {"rmsnorm": RMSNorm}
+__all__ = ["NORMS", "CausalLM", "FastPath", "KVCache", "ModelConfig", "build_model"]
 
 
 def _eager_cpu(x: torch.Tensor) -> bool:
@@ -109,65 +40,30 @@ def _eager_cpu(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
-
-
-class KVCache(nn.Module):
-    """Static, preallocated K/V for one layer: [B, Hkv, S, D], written at explicit positions."""
-
-    def __init__(
-        self,
-        batch: int,
-        max_len: int,
-        kv_heads: int,
-        head_dim: int,
-        *,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        super().__init__()
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-
-    def update(
-        self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, T, Hkv, D] at positions [B, T]; return the whole cache."""
-        rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
-        # Index the (B, S) axes together: each row writes at its own positions.
-        self.k.permute(0, 2, 1, 3)[rows, positions] = k
-        self.v.permute(0, 2, 1, 3)[rows, positions] = v
-        return self.k, self.v
-
-    def write_span(self, start: int, k: torch.Tensor, v: torch.Tensor) -> int:
-        """One row (B = 1) whose T new tokens sit at slots start..start+T-1: two slice copies
-        instead of two index_puts. Returns the end slot."""
-        end = start + k.shape[1]
-        self.k[0, :, start:end].copy_(k[0].transpose(0, 1))
-        self.v[0, :, start:end].copy_(v[0].transpose(0, 1))
-        return end
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
             cfg.num_kv_heads,
             cfg.head_dim,
         )
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = cfg.linear("self_attn.q_proj", cfg.num_heads * d, h)
-        self.k_proj = cfg.linear("self_attn.k_proj", cfg.num_kv_heads * d, h)
-        self.v_proj = cfg.linear("self_attn.v_proj", cfg.num_kv_heads * d, h)
-        self.o_proj = cfg.linear("self_attn.o_proj", h, cfg.num_heads * d)
+        h, d, family = cfg.hidden_size, cfg.head_dim, cfg.family
+        q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+        if family.packed:
+            self.qkv_proj = cfg.linear("self_attn.qkv_proj", q + 2 * kv, h)
+        else:
+            self.q_proj = cfg.linear("self_attn.q_proj", q, h)
+            self.k_proj = cfg.linear("self_attn.k_proj", kv, h)
+            self.v_proj = cfg.linear("self_attn.v_proj", kv, h)
+        self.o_proj = cfg.linear("self_attn.o_proj", h, q)
+        if family.qk_norm:
+            self.q_norm = NORMS[family.norm](d, cfg.rms_norm_eps)
+            self.k_norm = NORMS[family.norm](d, cfg.rms_norm_eps)
+        self.qk_norm = family.qk_norm
+        self.rope_index = cfg.rope_index[index]  # this layer's rotary table
+        self.window = cfg.sliding_window if cfg.layer_types[index] == "sliding_attention" else None
+        self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap
         self.cache: KVCache | None = None
         # A `quantkit.runtime.fusion.FusedLinear`, set by fuse_projections.
         self.fused_qkv: Any = None
@@ -175,15 +71,18 @@ class Attention(nn.Module):
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [B, T, H] -> q [B, T, Hq, D] with RoPE not yet applied, k, v [B, T, Hkv, D]."""
         b, t, _ = x.shape
+        heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
         fused = self.fused_qkv
         if fused is not None and fused.valid():
-            heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
-            qkv = fused(x).view(b, t, sum(heads), self.head_dim)
-            q, k, v = qkv.split(heads, dim=2)
+            qkv = fused(x)
+        elif hasattr(self, "qkv_proj"):
+            qkv = self.qkv_proj(x)
+        else:
+            q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
+            k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+            v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
             return q, k, v
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim)
+        q, k, v = qkv.view(b, t, sum(heads), self.head_dim).split(heads, dim=2)
         return q, k, v
 
     def forward(
@@ -195,15 +94,28 @@ class Attention(nn.Module):
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x [B, T, H]. Without a cache: causal attention over x alone. With one: k/v are
-        written at `positions` and queries attend to the cache under `mask` [B, 1, T, S]."""
+        """x [B, T, H]; cos, sin [B, T, K, D] (this layer reads table `rope_index`). Without a
+        cache: causal attention over x alone. With one: k/v are written at `positions` and
+        queries attend to the cache under `mask` [B, 1, T, S]."""
         b, t, _ = x.shape
         q, k, v = self._qkv(x)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if cos.shape[2] > 1:
+            cos = cos[:, :, self.rope_index : self.rope_index + 1]
+            sin = sin[:, :, self.rope_index : self.rope_index + 1]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        plain = self.window is None and self.softcap is None
+        how = {"scale": self.scale, "softcap": self.softcap}
         if self.cache is None:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1, enable_gqa=True)
-        elif b == 1 and positions is not None and _eager_cpu(x):
+            if self.window is not None:
+                pos = torch.arange(t, device=x.device).expand(b, t)
+                sliding = window_mask(pos, t, self.window, None)
+                out = attend(q, k, v, mask=sliding, causal=False, **how)
+            else:
+                out = attend(q, k, v, mask=None, causal=t > 1, **how)
+        elif plain and b == 1 and positions is not None and _eager_cpu(x):
             # One row: its tokens sit at consecutive slots, and the query attends to the
             # slots up to its own only (not the whole cache under a mask).
             start = int(positions[0, 0])
@@ -212,13 +124,14 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys, values, is_causal=t > 1 and start == 0,
                 attn_mask=None if t == 1 or start == 0 else mask[..., :end], enable_gqa=True,
+                scale=self.scale,
             )  # fmt: skip
         else:
             assert positions is not None and mask is not None
             keys, values = self.cache.update(positions, k, v)
-            out = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=mask, enable_gqa=True
-            )
+            if self.window is not None:
+                mask = window_mask(positions, keys.shape[2], self.window, mask)
+            out = attend(q.transpose(1, 2), keys, values, mask=mask, causal=False, **how)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -226,9 +139,13 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = cfg.linear("mlp.gate_proj", i, h)
-        self.up_proj = cfg.linear("mlp.up_proj", i, h)
+        if cfg.family.packed:
+            self.gate_up_proj = cfg.linear("mlp.gate_up_proj", 2 * i, h)
+        else:
+            self.gate_proj = cfg.linear("mlp.gate_proj", i, h)
+            self.up_proj = cfg.linear("mlp.up_proj", i, h)
         self.down_proj = cfg.linear("mlp.down_proj", h, i)
+        self.act = ACTIVATIONS[cfg.activation]
         # A `quantkit.runtime.fusion.FusedLinear`, see fuse_projections.
         self.fused_gate_up: Any = None
 
@@ -236,17 +153,24 @@ class MLP(nn.Module):
         fused = self.fused_gate_up
         if fused is not None and fused.valid():
             gate, up = fused(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        elif hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
-        norm = NORMS[cfg.family.norm]
-        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm, h, eps = NORMS[cfg.family.norm], cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = norm(h, eps)
+        self.self_attn = Attention(cfg, index)
+        self.post_attention_layernorm = norm(h, eps)
+        self.sandwich = cfg.family.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm(h, eps)
+            self.post_feedforward_layernorm = norm(h, eps)
         self.mlp = MLP(cfg)
 
     def forward(
@@ -258,7 +182,11 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, positions=positions, mask=mask)
+        h = self.self_attn(self.input_layernorm(x), cos, sin, positions=positions, mask=mask)
+        if self.sandwich:  # Gemma: the sublayers' outputs are normed before the residual add
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + h
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -266,9 +194,9 @@ class Body(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = NORMS[cfg.family.norm](cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope)
+        self.rotary = Rotary(cfg.head_dim, cfg.ropes)
 
 
 class FastPath(Protocol):
@@ -339,7 +267,15 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight.device
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, K, D] for positions [B, T]: K rotary tables (1 but for Gemma 3)."""
         return self.model.rotary(positions, self.dtype)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [B, T, H], times sqrt(H) where the family scales them (Gemma)."""
+        x = self.model.embed_tokens(input_ids)
+        if self.family.embed_scale:
+            return x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        return x
 
     def setup_cache(self, *, batch: int, max_len: int) -> None:
         cfg, where = self.config, {"dtype": self.dtype, "device": self.device}
@@ -376,7 +312,7 @@ class CausalLM(nn.Module):
             x = self.decode_path.run(self, input_ids, positions)
         if x is None:
             cos, sin = self.rope(positions)
-            x = self.model.embed_tokens(input_ids)
+            x = self.embed(input_ids)
             for layer in self.model.layers:
                 x = layer(x, cos, sin, positions=positions, mask=mask)
         if logits_at is not None:
@@ -387,7 +323,9 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and lm_head: hidden states [B, T, H] after the last layer -> fp32 logits."""
-        return self.lm_head(self.model.norm(hidden)).float()
+        logits = self.lm_head(self.model.norm(hidden)).float()
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def build_model(
@@ -425,7 +363,7 @@ def build_model(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     # Buffers that are not weights (RoPE frequencies) were created on meta: rebuild them.
-    model.model.rotary = Rotary(cfg.head_dim, cfg.rope)
+    model.model.rotary = Rotary(cfg.head_dim, cfg.ropes)
     for module in (modules or {}).values():
         module.to(dense["model.embed_tokens.weight"].device)
     return model.eval()

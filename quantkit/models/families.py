@@ -12,8 +12,12 @@ from typing import Any
 
 from quantkit.errors import ModelSourceError
 from quantkit.models.family import DecodeLayout, Family, Fusion, GgufNames, Rope, ScaleGroup
+from quantkit.models.gemma import GEMMA2, GEMMA3_TEXT
 from quantkit.models.llama import LLAMA
+from quantkit.models.mistral import MISTRAL
+from quantkit.models.phi3 import PHI3
 from quantkit.models.qwen2 import QWEN2
+from quantkit.models.qwen3 import QWEN3
 
 __all__ = [
     "FAMILIES",
@@ -29,7 +33,7 @@ __all__ = [
     "supported_model_types",
 ]
 
-FAMILIES: tuple[Family, ...] = (LLAMA, QWEN2)
+FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3_TEXT)
 
 
 def supported_model_types() -> tuple[str, ...]:

@@ -18,9 +18,7 @@ from dataclasses import dataclass
 from functools import reduce
 from typing import Any
 
-import torch
-
-from quantkit.errors import ModelSourceError
+from quantkit.models.rope import Rope, rope_for
 
 
 @dataclass(frozen=True)
@@ -48,40 +46,13 @@ class DecodeLayout:
     fused q/k/v (q, k, v rows in that order), RoPE, attention, o, RMSNorm, fused gate/up (gate
     rows first), SiLU, down. A family whose layer differs has no layout (`Family.decode` None)."""
 
-    qkv: str  # a Fusion's `into`
+    qkv: str  # a Fusion's `into`, or a Linear the checkpoint stores fused (Phi-3)
     o: str
-    gate_up: str  # a Fusion's `into`
+    gate_up: str  # a Fusion's `into`, or a stored fused Linear
     down: str
     in_norm: str
     post_norm: str
     attention: str  # the module holding the layer's KV cache (`cache`)
-
-
-@dataclass(frozen=True)
-class Rope:
-    """Rotary embedding settings read from config.json. A scaling rule (Llama 3's, YaRN) is a
-    `Family.rope` function that returns a Rope whose `inv_freq` applies it."""
-
-    theta: float
-
-    def inv_freq(self, head_dim: int) -> torch.Tensor:
-        """The [head_dim / 2] rotation frequencies (fp32), as the HF reference computes them."""
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
-        return 1.0 / (self.theta**exponents)
-
-
-def default_rope(config: Mapping[str, Any]) -> Rope:
-    """`rope_theta` (default 10000) and no rope scaling: what every family supports today.
-    transformers >= 5 writes both into `rope_parameters` instead of `rope_theta` and
-    `rope_scaling`; either spelling is read."""
-    params = config.get("rope_parameters") or {}
-    scaling = config.get("rope_scaling") or params
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
-    if kind not in ("default", None):
-        raise ModelSourceError(
-            f"unsupported rope_scaling: expected none or 'default', got {kind!r}"
-        )
-    return Rope(theta=float(config.get("rope_theta", params.get("rope_theta", 10000.0))))
 
 
 @dataclass(frozen=True)
@@ -99,19 +70,23 @@ class GgufNames:
 
 
 # The dimensions a Linear's shape is given in (`Family.linear_dims`); see `shape_dims`.
-SHAPE_DIMS = ("hidden", "intermediate", "q", "kv", "head_dim")
+# qkv and gate_up are the sizes of projections a family's checkpoint stores fused (Phi-3).
+SHAPE_DIMS = ("hidden", "intermediate", "q", "kv", "head_dim", "qkv", "gate_up")
 
 
 def shape_dims(
     *, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int
 ) -> dict[str, int]:
-    """The values of `SHAPE_DIMS` for one model: q = heads x head_dim, kv = kv_heads x head_dim."""
+    """The values of `SHAPE_DIMS` for one model: q = heads x head_dim, kv = kv_heads x head_dim,
+    qkv = q + 2 kv, gate_up = 2 x intermediate."""
     return {
         "hidden": hidden,
         "intermediate": intermediate,
         "q": heads * head_dim,
         "kv": kv_heads * head_dim,
         "head_dim": head_dim,
+        "qkv": (heads + 2 * kv_heads) * head_dim,
+        "gate_up": 2 * intermediate,
     }
 
 
@@ -133,7 +108,23 @@ class Family:
     biases: tuple[str, ...] = ()
     bias_flags: Mapping[str, tuple[str, ...]] | None = None
     norm: str = "rmsnorm"  # the decoder's norm kind (`decoder.NORMS`)
-    rope: Callable[[Mapping[str, Any]], Rope] = default_rope
+    # The Rope of one layer type ("full_attention", "sliding_attention") in a config.json.
+    rope: Callable[[Mapping[str, Any], str], Rope] = rope_for
+    # The layer types when config.json lists none (`layer_types`): all full attention, or
+    # (Mistral) all sliding when `sliding_window` is set.
+    default_layer_types: Callable[[Mapping[str, Any]], tuple[str, ...]] | None = None
+    # Per-head RMSNorm of q and k before rope (`self_attn.q_norm`, `self_attn.k_norm`).
+    qk_norm: bool = False
+    # Gemma's layer: the attention and MLP outputs are normed before the residual add
+    # (post_attention_layernorm, post_feedforward_layernorm) and the MLP input by
+    # pre_feedforward_layernorm; embeddings are multiplied by sqrt(hidden).
+    sandwich_norms: bool = False
+    embed_scale: bool = False
+    # The checkpoint stores q/k/v as one `self_attn.qkv_proj` and gate/up as one
+    # `mlp.gate_up_proj` (Phi-3); the decoder splits their outputs.
+    packed: bool = False
+    # Why the C decode step cannot run this family (when `decode` is None), in one line.
+    pytorch_reason: str = ""
     attention: str = "self_attn"  # the module that mixes tokens (takes cos/sin, a cache)
     # v_proj -> o_proj folding only works when v's outputs map 1:1 onto o's inputs, i.e. no
     # grouped-query attention; with GQA one v channel feeds several heads' o columns.

@@ -1,4 +1,4 @@
-"""The Llama family (Llama 1-3 without rope scaling, Mistral, SmolLM): the entry the others
+"""The Llama family (Llama 1-3.x, with Llama 3's rope scaling; SmolLM): the entry the others
 start from (`dataclasses.replace(LLAMA, ...)`)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ ATTENTION_LINEARS = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ)
 MLP_LINEARS = (GATE_PROJ, UP_PROJ, DOWN_PROJ)
 
 LLAMA = Family(
-    model_types=("llama", "mistral"),
+    model_types=("llama",),
     linears=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ),
     linear_dims={
         Q_PROJ: ("q", "hidden"),

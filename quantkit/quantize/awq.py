@@ -158,11 +158,14 @@ def _fold(layer: nn.Module, group: ScaleGroup, s: torch.Tensor) -> None:
     prev = layer.get_submodule(group.prev)
     with torch.no_grad():
         if isinstance(prev, nn.Linear):
-            prev.weight.div_(s.view(-1, 1))
+            # A Linear wider than the group (Phi-3's gate_up_proj before down_proj, qkv_proj
+            # before o_proj) feeds it from its last rows (up, v): only those are scaled.
+            rows = slice(prev.out_features - s.numel(), None)
+            prev.weight[rows].div_(s.view(-1, 1))
             if prev.bias is not None:
-                prev.bias.div_(s)
-        else:  # RMSNorm
-            prev.weight.div_(s)
+                prev.bias[rows].div_(s)
+        else:  # a norm: (1 + w) for Gemma, so the norm says how
+            prev.divide_output_(s)
         for name in group.linears:
             layer.get_submodule(name).weight.mul_(s.view(1, -1))
 

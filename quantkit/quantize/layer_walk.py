@@ -46,7 +46,7 @@ def first_layer_inputs(
     positions = torch.arange(seq_len).expand(min(n_seq, batch_sequences), seq_len)
     cos, sin = model.rope(positions)
     with torch.no_grad():
-        x = model.model.embed_tokens(samples).to(model.dtype)
+        x = model.embed(samples).to(model.dtype)
     return x, cos, sin
 
 

@@ -80,20 +80,25 @@ class CpuDecodePath:
     @staticmethod
     def _layer_kernels(layout: DecodeLayout, layer: object) -> list[object | None] | None:
         """A decoder layer's four bound C kernels, qkv, o, gate_up, down (None where a Linear
-        is not INT4 on the cpu backend), or None when q/k/v or gate/up are not fused."""
+        is not INT4 on the cpu backend), or None when q/k/v or gate/up are not fused. A layout
+        part that is a Linear (a checkpoint storing q/k/v fused, Phi-3) is its own matmul."""
         qkv, gate_up = layer_part(layer, layout.qkv), layer_part(layer, layout.gate_up)
-        if any(f is None or not f.valid() for f in (qkv, gate_up)):
-            return None
+        matmuls = []
+        for part in (qkv, gate_up):
+            if part is None or (hasattr(part, "valid") and not part.valid()):
+                return None
+            matmuls.append(getattr(part, "fused", part))
         o, down = layer_part(layer, layout.o), layer_part(layer, layout.down)
-        return [_cpu_int4(m) for m in (qkv.fused, o, gate_up.fused, down)]
+        return [_cpu_int4(m) for m in (matmuls[0], o, matmuls[1], down)]
 
     def unsupported(self, model: CausalLM) -> str | None:
         """Why the step cannot run `model` (whatever its cache), or None when it can."""
         if os.environ.get("QUANTKIT_CPU_DECODE") == "0":
             return "QUANTKIT_CPU_DECODE=0"
         layout = model.family.decode
-        if layout is None:
-            return f"family {model.family.name}: no C decode layout"
+        why = model.config.pytorch_only()
+        if layout is None or why is not None:
+            return why or f"family {model.family.name}: no C decode layout"
         if model.device.type != "cpu" or model.dtype != torch.float32:
             return f"needs fp32 on CPU, got {model.dtype} on {model.device.type}"
         for i, layer in enumerate(model.model.layers):
@@ -173,7 +178,7 @@ class CpuDecodePath:
         assert self.step is not None
         pos = torch.tensor(positions).unsqueeze(1)
         cos, sin = model.rope(pos)
-        x = model.model.embed_tokens(torch.tensor(tokens)).contiguous()
+        x = model.embed(torch.tensor(tokens)).contiguous()
         self.step(x, positions, cos.contiguous(), sin.contiguous(), slots=slots)
         return x.unsqueeze(1)
 

@@ -1,0 +1,154 @@
+"""config.json -> `ModelConfig`: the decoder's settings, its family's entry looked up once.
+
+Every field the forward depends on is read here and checked: a missing required field, or an
+option quantkit does not implement (a rope rule, an activation, a layer type), fails in one line
+naming the field, so no model runs a silently different forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from quantkit.errors import ModelSourceError
+from quantkit.models.families import family_for
+from quantkit.models.family import Family
+from quantkit.models.layers import ACTIVATIONS
+from quantkit.models.rope import Rope
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def required_int(cfg: Mapping[str, Any], key: str) -> int:
+    """A positive integer config.json must carry, or an error naming it."""
+    value = cfg.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelSourceError(
+            f"config.json {key}: expected a positive integer, got {value!r}"
+            + (" (field missing)" if key not in cfg else "")
+        )
+    return value
+
+
+def _optional_float(cfg: Mapping[str, Any], key: str) -> float | None:
+    value = cfg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ModelSourceError(f"config.json {key}: expected a positive number, got {value!r}")
+    return float(value)
+
+
+def _layer_types(cfg: Mapping[str, Any], family: Family, layers: int) -> tuple[str, ...]:
+    listed = cfg.get("layer_types")
+    if listed is None:
+        if family.default_layer_types is not None:
+            return family.default_layer_types(cfg)[:layers]
+        return ("full_attention",) * layers
+    types = tuple(listed)
+    bad = [t for t in types if t not in LAYER_TYPES]
+    if len(types) != layers or bad:
+        raise ModelSourceError(
+            f"config.json layer_types: expected {layers} of {', '.join(LAYER_TYPES)}, "
+            f"got {len(types)} ({', '.join(map(repr, bad)) or 'all known'})"
+        )
+    return types
+
+
+def _activation(cfg: Mapping[str, Any]) -> str:
+    key = "hidden_activation" if cfg.get("hidden_activation") else "hidden_act"
+    name = cfg.get(key) or "silu"
+    if name not in ACTIVATIONS:
+        raise ModelSourceError(
+            f"config.json {key}: expected one of {', '.join(ACTIVATIONS)}, got {name!r}"
+        )
+    return str(name)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: Family  # the registry entry, looked up once here
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    ropes: tuple[Rope, ...]  # the distinct rotary tables
+    rope_index: tuple[int, ...]  # per layer: its table in `ropes`
+    layer_types: tuple[str, ...]  # per layer: full_attention or sliding_attention
+    sliding_window: int | None  # the window of sliding_attention layers
+    activation: str  # the MLP's (`layers.ACTIVATIONS`)
+    attn_scale: float | None  # q k^T scale; None: head_dim ** -0.5
+    attn_softcap: float | None  # Gemma 2: cap * tanh(logits / cap) on attention logits
+    final_softcap: float | None  # ... and on the output logits
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    biases: tuple[str, ...]  # the Linears of a layer that carry a bias
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any]) -> ModelConfig:
+        family = family_for(cfg)  # raises for unsupported families
+        heads = required_int(cfg, "num_attention_heads")
+        hidden = required_int(cfg, "hidden_size")
+        layers = required_int(cfg, "num_hidden_layers")
+        types = _layer_types(cfg, family, layers)
+        window = None
+        if "sliding_attention" in types:
+            window = required_int(cfg, "sliding_window")
+        by_type = {t: family.rope(cfg, t) for t in LAYER_TYPES if t in types}
+        ropes = tuple(dict.fromkeys(by_type.values()))
+        scalar = _optional_float(cfg, "query_pre_attn_scalar")
+        return cls(
+            family=family,
+            model_type=str(cfg["model_type"]),
+            hidden_size=hidden,
+            intermediate_size=required_int(cfg, "intermediate_size"),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab_size=required_int(cfg, "vocab_size"),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            ropes=ropes,
+            rope_index=tuple(ropes.index(by_type[t]) for t in types),
+            layer_types=types,
+            sliding_window=window,
+            activation=_activation(cfg),
+            attn_scale=None if scalar is None else scalar**-0.5,
+            attn_softcap=_optional_float(cfg, "attn_logit_softcapping"),
+            final_softcap=_optional_float(cfg, "final_logit_softcapping"),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            biases=family.biased(cfg),
+        )
+
+    @property
+    def rope(self) -> Rope:
+        """Layer 0's rope (every layer's, but for Gemma 3's two)."""
+        return self.ropes[self.rope_index[0]]
+
+    def linear(self, name: str, n: int, k: int) -> nn.Linear:
+        """The layer's Linear `name` [n, k], with a bias where the family puts one."""
+        return nn.Linear(k, n, bias=name in self.biases)
+
+    def pytorch_only(self) -> str | None:
+        """Why the C decode step cannot run this model whatever its weights, or None."""
+        if self.family.decode is None:
+            return f"family {self.family.name}: {self.family.pytorch_reason or 'no C layout'}"
+        if self.window_layers():
+            return "sliding-window attention layers (the C step attends to the whole cache)"
+        if self.attn_softcap is not None or self.final_softcap is not None:
+            return "logit soft-capping"
+        if self.activation != "silu" or len(self.ropes) > 1:
+            return f"{self.activation} MLP or several rope tables (the C step: SiLU, one rope)"
+        return None
+
+    def window_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "sliding_attention")

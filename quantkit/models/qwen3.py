@@ -1,0 +1,25 @@
+"""Qwen3: a Llama layer without biases whose q and k are RMS-normed per head (`q_norm`,
+`k_norm`, weights [head_dim]) before rope. AWQ's scale groups are Llama's: the per-head norms
+sit after q/k_proj, so scaling their input columns leaves them unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from quantkit.models.llama import ATTENTION_LINEARS, LLAMA, MLP_LINEARS
+
+QWEN3 = replace(
+    LLAMA,
+    model_types=("qwen3",),
+    norms={
+        "input_layernorm": "hidden",
+        "post_attention_layernorm": "hidden",
+        "self_attn.q_norm": "head_dim",
+        "self_attn.k_norm": "head_dim",
+    },
+    bias_flags={"attention_bias": ATTENTION_LINEARS, "mlp_bias": MLP_LINEARS},
+    qk_norm=True,
+    decode=None,
+    pytorch_reason="PyTorch path: the C step has no per-head q/k RMSNorm before rope",
+    gguf=None,
+)

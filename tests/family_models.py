@@ -1,0 +1,114 @@
+"""Tiny random models of every supported family, built with transformers' own config classes
+(seeded, hidden 64, 2-4 layers), and the oracle helpers the family tests share."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+SLIDING_WINDOW = 8  # shorter than the test prompts: the sliding layers' mask matters
+
+# family -> (transformers config class, its arguments beyond COMMON)
+FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3": (
+        "LlamaConfig",
+        {
+            "num_hidden_layers": 2,
+            "tie_word_embeddings": False,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        },
+    ),  # fmt: skip
+    "mistral": (
+        "MistralConfig",
+        {"num_hidden_layers": 2, "sliding_window": SLIDING_WINDOW, "tie_word_embeddings": False},
+    ),
+    "qwen2": ("Qwen2Config", {"num_hidden_layers": 2, "tie_word_embeddings": True}),
+    "qwen3": (
+        "Qwen3Config",
+        {"num_hidden_layers": 2, "head_dim": 32, "tie_word_embeddings": True},
+    ),
+    "phi3": (
+        "Phi3Config",
+        {"num_hidden_layers": 2, "sliding_window": SLIDING_WINDOW, "tie_word_embeddings": False},
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": SLIDING_WINDOW,
+            "attn_logit_softcapping": 0.2,
+            "final_logit_softcapping": 0.5,
+        },
+    ),  # fmt: skip
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        {
+            "num_hidden_layers": 3,
+            "head_dim": 32,
+            "query_pre_attn_scalar": 24,
+            "sliding_window": SLIDING_WINDOW,
+            "sliding_window_pattern": 2,
+        },
+    ),  # fmt: skip
+}
+FAMILIES = tuple(FAMILY_CONFIGS)
+
+
+def make_family_model(name: str, path: Path, *, seed: int = 0) -> Path:
+    """Save a random transformers model of family `name` (fp32, perturbed norms) at `path`."""
+    import transformers
+
+    cls, extra = FAMILY_CONFIGS[name]
+    torch.manual_seed(seed)
+    config = getattr(transformers, cls)(**COMMON, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # init leaves norms at identity, biases 0: perturb so both show
+        for pname, p in model.named_parameters():
+            if "norm" in pname or pname.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(path, safe_serialization=True)
+    data = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**data, "torch_dtype": "float32"}))
+    return path
+
+
+def padded_batch(seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three right-padded prompts (lengths 21, 13, 5: past the sliding window) and their
+    attention mask."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = (21, 13, 5)
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = torch.randint(3, COMMON["vocab_size"], (n,), generator=gen)
+        mask[row, :n] = 1
+    return ids, mask
+
+
+def max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|."""
+    return float((got - want).abs().max() / want.abs().max())
