@@ -7,7 +7,8 @@ import torch
 
 from quantkit.errors import SchemeError
 from quantkit.format.scheme import QuantScheme
-from quantkit.perf.hardware import GPUS, cpu_peak_bandwidth, local_hardware
+from quantkit.perf.bandwidth import cpu_bandwidth
+from quantkit.perf.hardware import GPUS, local_hardware
 from quantkit.perf.planning import format_plan, plan, resolve_shape
 
 
@@ -54,9 +55,12 @@ def _group_size(value: str, shape_in_features: list[int]) -> int:
     "(quantkit runs fp32 there).",
 )
 @click.option(
+    "--measure",
     "--remeasure",
+    "remeasure",
     is_flag=True,
-    help="Measure this CPU's bandwidth again (keeps the best of the cached and new figures).",
+    help="Probe this CPU's bandwidth again now (keeps the better of the cached and new figures; "
+    "run it on a quiet machine).",
 )
 def roofline_cmd(
     model: str,
@@ -79,7 +83,7 @@ def roofline_cmd(
     else:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if remeasure and device == "cpu":
-            cpu_peak_bandwidth(refresh=True)
+            cpu_bandwidth(remeasure=True)
         hardware = local_hardware(device)
         on_cpu = device == "cpu"
     width = int(bits)

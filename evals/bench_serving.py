@@ -187,6 +187,8 @@ def _machine(model: CausalLM) -> dict[str, Any]:
         info.update(
             name=hardware.name, bandwidth=hardware.bandwidth, bandwidth_source=hardware.source
         )
+        if hardware.measurement is not None:  # a CPU: when and how its bandwidth was probed
+            info.update(bandwidth_measurement=hardware.measurement.to_json())
     if hardware is not None and hardware.bf16_flops and dtype != torch.float32:
         info.update(peak_flop_s=hardware.bf16_flops, flops_source="datasheet, dense bf16")
     else:

@@ -50,7 +50,7 @@ def test_int4_on_a_4090_from_a_model_directory(tiny_model_dir: Path, capsys) -> 
 def test_this_machine_when_no_gpu_is_named(capsys) -> None:
     code, out, err = run(capsys, "roofline", "smollm2-135m", "--bits", "4", "--context", "512")
     assert code == 0, err
-    assert "measured copy on" in _row(out, "hardware")
+    assert "copy probe v2 on" in _row(out, "hardware")
     # fp32 on a CPU: the tied 49152 x 576 head is 113 MB, more than the whole INT4 body.
     assert _row(out, "  lm_head (tied)").startswith("0.113 GB")
     assert "(INT4 g64)" in out

@@ -2,8 +2,9 @@
 
 Decode at small batch is bounded by memory bandwidth, prefill by FLOP/s; `Hardware` holds both
 for one device. GPUs come from vendor datasheets (`GPUS`, looked up forgivingly by the names
-`torch.cuda.get_device_name` reports); a CPU's bandwidth is measured once with a copy benchmark
-and cached under $QUANTKIT_HOME, since no datasheet knows a shared cloud machine's share of it.
+`torch.cuda.get_device_name` reports); a CPU's bandwidth is measured with a copy probe and
+cached under $QUANTKIT_HOME (`quantkit.perf.bandwidth`), since no datasheet knows a shared cloud
+machine's share of it.
 
 Units: bandwidth in decimal GB/s (1e9 bytes/s) as vendors publish it; memory in binary GiB;
 FLOP/s are dense (no 2:4 sparsity) tensor-core peaks.
@@ -11,19 +12,15 @@ FLOP/s are dense (no 2:4 sparsity) tensor-core peaks.
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import re
-import time
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch
 
 from quantkit.cpu import cpu_name
 from quantkit.errors import HardwareError
-from quantkit.paths import quantkit_home
+from quantkit.perf.bandwidth import BandwidthRecord, cpu_bandwidth
 
 GiB = 2**30
 GB = 1e9
@@ -44,6 +41,7 @@ class Hardware:
     bf16_flops: float | None
     fp8_flops: float | None
     source: str = "vendor datasheet"
+    measurement: BandwidthRecord | None = None  # a CPU's: how and when its bandwidth was probed
 
 
 def _gpu(name: str, mem_gib: int, gb_s: float, bf16_tf: float, fp8_tf: float | None) -> Hardware:
@@ -124,61 +122,6 @@ def ridge_point(hardware: Hardware, *, fp8: bool = False) -> float:
     return flops / hardware.bandwidth
 
 
-def measure_copy_bandwidth(*, seconds: float = 0.5, nbytes: int = 256 * 2**20) -> float:
-    """Peak memory bandwidth of this CPU in bytes/s, from the fastest of repeated tensor copies.
-
-    Convention (STREAM's "Copy"): a copy of S bytes reads S and writes S, and 2S / time is
-    reported, the bytes the memory system moved. Decode is a read-only stream, and on the machine
-    this was written on (Zen 3, 2 threads, shared) 2S/t of a copy came within 10% of a pure-read
-    reduction (`x.sum()`) run beside it: 22.7 vs 22.1 GB/s under load, 45 vs 50 GB/s idle. S/t
-    alone would halve the ceiling and double every MBU. Noisy neighbours only lower the result,
-    so the fastest repetition is kept. `nbytes` must dwarf the last-level cache (256 MiB vs 32).
-    """
-    src = torch.ones(nbytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # first touch: page faults, not bandwidth
-    best = math.inf
-    deadline = time.perf_counter() + seconds
-    reps = 0
-    while reps < 3 or time.perf_counter() < deadline:
-        start = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - start)
-        reps += 1
-    return 2 * src.numel() * src.element_size() / best
-
-
-def cpu_peak_bandwidth(*, refresh: bool = False, seconds: float = 0.5) -> tuple[float, str]:
-    """(bytes/s, source): the copy bandwidth, measured once per CPU model and thread count and
-    cached in $QUANTKIT_HOME/bandwidth.json.
-
-    `refresh` measures again and keeps the better of the two: a measurement taken while other
-    processes held the cores (seen: 1.6 GB/s under a load of 10 on 2 cores, 20+ idle) can only
-    be too low, and a ceiling that is too low inflates every MBU computed against it.
-    """
-    threads = torch.get_num_threads()
-    key = f"{cpu_name()} | {threads} thread{'s' if threads != 1 else ''}"
-    path = quantkit_home() / "bandwidth.json"
-    cache: dict[str, Any] = {}
-    if path.is_file():
-        try:
-            cache = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):  # a corrupt cache is re-measured, not fatal
-            cache = {}
-    entry = cache.get(key)
-    if entry and not refresh:
-        return float(entry["bytes_per_s"]), f"measured copy on {key} (cached)"
-    bandwidth = measure_copy_bandwidth(seconds=seconds)
-    if entry:
-        bandwidth = max(bandwidth, float(entry["bytes_per_s"]))
-    cache[key] = {"bytes_per_s": bandwidth, "method": "copy, (read + write) / time"}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cache, indent=1))
-    os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
-    return bandwidth, f"measured copy on {key}"
-
-
 def peak_bandwidth(device: torch.device | str) -> tuple[float, str]:
     """(bytes/s, where the number came from) for `device`: GPU table or CPU measurement."""
     hardware = local_hardware(device)
@@ -192,7 +135,15 @@ def local_hardware(device: torch.device | str) -> Hardware:
         gpu = lookup_gpu(torch.cuda.get_device_name(device))
         return replace(gpu, source=f"datasheet of {gpu.name}")
     if device.type == "cpu":
-        bandwidth, source = cpu_peak_bandwidth()
+        record = cpu_bandwidth()
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        return Hardware(f"CPU {cpu_name()}", memory, bandwidth, None, None, source=source)
+        return Hardware(
+            f"CPU {cpu_name()}",
+            memory,
+            record.bytes_per_s,
+            None,
+            None,
+            source=record.source(),
+            measurement=record,
+        )
     raise HardwareError(f"device: expected cpu or cuda, got {device.type}")
