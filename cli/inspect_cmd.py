@@ -6,7 +6,10 @@ from pathlib import Path
 
 import click
 
+from quantkit.errors import ModelSourceError
 from quantkit.format.checkpoint import load_checkpoint
+from quantkit.format.scheme import QuantScheme
+from quantkit.models.config import ModelConfig
 
 
 @click.command("inspect")
@@ -21,6 +24,9 @@ def inspect_cmd(ckpt: Path, show_all: bool) -> None:
         f"scheme       {scheme.describe(loaded.algorithm) if scheme else 'dense (not quantized)'}"
     )
     click.echo(f"quantized    {len(loaded.quantized_modules)} Linear modules")
+    why = _pytorch_path(loaded.config, scheme)
+    if why is not None:
+        click.echo(f"cpu decode   PyTorch path, not the C step: {why}")
     report = loaded.report or {}
     ppl = report.get("perplexity")
     if ppl:
@@ -40,6 +46,17 @@ def inspect_cmd(ckpt: Path, show_all: bool) -> None:
         click.echo(f"  {name:<56} {dtype:<14} {list(t.shape)}")
     if hidden:
         click.echo(f"  ... {hidden} more in layers 1+ (same shapes; --all lists them)")
+
+
+def _pytorch_path(config: dict, scheme: QuantScheme | None) -> str | None:
+    """Why a CPU decodes this checkpoint on the PyTorch path, or None for the C step."""
+    try:
+        why = ModelConfig.from_dict(config).pytorch_only()
+    except ModelSourceError as e:
+        return str(e)
+    if why is None and (scheme is None or scheme.kind != "int4"):
+        return "the C step runs INT4 checkpoints only"
+    return why
 
 
 def _natural(name: str) -> list:

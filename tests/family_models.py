@@ -76,15 +76,30 @@ FAMILY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),  # fmt: skip
 }
 FAMILIES = tuple(FAMILY_CONFIGS)
+# The mixture-of-experts families, tested apart (tests/test_family_moe*.py): 4 experts, 2 per
+# token, so on 256 calibration tokens every expert is routed some and one can be starved.
+MOE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "mixtral": (
+        "MixtralConfig",
+        {"num_hidden_layers": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+         "intermediate_size": 64, "tie_word_embeddings": False},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"num_hidden_layers": 2, "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 64, "norm_topk_prob": True, "tie_word_embeddings": False},
+    ),
+}  # fmt: skip
+MOE_FAMILIES = tuple(MOE_CONFIGS)
 
 
 def make_family_model(name: str, path: Path, *, seed: int = 0) -> Path:
     """Save a random transformers model of family `name` (fp32, perturbed norms) at `path`."""
     import transformers
 
-    cls, extra = FAMILY_CONFIGS[name]
+    cls, extra = {**FAMILY_CONFIGS, **MOE_CONFIGS}[name]
     torch.manual_seed(seed)
-    config = getattr(transformers, cls)(**COMMON, **extra)
+    config = getattr(transformers, cls)(**{**COMMON, **extra})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # init leaves norms at identity, biases 0: perturb so both show
         for pname, p in model.named_parameters():

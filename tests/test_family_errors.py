@@ -11,7 +11,6 @@ import pytest
 
 from quantkit.errors import ModelSourceError
 from quantkit.models.config import ModelConfig
-from quantkit.models.families import supported_model_types
 from tests.conftest import TINY_LLAMA, run_cli
 
 
@@ -28,8 +27,8 @@ def _one_error_line(capsys, model: Path, tmp_path: Path) -> str:
 @pytest.mark.parametrize(
     "change,wanted",
     [
-        ({"model_type": "mixtral"}, "expected model_type one of llama, mistral, qwen2, qwen3, "
-         "phi3, gemma2, gemma3_text (SmolLM is llama), got 'mixtral'"),
+        ({"model_type": "olmoe"}, "expected model_type one of llama, mistral, qwen2, qwen3, "
+         "phi3, gemma2, gemma3_text, mixtral, qwen3_moe (SmolLM is llama), got 'olmoe'"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}},
          "config.json rope_scaling.rope_type: expected one of default, linear, llama3, "
          "got 'yarn'"),
@@ -71,11 +70,3 @@ def test_cli_says_what_is_wrong_in_one_line(
 def test_unimplemented_options_name_the_field(change: dict, field: str) -> None:
     with pytest.raises(ModelSourceError, match=f"config.json {field}: expected"):
         ModelConfig.from_dict({**TINY_LLAMA, **change})
-
-
-def test_moe_families_are_not_supported_yet() -> None:
-    """Mixtral and Qwen3-MoE are refused with the one-line list, not run as dense models."""
-    for model_type in ("mixtral", "qwen3_moe"):
-        assert model_type not in supported_model_types()
-        with pytest.raises(ModelSourceError, match=f"got '{model_type}'"):
-            ModelConfig.from_dict({**TINY_LLAMA, "model_type": model_type})

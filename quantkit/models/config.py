@@ -69,6 +69,42 @@ def _activation(cfg: Mapping[str, Any]) -> str:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts layer's sizes, read from config.json (`Family.moe` names the keys)."""
+
+    experts: int
+    top_k: int  # experts per token
+    intermediate: int  # an expert's intermediate size
+    renormalize: bool  # top-k routing weights rescaled to sum 1
+
+
+def moe_config(cfg: Mapping[str, Any], family: Family) -> MoeConfig | None:
+    """The experts' sizes for a mixture-of-experts family (None for a dense one), checked."""
+    moe = family.moe
+    if moe is None:
+        return None
+    merged = {**moe.defaults, **{k: v for k, v in cfg.items() if v is not None}}
+    key = next((k for k in moe.experts_keys if k in cfg), moe.experts_keys[0])
+    experts = required_int(merged, key)
+    top_k = required_int(merged, "num_experts_per_tok")
+    if top_k > experts:
+        raise ModelSourceError(
+            f"config.json num_experts_per_tok: expected at most {key} = {experts}, got {top_k}"
+        )
+    # Qwen3-MoE's dense layers among the sparse ones: none in any released checkpoint.
+    dense_layers = cfg.get("mlp_only_layers") or []
+    step = cfg.get("decoder_sparse_step", 1)
+    if dense_layers or step != 1:
+        key = "mlp_only_layers" if dense_layers else "decoder_sparse_step"
+        raise ModelSourceError(
+            f"config.json {key}: expected every layer sparse (mlp_only_layers [], "
+            f"decoder_sparse_step 1), got {cfg.get(key)!r}"
+        )
+    renormalize = True if moe.renormalize_key is None else bool(merged[moe.renormalize_key])
+    return MoeConfig(experts, top_k, required_int(merged, moe.intermediate_key), renormalize)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: Family  # the registry entry, looked up once here
     model_type: str
@@ -91,6 +127,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     biases: tuple[str, ...]  # the Linears of a layer that carry a bias
+    moe: MoeConfig | None = None  # the experts, for a family with a mixture-of-experts block
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> ModelConfig:
@@ -127,6 +164,7 @@ class ModelConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             biases=family.biased(cfg),
+            moe=moe_config(cfg, family),
         )
 
     @property
@@ -137,6 +175,13 @@ class ModelConfig:
     def linear(self, name: str, n: int, k: int) -> nn.Linear:
         """The layer's Linear `name` [n, k], with a bias where the family puts one."""
         return nn.Linear(k, n, bias=name in self.biases)
+
+    def layer_linears(self) -> tuple[str, ...]:
+        """The quantized Linears of one decoder layer, in forward order: the family's, then
+        (mixture of experts) every expert's gate, up and down, expert by expert."""
+        if self.family.moe is None or self.moe is None:
+            return self.family.linears
+        return self.family.linears + self.family.moe.expert_linears(self.moe.experts)
 
     def pytorch_only(self) -> str | None:
         """Why the C decode step cannot run this model whatever its weights, or None."""

@@ -1,5 +1,5 @@
-"""The decoder of every registered family (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3), from
-config.json.
+"""The decoder of every registered family (Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3, and the
+mixture-of-experts Mixtral and Qwen3-MoE, whose block is `models/moe.py`), from config.json.
 
 Module names follow Hugging Face's (`model.layers.3.self_attn.q_proj`, ...) so a checkpoint's
 state dict loads without renaming. What differs between families (biases, norm kind, rope
@@ -30,6 +30,7 @@ from quantkit.models.layers import (
     attend,
     window_mask,
 )
+from quantkit.models.moe import SparseMoe
 
 __all__ = ["NORMS", "CausalLM", "FastPath", "KVCache", "ModelConfig", "build_model"]
 
@@ -171,7 +172,10 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = norm(h, eps)
             self.post_feedforward_layernorm = norm(h, eps)
-        self.mlp = MLP(cfg)
+        # The feed-forward block: an MLP, or a mixture of experts under the family's name for it.
+        moe = cfg.family.moe
+        self.ffn_name = "mlp" if moe is None else moe.block
+        self.add_module(self.ffn_name, MLP(cfg) if moe is None else SparseMoe(cfg))
 
     def forward(
         self,
@@ -187,7 +191,7 @@ class DecoderLayer(nn.Module):
             x = x + self.post_attention_layernorm(h)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + getattr(self, self.ffn_name)(self.post_attention_layernorm(x))
 
 
 class Body(nn.Module):

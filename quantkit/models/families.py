@@ -15,9 +15,11 @@ from quantkit.models.family import DecodeLayout, Family, Fusion, GgufNames, Rope
 from quantkit.models.gemma import GEMMA2, GEMMA3_TEXT
 from quantkit.models.llama import LLAMA
 from quantkit.models.mistral import MISTRAL
+from quantkit.models.mixtral import MIXTRAL
 from quantkit.models.phi3 import PHI3
 from quantkit.models.qwen2 import QWEN2
 from quantkit.models.qwen3 import QWEN3
+from quantkit.models.qwen3_moe import QWEN3_MOE
 
 __all__ = [
     "FAMILIES",
@@ -33,7 +35,17 @@ __all__ = [
     "supported_model_types",
 ]
 
-FAMILIES: tuple[Family, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA2, GEMMA3_TEXT)
+FAMILIES: tuple[Family, ...] = (
+    LLAMA,
+    MISTRAL,
+    QWEN2,
+    QWEN3,
+    PHI3,
+    GEMMA2,
+    GEMMA3_TEXT,
+    MIXTRAL,
+    QWEN3_MOE,
+)
 
 
 def supported_model_types() -> tuple[str, ...]:

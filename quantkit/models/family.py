@@ -29,6 +29,12 @@ class ScaleGroup:
     prev: str  # a norm (scale its weight) or a Linear (scale its output rows)
     linears: tuple[str, ...]  # Linears sharing prev's output as input
     inspect: str  # module whose output the scale search compares ("self_attn", "mlp", ...)
+    # The module whose input is prev's output, where the statistics are taken (default the
+    # first Linear; a mixture-of-experts block, whose experts each see their tokens only).
+    input: str | None = None
+    # Linears reading prev's output that stay dense (a MoE router): their input columns are
+    # multiplied by s too, unrounded, so the layer's function is unchanged.
+    dense: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,36 @@ class GgufNames:
     # Parts whose rows llama.cpp permuted for its rotary layout -> the config.json key holding
     # their head count (undone by `sources.gguf.unpermute_qk`).
     rope_permuted: Mapping[str, str]
+
+
+@dataclass(frozen=True)
+class Moe:
+    """A sparse mixture-of-experts block in place of the MLP (Mixtral, Qwen3-MoE): a router (a
+    dense Linear hidden -> experts, never quantized) picks `top_k` experts per token; each
+    expert is a SiLU-gated MLP whose Linears the checkpoint stores one by one, under the hub's
+    names (`block.experts.E.gate`). The expert count and sizes come from config.json keys."""
+
+    block: str  # the layer's attribute holding the block: "block_sparse_moe", "mlp"
+    gate: str  # expert-local names of its gate, up and down Linears ("w1", "w3", "w2")
+    up: str
+    down: str
+    # config.json keys of the number of experts, the first present is read (transformers 5
+    # writes Qwen3-MoE's as num_local_experts, the hub's config.json says num_experts).
+    experts_keys: tuple[str, ...]
+    intermediate_key: str  # ... an expert's intermediate size
+    # config.json flag: renormalize the top-k routing weights to sum 1 (None: always, Mixtral).
+    renormalize_key: str | None
+    # transformers' config-class defaults, used like transformers does when a key is absent.
+    defaults: Mapping[str, Any]
+    router: str = "gate"  # the router Linear, relative to `block`
+
+    def expert(self, index: int, part: str) -> str:
+        """Layer-relative name of expert `index`'s Linear `part` (one of gate, up, down)."""
+        return f"{self.block}.experts.{index}.{getattr(self, part)}"
+
+    def expert_linears(self, experts: int) -> tuple[str, ...]:
+        """Every expert Linear of one layer, in forward order (expert by expert)."""
+        return tuple(self.expert(e, p) for e in range(experts) for p in ("gate", "up", "down"))
 
 
 # The dimensions a Linear's shape is given in (`Family.linear_dims`); see `shape_dims`.
@@ -132,6 +168,10 @@ class Family:
     # Linears whose clipping is not searched: q/k feed a softmax through a dot product, where
     # clipping error is amplified (same choice as the reference AWQ).
     no_clip: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj")
+    # A mixture-of-experts block in place of the MLP; `linears`, `scale_groups`,
+    # `input_groups` then name the attention's alone and the experts' are added per model
+    # (`ModelConfig.layer_linears`), since their count is the config's.
+    moe: Moe | None = None
 
     @property
     def name(self) -> str:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from quantkit.errors import GenerationError, ModelSourceError, SchemeError
+from quantkit.models.config import moe_config
 from quantkit.models.families import family_for
 from quantkit.models.family import Family, shape_dims
 from quantkit.models.llama import LLAMA
@@ -69,6 +70,11 @@ class ModelShape:
     tied_embeddings: bool = False
     biases: tuple[str, ...] = ()  # the Linears of a layer with a bias (Qwen2: q/k/v)
     family: Family = LLAMA
+    # Mixture of experts: experts per layer and an expert's intermediate size (0: dense). Every
+    # expert counts, as stored; a decode step at batch 1 reads only top-k of them, so the
+    # bytes per step here are an upper bound for such a model.
+    experts: int = 0
+    expert_intermediate: int = 0
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any] | Any) -> ModelShape:
@@ -92,6 +98,7 @@ class ModelShape:
                 )
             values[field] = value
         family = family_for(cfg)
+        moe = moe_config(cfg, family)
         return cls(
             **values,
             kv_heads=cfg.get("num_key_value_heads") or values["heads"],
@@ -100,6 +107,8 @@ class ModelShape:
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             biases=family.biased(cfg),
             family=family,
+            experts=0 if moe is None else moe.experts,
+            expert_intermediate=0 if moe is None else moe.intermediate,
         )
 
     @classmethod
@@ -122,7 +131,9 @@ class ModelShape:
     def linear_shapes(self) -> list[tuple[int, int]]:
         """(out_features, in_features) of each Linear in one decoder layer, in forward order."""
         dims, shapes = self.dims(), self.family.linear_dims
-        return [(dims[shapes[n][0]], dims[shapes[n][1]]) for n in self.family.linears]
+        h, i = self.hidden, self.expert_intermediate
+        experts = [(i, h), (i, h), (h, i)] * self.experts  # gate, up, down of each expert
+        return [(dims[shapes[n][0]], dims[shapes[n][1]]) for n in self.family.linears] + experts
 
     @property
     def n_params(self) -> ParamCounts:
@@ -135,7 +146,8 @@ class ModelShape:
             linear=linear,
             embedding=embedding,
             lm_head=0 if self.tied_embeddings else embedding,
-            other=self.layers * (norms + bias) + self.hidden,
+            # the MoE router (experts x hidden a layer) stays dense: counted with the norms
+            other=self.layers * (norms + bias + self.experts * self.hidden) + self.hidden,
         )
 
 
@@ -420,6 +432,8 @@ class DecodeRoofline:
             "bytes_kv": self.traffic.kv,
             "kv_context": self.traffic.context,
             "peak_gb_s": self.hardware.bandwidth / GB,
+            # Where the peak came from: a datasheet, or this CPU's probe (when, how, how busy).
+            "bandwidth_source": self.hardware.source,
             "ceiling_tok_s": self.ceiling_tok_s,
             "mbu": self.mbu,
         }

@@ -34,6 +34,7 @@ from quantkit.quantize.layer_walk import (
     layer_call,
     run_chunked,
 )
+from quantkit.quantize.moe import expert_linears, expert_token_counts, moe_scale_groups
 from quantkit.quantize.rtn import Int4Weights, rtn_quantize_weight
 
 
@@ -74,11 +75,13 @@ def _fake(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 class _Capture:
     """Forward hooks on a layer's submodules: keep a subsample of inputs, sum |x| per channel."""
 
-    def __init__(self, layer: nn.Module, names: list[str], keep: dict[str, torch.Tensor | None]):
+    def __init__(self, layer: nn.Module, names: list[str], keep: dict[str, torch.Tensor | int]):
         self.sums: dict[str, torch.Tensor] = {}
         self.count: dict[str, int] = {}
         self.kept: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-        self.keep = keep  # name -> token index into the flattened chunk, or None = keep all
+        # name -> token indices into the flattened chunk, or (a Linear called on a varying
+        # subset of tokens: an expert's) the number of its first tokens to keep
+        self.keep = keep
         self.offset = 0
         self.handles = [layer.get_submodule(n).register_forward_hook(self._hook(n)) for n in names]
 
@@ -88,9 +91,10 @@ class _Capture:
             flat = x.reshape(-1, x.shape[-1])
             self.sums[name] = self.sums.get(name, 0) + flat.abs().sum(0)
             self.count[name] = self.count.get(name, 0) + flat.shape[0]
-            idx = self.keep.get(name)
-            if idx is None:
-                self.kept[name].append(x)
+            idx = self.keep[name]
+            if isinstance(idx, int):
+                room = idx - sum(len(t) for t in self.kept[name])
+                self.kept[name].append(flat[: max(room, 0)])
             else:
                 lo, hi = self.offset, self.offset + flat.shape[0]
                 sel = idx[(idx >= lo) & (idx < hi)] - lo
@@ -100,6 +104,10 @@ class _Capture:
 
     def mean_abs(self, name: str) -> torch.Tensor:
         return self.sums[name] / self.count[name]
+
+    def tokens(self, name: str) -> int:
+        """Tokens the module saw (0 for an expert the router never picked)."""
+        return self.count.get(name, 0)
 
     def tensor(self, name: str) -> torch.Tensor:
         return torch.cat(self.kept[name], dim=0)
@@ -166,7 +174,7 @@ def _fold(layer: nn.Module, group: ScaleGroup, s: torch.Tensor) -> None:
                 prev.bias[rows].div_(s)
         else:  # a norm: (1 + w) for Gemma, so the norm says how
             prev.divide_output_(s)
-        for name in group.linears:
+        for name in group.linears + group.dense:
             layer.get_submodule(name).weight.mul_(s.view(1, -1))
 
 
@@ -220,10 +228,14 @@ def awq_quantize(
     groups = list(arch.scale_groups)
     if arch.v_to_o is not None and model.config.num_kv_heads == model.config.num_heads:
         groups.insert(1, arch.v_to_o)
+    groups += moe_scale_groups(model)
+    linears, routed = model.config.layer_linears(), expert_linears(model)
     for index, layer in enumerate(model.model.layers):
         report = LayerReport(index)
-        inputs = {g.linears[0] for g in groups} | set(arch.linears)
-        keep = {name: tok_pick for name in inputs}
+        inputs = {g.input or g.linears[0] for g in groups} | set(linears)
+        keep: dict[str, torch.Tensor | int] = {
+            name: cfg.search_tokens if name in routed else tok_pick for name in inputs
+        }
         clock = PhaseClock(report.seconds)
         cap = _Capture(layer, sorted(inputs), keep)
         run_layer = layer_call(layer, cos, sin)
@@ -232,15 +244,18 @@ def awq_quantize(
                 run_layer(chunk)
                 cap.offset += chunk.shape[0] * seq_len
         cap.close()
+        report.count_experts(expert_token_counts(model, cap.tokens))
         clock.lap("capture")
         x_attn_seq = x[seq_pick]
         layer_target = run_chunked(run_layer, x_attn_seq, cfg.batch_sequences)
         report.rtn_error = _rtn_output_mse(
-            layer, arch, run_layer, x_attn_seq, layer_target, scheme=scheme, cfg=cfg
+            layer, linears, run_layer, x_attn_seq, layer_target, scheme=scheme, cfg=cfg
         )
         clock.lap("baseline")
         for group in groups:
-            first = group.linears[0]
+            first = group.input or group.linears[0]
+            if cap.tokens(first) == 0:
+                continue  # an expert no calibration token reached: no statistics, RTN
             if group.inspect == arch.attention:
                 # Attention mixes tokens: search on whole sequences, not sampled tokens.
                 with torch.no_grad():
@@ -262,11 +277,13 @@ def awq_quantize(
                 for name in group.linears:
                     cap.kept[name] = [t / s for t in cap.kept[name]]
         clock.lap("scale_search")
-        for name in arch.linears:
+        for name in linears:
             w = layer.get_submodule(name).weight.data
             ratio: float | torch.Tensor = 1.0
-            if cfg.clip and name not in arch.no_clip:
-                ratio = _search_clip(w, cap.tensor(name)[clip_rows], scheme=scheme, cfg=cfg)
+            if cfg.clip and name not in arch.no_clip and cap.tokens(name) > 0:
+                seen = cap.tensor(name)
+                x_clip = seen[: cfg.clip_tokens] if name in routed else seen[clip_rows]
+                ratio = _search_clip(w, x_clip, scheme=scheme, cfg=cfg)
             q = rtn_quantize_weight(w, scheme=scheme, clip_ratio=ratio)
             result[f"model.layers.{index}.{name}"] = q
             layer.get_submodule(name).weight.data = q.dequantize(
@@ -285,7 +302,7 @@ def awq_quantize(
 
 def _rtn_output_mse(
     layer: nn.Module,
-    arch: Family,
+    linears: tuple[str, ...],
     run_layer: Callable,
     x: torch.Tensor,
     target: torch.Tensor,
@@ -294,7 +311,7 @@ def _rtn_output_mse(
     cfg: AwqConfig,
 ) -> float:
     """Layer-output MSE with plain RTN of the original weights (the per-layer baseline)."""
-    mods = [layer.get_submodule(n) for n in arch.linears]
+    mods = [layer.get_submodule(n) for n in linears]
     originals = [m.weight.data for m in mods]
     for m, w in zip(mods, originals, strict=True):
         m.weight.data = _fake(w, scheme)

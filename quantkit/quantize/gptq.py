@@ -58,6 +58,7 @@ from quantkit.quantize.layer_walk import (
     first_layer_inputs,
     layer_call,
 )
+from quantkit.quantize.moe import expert_token_counts, moe_input_groups
 
 # (columns [N, m] of the weight, their original column indices [m]) -> the dequantized values
 # the checkpoint will hold for them [N, m]. The indices let a group-wise (INT4) rounding pick its
@@ -299,6 +300,11 @@ class GptqLayerReport(LayerErrorReport):
     round-to-nearest and the GPTQ-rounded weights."""
 
 
+def _tokens(hessians: dict[str, Hessian]) -> Callable[[str], int]:
+    """Tokens a Linear's Hessian saw (0 for one never called: an expert nothing routed to)."""
+    return lambda name: hessians[name].tokens if name in hessians else 0
+
+
 class _StopForward(Exception):  # noqa: N818 (control flow, not an error)
     """Raised by a capture hook once the last Linear a stage needs has seen its input: the rest
     of the layer's forward would be wasted work."""
@@ -350,7 +356,8 @@ def gptq_quantize(
     arch = arch or model.family
     cfg = cfg or GptqConfig()
     x, cos, sin = first_layer_inputs(model, samples, batch_sequences=cfg.batch_sequences)
-    stages = [[g] for g in arch.input_groups] if cfg.sequential else [list(arch.input_groups)]
+    input_groups = [*arch.input_groups, *moe_input_groups(model)]
+    stages = [[g] for g in input_groups] if cfg.sequential else [input_groups]
     result: dict[str, dict[str, torch.Tensor]] = {}
     reports: list[GptqLayerReport] = []
     for index, layer in enumerate(model.model.layers):
@@ -362,16 +369,23 @@ def gptq_quantize(
                 layer, x, run_layer, [g[0] for g in stage], cfg.batch_sequences
             )
             clock.lap("capture")
+            if stage[0] == input_groups[0]:
+                report.count_experts(expert_token_counts(model, _tokens(hessians)))
             for group in stage:
-                h = hessians[group[0]].matrix()
                 mods = [layer.get_submodule(n) for n in group]
                 # Stacked rows: Linears sharing an input share H, and rows round independently
                 # (every scale and zero point is per row).
                 w = torch.cat([m.weight.data for m in mods]).float()
-                q, rounder = gptq_weight(w, h, scheme=scheme, cfg=cfg, scale_dtype=scale_dtype)
-                stored = rounder.stored(q)
-                report.method_error += output_error(w, stored, h)
-                report.rtn_error += output_error(w, rounder.nearest(w), h)
+                if hessians[group[0]].tokens == 0:
+                    # An expert no calibration token reached: round to nearest, same scales.
+                    rounder = ROUNDERS[scheme.kind](w, scheme, scale_dtype=scale_dtype)
+                    q = stored = rounder.stored(rounder.nearest(w))
+                else:
+                    h = hessians[group[0]].matrix()
+                    q, rounder = gptq_weight(w, h, scheme=scheme, cfg=cfg, scale_dtype=scale_dtype)
+                    stored = rounder.stored(q)
+                    report.method_error += output_error(w, stored, h)
+                    report.rtn_error += output_error(w, rounder.nearest(w), h)
                 row = 0
                 for name, m in zip(group, mods, strict=True):
                     rows = slice(row, row + m.out_features)

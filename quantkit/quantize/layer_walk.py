@@ -29,6 +29,15 @@ class LayerErrorReport:
     rtn_error: float = 0.0
     method_error: float = 0.0
     seconds: dict[str, float] = field(default_factory=dict)  # per phase: capture, search, ...
+    # Mixture of experts: calibration tokens the router sent to each expert, and the experts
+    # that got none and were rounded to nearest (`quantize/moe.py`).
+    expert_tokens: list[int] = field(default_factory=list)
+    rtn_experts: list[int] = field(default_factory=list)
+
+    def count_experts(self, tokens: list[int]) -> None:
+        """Record each expert's token count; the ones with none fell back to RTN."""
+        self.expert_tokens = list(tokens)
+        self.rtn_experts = [e for e, n in enumerate(tokens) if n == 0]
 
     @property
     def loss_reduction(self) -> float:

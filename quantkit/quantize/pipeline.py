@@ -71,9 +71,19 @@ class QuantizeOutcome:
             scheme=self.scheme,
             algorithm=self.algorithm,
             quantized_modules=self.quantized_modules,
-            report=report or {},
+            report={**(report or {}), **self.experts_report()},
             force=force,
         )
+
+    def experts_report(self) -> dict[str, Any]:
+        """Mixture of experts, calibrated: per layer, the calibration tokens routed to each
+        expert and the experts that got none and were rounded to nearest (empty otherwise)."""
+        layers = [
+            {"layer": r.index, "tokens": r.expert_tokens, "rtn_fallback": r.rtn_experts}
+            for r in self.layer_reports
+            if r.expert_tokens
+        ]
+        return {"moe_calibration": layers} if layers else {}
 
     def dense_state(self) -> dict[str, torch.Tensor]:
         """fp32 dense weights equal to what the checkpoint computes with (stored scales)."""
@@ -112,11 +122,11 @@ def load_dense(model_dir: Path) -> tuple[dict[str, Any], CausalLM, int]:
 
 def quantized_linears(model: CausalLM) -> list[tuple[str, int]]:
     """(module name, in_features) of every Linear the scheme quantizes: the family's Linears of
-    each decoder layer (embeddings and lm_head stay dense)."""
+    each decoder layer and every expert's (embeddings, lm_head and MoE routers stay dense)."""
     return [
         (f"model.layers.{i}.{name}", layer.get_submodule(name).in_features)
         for i, layer in enumerate(model.model.layers)
-        for name in model.family.linears
+        for name in model.config.layer_linears()
     ]
 
 

@@ -224,3 +224,13 @@ def enable_cpu_decode(model: CausalLM) -> CpuDecodePath:
     path = CpuDecodePath()
     model.decode_path = path  # a plain attribute (not a Module): the typed slot `FastPath`
     return path
+
+
+def pytorch_path_reason(model: CausalLM) -> str | None:
+    """Why `model`'s decode steps run on the PyTorch path instead of the one-call C step, in
+    one line, or None when the C step runs it (or a GPU runs it, where there is no C step)."""
+    if model.device.type != "cpu":
+        return None
+    if model.decode_path is None:
+        return model.config.pytorch_only() or "no C decode step attached"
+    return model.decode_path.unsupported(model)
