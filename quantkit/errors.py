@@ -1,7 +1,9 @@
 """Typed errors. Every message says what was expected and what was got.
 
-The CLI catches `QuantkitError` and prints its message as one line; anything else is a bug
-and keeps its traceback.
+The CLI catches `QuantkitError`, prints its message as one line and exits with the class's
+`exit_code`: 2 for a usage mistake (an option the command cannot take), 3 for input data that is
+not what it claims (a damaged checkpoint, an unreadable model), 4 for the environment (a missing
+extra, a backend this machine cannot run). Anything else is a bug (`quantkit.cli.main`).
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 
 class QuantkitError(Exception):
     """Base of every error a user can cause (bad input, bad files, missing extras)."""
+
+    exit_code = 2
 
 
 class SchemeError(QuantkitError, ValueError):
@@ -18,17 +22,25 @@ class SchemeError(QuantkitError, ValueError):
 class CheckpointError(QuantkitError):
     """A checkpoint directory that is missing, incomplete or inconsistent."""
 
+    exit_code = 3
+
 
 class ModelSourceError(QuantkitError):
     """A MODEL argument that names nothing quantkit can load."""
+
+    exit_code = 3
 
 
 class CalibrationError(QuantkitError):
     """Calibration text that is missing, unreadable or too short."""
 
+    exit_code = 3
+
 
 class KernelUnavailableError(QuantkitError):
     """A requested kernel backend that cannot run here (no Triton, no CUDA, wrong dtype)."""
+
+    exit_code = 4
 
 
 class GrammarError(QuantkitError):
@@ -42,9 +54,13 @@ class GenerationError(QuantkitError):
 class EvalError(QuantkitError):
     """Bad evaluation input: unknown task, missing data file."""
 
+    exit_code = 3
+
 
 class MissingExtraError(QuantkitError, ImportError):
     """An optional dependency is not installed."""
+
+    exit_code = 4
 
     def __init__(self, module: str, extra: str) -> None:
         super().__init__(
