@@ -189,6 +189,16 @@ def _prompt_tokens(tokenizer: object) -> list[int] | None:
 @click.option("--threads", type=int, default=None, help="CPU threads for torch.")
 @click.option("--json", "json_file", default=None, help="Write the report: a record per setting.")
 @click.option("--plot", "plot_dir", default=None, help="Write PNG plots into this directory.")
+@click.option(
+    "--server",
+    default=None,
+    metavar="URL",
+    help="Replay the base workload over HTTP against a running `quantkit serve` at URL "
+    "(CKPT: the model it serves, for the tokenizer; default the embedded INT4) with --clients "
+    "streaming clients, instead of in process.",
+)
+@click.option("--clients", type=int, default=16, show_default=True, help="With --server.")
+@click.option("--api-key", envvar="QUANTKIT_API_KEY", default=None, help="With --server.")
 def bench_cmd(
     ckpt: str | None,
     batch_caps: str,
@@ -211,6 +221,9 @@ def bench_cmd(
     threads: int | None,
     json_file: str | None,
     plot_dir: str | None,
+    server: str | None,
+    clients: int,
+    api_key: str | None,
 ) -> None:
     """Throughput vs latency of CKPT (a checkpoint, HF directory, .gguf or smollm2-135m;
     default: the embedded model as INT4) under a synthetic load, static and continuous batching,
@@ -230,6 +243,17 @@ def bench_cmd(
         slo_tpot=slo_tpot,
         seed=seed,
     )
+    if server is not None:
+        _bench_server(
+            server,
+            ckpt,
+            config,
+            clients=_positive(clients, "--clients"),
+            api_key=api_key,
+            text_prompts=prompts == "text",
+            json_file=json_file,
+        )
+        return
     if plot_dir is not None:
         from quantkit.evals.plots import require_matplotlib
 
@@ -290,3 +314,76 @@ def _print_report(report: dict[str, Any]) -> None:
             f"machine {roof['name']}: {bandwidth:.1f} GB/s ({roof['bandwidth_source']}), "
             f"{flops:,.0f} GFLOP/s ({roof['flops_source']})"
         )
+
+
+def _bench_server(
+    url: str,
+    ckpt: str | None,
+    config: BenchConfig,
+    *,
+    clients: int,
+    api_key: str | None,
+    text_prompts: bool,
+    json_file: str | None,
+) -> None:
+    """`bench --server URL`: the base workload at each rate, over HTTP, in the same table. The
+    tokenizer and config come from CKPT (the model the server runs) so that the prompts are the
+    very token ids the in-process bench feeds the engine."""
+    from quantkit.server.loadgen import probe, replay, warm_up
+    from quantkit.serving.metrics import summarize
+    from quantkit.serving.workload import make_workload
+    from quantkit.sources.resolve import read_config, resolve_model
+    from quantkit.sources.tokenizer import load_tokenizer
+
+    info = probe(url, api_key=api_key)
+    if ckpt is None:
+        from quantkit.quantize.embedded import ensure_embedded_int4
+
+        path = ensure_embedded_int4()
+    else:
+        path = resolve_model(ckpt)
+    cfg = read_config(path)
+    tokens = _prompt_tokens(load_tokenizer(path)) if text_prompts else None
+    click.echo(
+        f"server  {info.url}: {info.model}, batch cap {info.batch_cap}, chunk "
+        f"{info.chunk or 'off'}; {clients} streaming clients",
+        err=True,
+    )
+    records = []
+    for rate in config.rates:
+        spec = config.workload(rate, long=False)
+        requests = make_workload(
+            spec,
+            vocab_size=cfg["vocab_size"],
+            max_total=cfg["max_position_embeddings"],
+            source_tokens=tokens,
+        )
+        warm_up(info, requests[0], api_key=api_key)
+        run = replay(info, requests, clients=clients, api_key=api_key)
+        done = [r for r in run.requests if r.token_times_s]
+        record = {
+            "mode": "http",
+            "batch_cap": info.batch_cap,
+            "rate": "inf" if math.isinf(rate) else rate,
+            "chunked_prefill": info.chunk is not None,
+            "chunk": info.chunk,
+            "long_prompts": False,
+            "workload": spec.describe(),
+            "clients": clients,
+            **summarize(run, slo=config.slo).to_dict(),
+            "samples": {
+                "ttft_ms": [round(1e3 * r.ttft_s, 3) for r in done],
+                "tpot_ms": [round(1e3 * g, 3) for r in done for g in r.gaps_s],
+            },
+        }
+        records.append(record)
+        click.echo(
+            f"  http cap {info.batch_cap} rate {record['rate']}: "
+            f"{record['throughput_tok_s'] or math.nan:.1f} tok/s",
+            err=True,
+        )
+    click.echo(format_table(records))
+    if json_file is not None:
+        report = {"records": records, "meta": {"server": info.url, "model": info.model}}
+        write_json_atomic(Path(json_file), report)
+        click.echo(f"wrote {json_file}")

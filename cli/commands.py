@@ -16,6 +16,7 @@ from quantkit.cli.inspect_cmd import inspect_cmd
 from quantkit.cli.lm_eval_cmd import lm_eval_cmd
 from quantkit.cli.quantize_cmd import quantize_cmd
 from quantkit.cli.roofline_cmd import roofline_cmd
+from quantkit.cli.serve_cmd import serve_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -31,3 +32,4 @@ cli.add_command(roofline_cmd)
 cli.add_command(eval_cmd)
 cli.add_command(lm_eval_cmd)
 cli.add_command(bench_cmd)
+cli.add_command(serve_cmd)

@@ -61,11 +61,13 @@ from quantkit.serving.types import (
 from quantkit.serving.workload import Request
 
 __all__ = [
+    "ActiveRequest",
     "DecodeStep",
     "EngineConfig",
     "PrefillChunk",
     "RequestResult",
     "RunResult",
+    "SlotEngine",
     "VirtualClock",
     "run_engine",
 ]
@@ -73,7 +75,7 @@ __all__ = [
 # --------------------------------------------------------------------------- the engine
 
 
-class _Active:
+class ActiveRequest:
     """A request holding a slot."""
 
     def __init__(self, request: Request, result: RequestResult, slot: int, order: int) -> None:
@@ -114,7 +116,12 @@ def _check_requests(requests: Sequence[Request], vocab: int, context: int) -> No
             )
 
 
-class _Engine:
+class SlotEngine:
+    """The step-level engine: slots, waiting queue, and the four phases of a step (`admit`,
+    `prefill`, `decode`, `release`). `run_engine` drives it over a fixed list of requests; the
+    HTTP server (`quantkit.server`) drives it live, overriding `_sample` (per-request sampling
+    and grammar) and `_emit` (streaming, stop strings)."""
+
     def __init__(
         self,
         model: CausalLM,
@@ -131,7 +138,7 @@ class _Engine:
         self.generator = make_generator(params, self.device)
         self.caches: list[SlotKV] = []
         self.rows: RowRunner  # every forward (see install)
-        self.slots: list[_Active | None] = [None] * config.batch_cap
+        self.slots: list[ActiveRequest | None] = [None] * config.batch_cap
         self.waiting: deque[tuple[Request, RequestResult]] = deque()
         self.decode_steps: list[DecodeStep] = []
         self.prefill_chunks: list[PrefillChunk] = []
@@ -169,7 +176,7 @@ class _Engine:
         return window if bound.step is None else PathRows(self.model, bound, window)
 
     # -- token bookkeeping
-    def _emit(self, active: _Active, token: int, now: float) -> None:
+    def _emit(self, active: ActiveRequest, token: int, now: float) -> None:
         res = active.result
         if token in self.eos:
             active.done, res.finish_reason, res.finish_s = True, "stop", now
@@ -179,11 +186,13 @@ class _Engine:
         if len(res.tokens) >= active.request.max_new_tokens:
             active.done, res.finish_reason, res.finish_s = True, "length", now
 
-    def _sample(self, logits: torch.Tensor) -> list[int]:
+    def _sample(self, logits: torch.Tensor, rows: Sequence[ActiveRequest]) -> list[int]:
+        """One token per row of logits [R, V]; rows[r] is the request row r belongs to (unused
+        here: every request shares one `params` and generator)."""
         return sample(logits, self.params, generator=self.generator).tolist()
 
     # -- scheduling
-    def occupied(self) -> list[_Active]:
+    def occupied(self) -> list[ActiveRequest]:
         return [a for a in self.slots if a is not None]
 
     def admit(self, now: float) -> None:
@@ -193,7 +202,7 @@ class _Engine:
             if holder is None and self.waiting:
                 request, result = self.waiting.popleft()
                 result.admitted_s = now
-                self.slots[i] = _Active(request, result, i, self._order)
+                self.slots[i] = ActiveRequest(request, result, i, self._order)
                 self._order += 1
 
     def release(self) -> None:
@@ -218,7 +227,7 @@ class _Engine:
             logits = self.rows.run_chunk(active.slot, prompt[start:end], start)
             active.prefilled = end
             if end == len(prompt):
-                token = self._sample(logits)[0]
+                token = self._sample(logits, [active])[0]
                 self.clock.forward_done()
                 active.next_pos = end
                 self._emit(active, token, self.clock.now())
@@ -226,7 +235,7 @@ class _Engine:
                 self.clock.forward_done()
             self.prefill_chunks.append(PrefillChunk(n, end, self.clock.now() - began))
 
-    def _fed(self, active: _Active | None) -> tuple[int, int]:
+    def _fed(self, active: ActiveRequest | None) -> tuple[int, int]:
         """(token, position) a slot feeds to a decode step. A slot with nothing to decode (free
         or finished: token 0 at position 0; still prefilling: its next prompt position, which
         its next chunk overwrites before anything reads it) makes a harmless write: a static
@@ -251,7 +260,7 @@ class _Engine:
         fed = [self._fed(a) for a in span]
         slots = [a.slot for a in span]
         logits, window = self.rows.run_rows([t for t, _ in fed], [p for _, p in fed], slots)
-        sampled = dict(zip(slots, self._sample(logits), strict=True))
+        sampled = dict(zip(slots, self._sample(logits, span), strict=True))
         self.clock.forward_done()
         now = self.clock.now()
         context = sum(a.next_pos + 1 for a in rows)
@@ -298,7 +307,9 @@ def run_engine(
             f"max_len: expected >= {longest} positions for these requests, got {max_len}"
         )
     clock = clock or VirtualClock(model.device)
-    engine = _Engine(model, config, max_len=max_len, params=params, eos=set(eos_ids), clock=clock)
+    engine = SlotEngine(
+        model, config, max_len=max_len, params=params, eos=set(eos_ids), clock=clock
+    )
     pending = deque(sorted(requests, key=lambda r: (r.arrival_s, r.id)))
     results = {r.id: RequestResult(r.id, r.arrival_s, len(r.prompt)) for r in requests}
     if len(results) != len(requests):

@@ -1,0 +1,141 @@
+"""The OpenAI wire format the server speaks: request bodies as pydantic models, the error shape.
+
+Request models are strict (a string where a number belongs is a 400, not a silent cast) and
+ignore fields they do not know, as OpenAI-compatible servers do, so a client that sends a newer
+field still gets served. Parameters quantkit cannot honour (n > 1, logprobs, penalties other
+than repetition_penalty, echo, suffix) are rejected with a 400 naming them, never ignored.
+
+quantkit's extra sampling knobs travel as extra body fields (the openai client's `extra_body`):
+top_k, min_p, repetition_penalty, and ignore_eos (generate exactly max_tokens tokens, as the
+serving benchmark does).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from quantkit.errors import QuantkitError
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "JsonSchemaSpec",
+    "ResponseFormat",
+    "ServerError",
+    "StreamOptions",
+    "error_body",
+]
+
+
+class ServerError(QuantkitError):
+    """A request the server refuses, with the HTTP status and OpenAI's error fields."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type = message, status, type
+        self.param, self.code, self.headers = param, code, headers or {}
+
+
+def error_body(
+    message: str,
+    *,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+) -> dict[str, Any]:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class JsonSchemaSpec(_Body):
+    name: str = "response"
+    description: str | None = None
+    # `schema` shadows a BaseModel attribute, hence the alias.
+    schema_: dict[str, Any] | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+
+Count = Annotated[int, Field(ge=1)]
+
+
+class _Sampling(_Body):
+    """The fields completions and chat share."""
+
+    model: str
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Count = 1
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logprobs: bool | int | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+    # quantkit's extras (extra_body).
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    min_p: Annotated[float, Field(ge=0, lt=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    ignore_eos: bool = False
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    # Checked in the handler (<= 0 is a 400 there, with OpenAI's wording).
+    max_tokens: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class _TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[_TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    tools: list[Any] | None = None
+    top_logprobs: int | None = None
