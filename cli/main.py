@@ -75,7 +75,7 @@ def _run(argv: list[str] | None) -> tuple[int, str]:
     except QuantkitError as e:
         return getattr(e, "exit_code", EXIT_USAGE), f"error: {e}"
     except (KeyboardInterrupt, click.exceptions.Abort):
-        return EXIT_INTERRUPTED, "interrupted; nothing was written"
+        return EXIT_INTERRUPTED, _interrupted()
     except click.ClickException as e:
         return e.exit_code, f"error: {e.format_message()}"
     except click.exceptions.Exit as e:
@@ -99,6 +99,14 @@ def _run(argv: list[str] | None) -> tuple[int, str]:
             f"internal error: {type(e).__name__}: {e} ({where}; this is a bug in quantkit, "
             "please report it with that file)"
         )
+
+
+def _interrupted() -> str:
+    from quantkit.paths import WRITTEN
+
+    if WRITTEN:  # the Ctrl-C came after an output was complete and in place
+        return f"interrupted after writing {', '.join(str(p) for p in WRITTEN)}"
+    return "interrupted; nothing was written"
 
 
 def _os_line(e: OSError) -> str:

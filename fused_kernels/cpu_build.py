@@ -29,6 +29,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -139,7 +140,7 @@ def _build(name: str, files: dict[str, str], variant: str | None) -> Path:
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     out_dir = quantkit_home() / "kernels"
     target = out_dir / f"{name}-{variant}-{key[:16]}.so"
-    if target.exists():
+    if _intact(target):
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=f".{name}-") as tmp:
@@ -157,8 +158,42 @@ def _build(name: str, files: dict[str, str], variant: str | None) -> Path:
                 f"cpu backend: expected {Path(cc).name} to build {name} ({variant}), got exit "
                 f"code {proc.returncode}: {proc.stderr.strip()[-2000:]}"
             )
+        digest = Path(tmp) / "digest"
+        digest.write_text(_digest(lib))
+        # The digest first, then the library, each atomically: a library beside a stale digest
+        # reads as damaged (rebuilt), never as sound.
+        os.replace(digest, _digest_path(target))
         os.replace(lib, target)  # atomic: a reader sees no file or the whole file
     return target
+
+
+def _digest_path(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def _digest(lib: Path) -> str:
+    data = lib.read_bytes()
+    return f"{len(data)} {hashlib.sha256(data).hexdigest()}\n"
+
+
+def _intact(lib: Path) -> bool:
+    """Whether the cached library is exactly the one built: size and SHA-256 against the digest
+    written beside it. dlopen of a truncated library can kill the process with SIGBUS, so a
+    damaged one (truncated, emptied, overwritten) is rebuilt, with one warning, before any load."""
+    if not lib.exists():
+        return False
+    digest = _digest_path(lib)
+    try:
+        recorded = digest.read_text()
+        if recorded == _digest(lib):
+            return True
+    except (OSError, UnicodeDecodeError):
+        recorded = None
+    if recorded is not None:  # a library from before digests were written is rebuilt quietly
+        warnings.warn(
+            f"kernel cache {lib}: damaged (size or SHA-256 changed); rebuilding", stacklevel=4
+        )
+    return False
 
 
 def load_kernels(name: str, entry: str, *, variant: str | None = None) -> ctypes.CDLL:

@@ -63,20 +63,91 @@ def file_lock(lock_path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+# Targets `replace_dir` has put in place in this process: an interruption after one of them
+# must not be reported as "nothing was written" (the CLI's boundary reads this).
+WRITTEN: list[Path] = []
+
+
+def temp_sibling(target: Path, kind: str) -> Path:
+    """A hidden name beside `target` for a temporary ("tmp") or displaced ("old") directory,
+    carrying this process's id so `sweep_leftovers` can tell a live writer from a dead one."""
+    return target.parent / f".{target.name}.{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def sweep_leftovers(target: Path) -> list[str]:
+    """Clean what a killed writer (SIGKILL, power loss) left beside `target`, and say what.
+
+    A `.tmp-` directory of a dead process is half written: removed. An `.old-` directory of a dead
+    process is a previous `target` moved aside: put back if `target` is missing (the crash came
+    between the two renames, so nothing is lost), else removed (its replacement stands)."""
+    done = []
+    for path in sorted(target.parent.glob(f".{target.name}.*-*-*")):
+        kind, _, rest = path.name[len(target.name) + 2 :].partition("-")
+        pid = rest.split("-", 1)[0]
+        if kind not in ("tmp", "old") or not pid.isdigit() or _alive(int(pid)):
+            continue
+        if kind == "old" and not target.exists():
+            os.replace(path, target)
+            done.append(f"restored {target} from an interrupted replacement")
+        else:
+            _remove(path)
+            done.append(f"removed {path.name}, left by an interrupted write")
+    return done
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
 def replace_dir(new: Path, target: Path) -> None:
     """Rename the finished `new` to `target`; an existing `target` is moved aside first, put back
-    untouched if the rename fails, and deleted only once `new` stands in its place."""
+    untouched if the rename fails, and deleted only once `new` stands in its place (a Ctrl-C
+    during that deletion waits for it: the old directory is never left half deleted)."""
     if not target.exists():
         os.replace(new, target)
+        WRITTEN.append(target)
         return
-    old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+    old = temp_sibling(target, "old")
     os.replace(target, old)
     try:
         os.replace(new, target)
     except BaseException:
         os.replace(old, target)
         raise
-    if old.is_dir():
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        old.unlink()
+    WRITTEN.append(target)
+    with _interrupts_deferred():
+        _remove(old)
+
+
+@contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold SIGINT until the block ends (main thread only; elsewhere signals do not land)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[object] = []
+    previous = signal.signal(signal.SIGINT, lambda *args: caught.append(args))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            raise KeyboardInterrupt

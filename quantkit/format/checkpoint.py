@@ -15,8 +15,9 @@ Facts checked against compressed-tensors 0.20.1: its `PackedQuantizationCompress
 from __future__ import annotations
 
 import json
+import os
 import shutil
-import uuid
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from quantkit.format.compressed_tensors import (
 from quantkit.format.formats import FORMATS
 from quantkit.format.scheme import QuantScheme
 from quantkit.format.tensors import check_module_tensors
-from quantkit.paths import replace_dir
+from quantkit.paths import replace_dir, sweep_leftovers, temp_sibling
 
 __all__ = [
     "LoadedCheckpoint",
@@ -113,7 +114,9 @@ def save_checkpoint(
         raise CheckpointError(f"config and report: expected JSON-serializable values: {e}") from e
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    for line in sweep_leftovers(out):
+        warnings.warn(line, stacklevel=2)
+    tmp = temp_sibling(out, "tmp")
     tmp.mkdir()
     try:
         _write_tensors(tmp, tensors, max_shard_bytes=max_shard_bytes)
@@ -140,6 +143,18 @@ def check_output_dir(out: Path, *, force: bool, source_dir: Path | None = None) 
         raise CheckpointError(f"output directory {out} exists; pass --force to replace it")
     if source_dir is not None and out.exists() and out.resolve() == Path(source_dir).resolve():
         raise CheckpointError(f"output directory {out} is the source directory; pick another")
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"output directory {out}: expected a directory, got a file")
+    # The nearest existing folder above `out` is where the temporary directory goes.
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CheckpointError(
+            f"output directory {out}: expected {parent} to be a directory, got a file"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"output directory {out}: {parent} is not writable")
 
 
 def _check_state_dict(
@@ -307,8 +322,6 @@ def _read_json(file: Path, *, missing: str) -> dict[str, Any]:
 
 def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """All tensors of the directory, through the index when there is one."""
-    from safetensors.torch import load_file
-
     index = path / INDEX_NAME
     if index.is_file():
         weight_map = _read_json(index, missing="").get("weight_map")
@@ -323,7 +336,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     for fname in files:
         if not (path / fname).is_file():
             raise CheckpointError(f"missing shard {path / fname} (listed in {INDEX_NAME})")
-        tensors.update(load_file(str(path / fname), device="cpu"))
+        tensors.update(_load_shard(path / fname))
     if index.is_file():
         missing = sorted(set(weight_map) - set(tensors))
         if missing:
@@ -332,6 +345,20 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
                 f"{weight_map[missing[0]]}, which does not hold it"
             )
     return tensors
+
+
+def _load_shard(file: Path) -> dict[str, torch.Tensor]:
+    """One safetensors file's tensors; a truncated, empty or foreign file is a CheckpointError
+    naming it (safetensors checks the header against the file size before reading a byte)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(file), device="cpu")
+    except (SafetensorError, ValueError, RuntimeError) as e:
+        raise CheckpointError(
+            f"{file}: expected a complete safetensors file, got a damaged one ({e})"
+        ) from e
 
 
 def _quantized_prefixes(tensors: Mapping[str, torch.Tensor]) -> set[str]:

@@ -50,6 +50,10 @@ def scheme_to_quantization_config(scheme: QuantScheme) -> dict[str, Any]:
 def scheme_from_quantization_config(cfg: Mapping[str, Any]) -> QuantScheme:
     """The QuantScheme a `quantization_config` describes; anything quantkit cannot run is a
     CheckpointError naming the field."""
+    if not isinstance(cfg, Mapping):
+        raise CheckpointError(
+            f"quantization_config: expected an object, got {type(cfg).__name__} {cfg!r:.60}"
+        )
     expect(cfg, "quant_method", ("compressed-tensors",))
     expect(cfg, "quantization_status", ("compressed",))
     # A quantized KV cache stores k_scale/v_scale tensors quantkit neither checks nor uses.
@@ -62,6 +66,10 @@ def scheme_from_quantization_config(cfg: Mapping[str, Any]) -> QuantScheme:
         )
     ((gname, group),) = groups.items()
     where = f"config_groups.{gname}"
+    if not isinstance(group, Mapping):
+        raise CheckpointError(
+            f"quantization_config.{where}: expected an object, got {type(group).__name__}"
+        )
     targets = group.get("targets")
     if not isinstance(targets, list) or "Linear" not in targets:
         raise CheckpointError(

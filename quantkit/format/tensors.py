@@ -44,4 +44,11 @@ def check_module_tensors(
     n, k = scheme.format.check(tensors, scheme, name)
     if "bias" in tensors:
         check_tensor(name("bias"), tensors["bias"], (n,), SCALE_DTYPES)
+    for local, t in tensors.items():
+        # A NaN or infinite scale decodes to garbage without a word: damage, not a model.
+        if t.dtype in SCALE_DTYPES and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(
+                f"tensor {name(local)}: expected finite values, got {bad} NaN or infinite"
+            )
     return n, k

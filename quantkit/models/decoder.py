@@ -12,6 +12,7 @@ Shapes: B batch, T new tokens, S cache length, H hidden, Hq/Hkv heads, D head_di
 
 from __future__ import annotations
 
+import re
 from typing import Any, Protocol
 
 import torch
@@ -344,8 +345,14 @@ def build_model(
     cfg = ModelConfig.from_dict(config)
     with torch.device("meta"):
         model = CausalLM(cfg)
+    known = {name for name, _ in model.named_modules()}
     for name, module in (modules or {}).items():
         parent, _, attr = name.rpartition(".")
+        if parent not in known or not hasattr(model.get_submodule(parent), attr):
+            raise ModelSourceError(
+                f"weights: {name} has no place in a {cfg.model_type} of {cfg.num_layers} layers "
+                f"(config.json); expected the config that matches the weights"
+            )
         setattr(model.get_submodule(parent), attr, module)
     state = dict(state)
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
@@ -354,6 +361,16 @@ def build_model(
         k for k, _ in model.named_buffers() if not k.endswith("inv_freq")
     }
     wanted -= {k for k in wanted if any(k.startswith(m + ".") for m in (modules or {}))}
+    beyond = sorted(
+        (int(m.group(1)), k)
+        for k in state
+        if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m.group(1)) >= cfg.num_layers
+    )
+    if beyond:
+        raise ModelSourceError(
+            f"weights: {beyond[0][1]} has no place in a model of {cfg.num_layers} layers "
+            f"(config.json num_hidden_layers); expected the config that matches the weights"
+        )
     missing = sorted(wanted - state.keys())
     if missing:
         raise ModelSourceError(
@@ -363,6 +380,13 @@ def build_model(
     dense = {
         k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k in wanted
     }
+    shapes = {k: t.shape for k, t in model.state_dict(keep_vars=True).items()}
+    for k, t in dense.items():
+        if k in shapes and t.shape != shapes[k]:
+            raise ModelSourceError(
+                f"tensor {k}: expected shape {list(shapes[k])} from config.json, got "
+                f"{list(t.shape)}; the config does not describe these weights"
+            )
     model.load_state_dict(dense, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -119,7 +119,15 @@ class ModelShape:
             path = path / "config.json"
         if not path.is_file():
             raise ModelSourceError(f"config: expected a config.json file, got nothing at {path}")
-        return cls.from_config(json.loads(path.read_text()))
+        try:
+            cfg = json.loads(path.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelSourceError(
+                f"{path}: expected a JSON object, got unparsable text ({e})"
+            ) from e
+        if not isinstance(cfg, dict):
+            raise ModelSourceError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+        return cls.from_config(cfg)
 
     def dims(self) -> dict[str, int]:
         """The sizes the family's shapes are given in (`models.family.SHAPE_DIMS`)."""

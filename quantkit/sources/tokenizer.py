@@ -21,4 +21,10 @@ def load_tokenizer(model_dir: Path) -> Any:
         )
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on bad JSON
+        raise CheckpointError(
+            f"tokenizer in {model_dir}: expected a loadable tokenizer, got "
+            f"{type(e).__name__}: {str(e)[:200]}"
+        ) from e
