@@ -99,7 +99,10 @@ def save_checkpoint(
         raise CheckpointError(f"max_shard_bytes: expected a positive size, got {max_shard_bytes}")
     _check_state_dict(tensors, scheme=scheme, quantized_modules=quantized_modules)
     full_config = dict(config)
-    full_config["quantization_config"] = scheme_to_quantization_config(scheme)
+    head = "lm_head" in quantized_modules
+    full_config["quantization_config"] = scheme_to_quantization_config(scheme, quantized_head=head)
+    if head:  # the embedding stays dense for lookups; the head is its own quantized Linear
+        full_config["tie_word_embeddings"] = False
     metadata = {
         "format_version": FORMAT_VERSION,
         "scheme": scheme.to_json(),
@@ -165,10 +168,9 @@ def _check_state_dict(
     wanted = set(quantized_modules)
     if not wanted:
         raise CheckpointError("quantized_modules: expected at least one module, got none")
-    heads = sorted(m for m in wanted if m.rsplit(".", 1)[-1] == "lm_head")
+    heads = sorted(m for m in wanted if m.rsplit(".", 1)[-1] == "lm_head" and m != "lm_head")
     if heads:
-        # config.json's `ignore: [lm_head]` tells every loader lm_head is dense.
-        raise CheckpointError(f"quantized_modules: expected lm_head to stay dense, got {heads[0]}")
+        raise CheckpointError(f"quantized_modules: expected the head as lm_head, got {heads[0]}")
     extra = sorted(found - wanted)
     if extra:
         raise CheckpointError(

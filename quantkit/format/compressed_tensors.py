@@ -18,8 +18,11 @@ from quantkit.format.scheme import QuantScheme
 from quantkit.format.weight_format import expect
 
 
-def scheme_to_quantization_config(scheme: QuantScheme) -> dict[str, Any]:
-    """The `quantization_config` of config.json for `scheme` (compressed-tensors' schema).
+def scheme_to_quantization_config(
+    scheme: QuantScheme, *, quantized_head: bool = False
+) -> dict[str, Any]:
+    """The `quantization_config` of config.json for `scheme` (compressed-tensors' schema);
+    `quantized_head`: lm_head is stored in the scheme too, not dense.
 
     The algorithm that chose the codes (rtn / awq / gptq) has no place in it; `quantkit.json`
     keeps it.
@@ -41,7 +44,7 @@ def scheme_to_quantization_config(scheme: QuantScheme) -> dict[str, Any]:
         # Required: without it loaders treat the weights as not yet compressed (NaN or failure).
         "quantization_status": "compressed",
         # Required whenever lm_head is stored dense ("Linear" would otherwise target it).
-        "ignore": ["lm_head"],
+        "ignore": [] if quantized_head else ["lm_head"],
         "config_groups": {"group_0": group},
         "kv_cache_scheme": None,
     }

@@ -385,13 +385,18 @@ def model_read_bytes(model: CausalLM) -> WeightBytes:
             else:
                 other += _nbytes(p)
     other += _nbytes(model.model.norm.weight)
-    embed, head = model.model.embed_tokens.weight, model.lm_head.weight
-    tied = head.data_ptr() == embed.data_ptr()
+    embed = model.model.embed_tokens.weight
+    if hasattr(model.lm_head, "weight_bytes"):  # a quantized head: its packed weight and scales
+        head_bytes, tied = model.lm_head.weight_bytes(), False
+    else:
+        head = model.lm_head.weight
+        tied = head.data_ptr() == embed.data_ptr()
+        head_bytes = 0 if tied else _nbytes(head)
     return WeightBytes(
         linear=linear,
         qparams=qparams,
         embedding=_nbytes(embed),
-        lm_head=0 if tied else _nbytes(head),
+        lm_head=head_bytes,
         other=other,
         tied=tied,
     )

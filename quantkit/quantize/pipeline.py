@@ -140,10 +140,14 @@ def quantize_model(
     gptq: GptqConfig | None = None,
     on_layer: Callable[[LayerProgress], None] | None = None,
     on_loaded: Callable[[CausalLM], None] | None = None,
+    quantize_head: bool = False,
 ) -> QuantizeOutcome:
     """Quantize the model in `model_dir` to `scheme` with `algorithm` (rtn, awq or gptq; see
     `quantkit.quantize.algorithms`). A calibrated algorithm needs `samples`, a callable giving
-    the calibration token matrix [n, seq_len], called after the model is loaded."""
+    the calibration token matrix [n, seq_len], called after the model is loaded.
+
+    `quantize_head`: the lm_head is rounded to nearest in the same scheme and stored as its own
+    quantized Linear (untied from the embedding, which stays dense for lookups)."""
     method = algorithm_for(algorithm, scheme)  # before any work: a bad pairing fails at once
     if method.calibrated and samples is None:
         raise ValueError(f"{method.name} needs calibration samples")
@@ -152,7 +156,9 @@ def quantize_model(
     config, model, size = load_dense(model_dir)
     timings["load_s"] = time.perf_counter() - t0
     layers = quantized_linears(model)
-    scheme = scheme.resolve(layers)  # before any long work: a bad group size fails at once
+    head = [("lm_head", model.lm_head.in_features)] if quantize_head else []
+    # Before any long work: a bad group size fails at once (the head's input size included).
+    scheme = scheme.resolve(layers + head)
     if on_loaded is not None:
         on_loaded(model)
     dtype = storage_dtype(config)
@@ -167,24 +173,30 @@ def quantize_model(
     job.awq = awq or job.awq
     job.gptq = gptq or job.gptq
     module_tensors, reports = method.run(job)
+    if quantize_head:
+        w = model.lm_head.weight.detach()
+        q = scheme.format.round_to_nearest(w, scheme)
+        module_tensors["lm_head"] = scheme.format.store(q, scheme, dtype=dtype)
     timings["quantize_s"] = time.perf_counter() - t0
     tensors: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():
         module = key.rpartition(".")[0]
         if module in module_tensors and key.endswith(".weight"):
             continue
-        if key == "lm_head.weight" and config.get("tie_word_embeddings"):
+        if key == "lm_head.weight" and (quantize_head or config.get("tie_word_embeddings")):
             continue
         tensors[key] = value.to(dtype) if value.is_floating_point() else value
     for name, local in module_tensors.items():
         for suffix, t in local.items():
             tensors[f"{name}.{suffix}"] = t
+    if quantize_head:
+        config = {**config, "tie_word_embeddings": False}
     return QuantizeOutcome(
         scheme=scheme,
         algorithm=method.name,
         config=config,
         tensors=tensors,
-        quantized_modules=[name for name, _ in layers],
+        quantized_modules=[name for name, _ in layers + head],
         storage_dtype=dtype,
         layer_reports=reports,
         timings=timings,

@@ -57,6 +57,7 @@ class Recipe:
     calibration: Calibration = field(default_factory=Calibration)
     awq: AwqConfig = field(default_factory=AwqConfig)
     gptq: GptqConfig = field(default_factory=GptqConfig)
+    quantize_head: bool = False  # the lm_head too (round to nearest, same scheme)
 
     def method(self) -> Algorithm:
         return algorithm_for(self.algorithm, self.scheme)
@@ -120,6 +121,7 @@ def quantize_and_save(
         gptq=recipe.gptq,
         on_layer=hooks.on_layer,
         on_loaded=on_loaded,
+        quantize_head=recipe.quantize_head,
     )
     if hooks.score is not None:
         t0 = time.perf_counter()

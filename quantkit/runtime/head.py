@@ -24,6 +24,7 @@ from quantkit.errors import GenerationError
 from quantkit.format.dtypes import DTYPES
 from quantkit.fused_kernels.bf16_gemv_cpu import bf16_gemv, bf16_gemv_available
 from quantkit.models.decoder import CausalLM
+from quantkit.runtime.quant_linear import QuantLinear
 
 HEAD_DTYPES = DTYPES
 
@@ -59,7 +60,10 @@ class CastHead(nn.Module):
 def auto_head_dtype(model: CausalLM, *, quantized: bool) -> torch.dtype:
     """bf16 for a quantized fp32 model on a CPU with bf16 instructions, else the model dtype.
 
-    Dense models keep their head so that they compute what transformers computes."""
+    Dense models keep their head so that they compute what transformers computes; a quantized
+    head (`QuantLinear`) keeps its own format."""
+    if isinstance(model.lm_head, QuantLinear):
+        return model.dtype
     if quantized and model.dtype == torch.float32 and model.device.type == "cpu":
         return torch.bfloat16 if has_bf16_dot() else torch.float32
     return model.dtype
@@ -70,6 +74,13 @@ def set_head_dtype(model: CausalLM, dtype: torch.dtype) -> None:
     is, so a tied head stops being tied). No-op when the head already has that dtype."""
     if dtype not in HEAD_DTYPES.values():
         raise GenerationError(f"head dtype: expected one of {', '.join(HEAD_DTYPES)}, got {dtype}")
+    if isinstance(model.lm_head, QuantLinear):
+        if dtype != model.dtype:
+            raise GenerationError(
+                f"head dtype: the checkpoint's lm_head is quantized ({model.lm_head.scheme.kind}), "
+                f"expected auto or the model's dtype, got {dtype}"
+            )
+        return
     if model.lm_head.weight.dtype == dtype:
         return
     model.lm_head = CastHead(model.lm_head.weight, dtype)
