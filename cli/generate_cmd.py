@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,10 @@ import torch
 from quantkit.errors import GenerationError, HardwareError
 from quantkit.format.dtypes import DTYPES, name_of
 from quantkit.grammar.cli_support import GrammarRun, write_atomic
-from quantkit.grammar.compiler import DEFAULT_TIMEOUT_S
+from quantkit.grammar.compiler import DEFAULT_ENGINE, DEFAULT_TIMEOUT_S, ENGINES
 from quantkit.perf.hardware import local_hardware
 from quantkit.perf.roofline import DecodeRoofline, decode_roofline
+from quantkit.runtime.fast_path import pytorch_path_reason
 from quantkit.runtime.generate import (
     GenerationResult,
     StreamEvent,
@@ -35,6 +37,8 @@ from quantkit.runtime.sampling import SamplingParams
 def _device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise GenerationError(f"--device: expected auto, cpu or cuda[:N], got {name!r}")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise GenerationError(f"--device: expected a device this machine has, got {name}")
     return torch.device(name)
@@ -235,7 +239,21 @@ def _print_summary(summary: dict[str, Any]) -> None:
     type=float,
     default=DEFAULT_TIMEOUT_S,
     show_default=True,
-    help="Seconds allowed to compile the --schema/--regex/--choice grammar.",
+    help="Seconds allowed to compile the --schema/--regex/--choice grammar (every phase).",
+)
+@click.option(
+    "--grammar-engine",
+    type=click.Choice(ENGINES),
+    default=DEFAULT_ENGINE,
+    show_default=True,
+    help="Constraint engine: llguidance, outlines (outlines-core), or auto (llguidance for "
+    "schemas, outlines for --regex/--choice, each falling back to the other).",
+)
+@click.option(
+    "--fast-forward/--no-fast-forward",
+    default=True,
+    show_default=True,
+    help="Append the tokens the grammar forces without sampling, fed in one model call.",
 )
 @click.option("--output", default=None, help="Also write the output to this file (atomically).")
 def generate_cmd(
@@ -261,6 +279,8 @@ def generate_cmd(
     regex: str | None,
     choices: tuple[str, ...],
     compile_timeout: float,
+    grammar_engine: str,
+    fast_forward: bool,
     output: str | None,
 ) -> None:
     """Generate a completion of --prompt with MODEL_OR_CKPT (a checkpoint, a HF directory, a
@@ -270,7 +290,9 @@ def generate_cmd(
     With --json, `generated_tokens` counts every sampled token, the EOS that ended the text
     included; `tokens` lists the output ids (EOS excluded)."""
     # Every check that needs no model first, so bad input fails in milliseconds.
-    grammar, prompt = _grammar_and_prompt(prompt, schema_file, regex, choices, compile_timeout)
+    grammar, prompt = _grammar_and_prompt(
+        prompt, schema_file, regex, choices, compile_timeout, grammar_engine
+    )
     params = SamplingParams(
         temperature=temperature,
         top_k=top_k,
@@ -303,8 +325,11 @@ def generate_cmd(
         compile=compile_step,
         cache_len=slots,
         processors=processors,
+        fast_forward=fast_forward and grammar is not None,
     )
     backend = _backend(loaded, dev, options.torch_dtype())
+    if loaded.scheme is not None and (why := pytorch_path_reason(loaded.model)) is not None:
+        backend += f"; PyTorch decode path, not the C step: {why}"
     summary = _summary_dict(result, _roofline(loaded, result, dev), device=dev, backend=backend,
                             loaded=loaded)  # fmt: skip
     _report(summary, result, grammar, as_json=as_json, output=output)
@@ -316,10 +341,15 @@ def _grammar_and_prompt(
     regex: str | None,
     choices: tuple[str, ...],
     compile_timeout: float,
+    engine: str,
 ) -> tuple[GrammarRun | None, str]:
     """The constraint (if any) and the prompt: --schema alone gets a default prompt."""
     grammar = GrammarRun.from_options(
-        schema=schema_file, regex=regex, choices=choices, compile_timeout=compile_timeout
+        schema=schema_file,
+        regex=regex,
+        choices=choices,
+        compile_timeout=compile_timeout,
+        engine=engine,
     )
     if grammar is not None:
         prompt = grammar.prompt(prompt)

@@ -3,8 +3,8 @@
 Two ways to ask:
 
 - `accepts_tokens`: walk a token sequence (e.g. the model tokenizer's encoding of a JSON
-  document) through a Guide of the real index, exactly as generation would, and require an
-  accepting state at the end;
+  document) through a row of the compiled grammar (either engine), exactly as generation
+  would, and require an accepting state at the end;
 - `accepts_text`: does the regex itself match the whole text (Python's `re`, which reads the
   syntax quantkit emits). The language of an index is a subset of its regex's: outlines-core
   0.2.14 drops the transitions from an accepting state into a non-accepting one (over single
@@ -18,24 +18,35 @@ Two ways to ask:
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
 from functools import lru_cache
 
-from quantkit.grammar.compiler import CompiledGrammar
-from quantkit.grammar.vocabulary import import_outlines_core
+import numpy as np
 
-__all__ = ["accepts_text", "accepts_tokens"]
+from quantkit.grammar.compiler import CompiledGrammar
+
+__all__ = ["accepts_text", "accepts_tokens", "timed_walk"]
 
 
 def accepts_tokens(compiled: CompiledGrammar, tokens: Sequence[int]) -> bool:
     """Whether the tokens are allowed one after another and end in an accepting state."""
-    guide = import_outlines_core().Guide(compiled.index)
-    try:
-        for token in tokens:
-            guide.advance(int(token), return_tokens=False)
-    except ValueError:
-        return False
-    return bool(guide.is_finished())
+    row = compiled.new_row()
+    return all(row.advance(int(token)) for token in tokens) and row.is_finished()
+
+
+def timed_walk(compiled: CompiledGrammar, tokens: Sequence[int], times_s: list[float]) -> bool:
+    """`accepts_tokens`, filling the engine's allowed-token bitmask before every step and
+    appending each fill's time to `times_s` (the mask cost alone, as a decode step pays it)."""
+    row = compiled.new_row()
+    line = np.zeros((compiled.vocabulary.size + 31) // 32, dtype=np.int32)
+    for token in tokens:
+        started = time.perf_counter()
+        row.fill(line)
+        times_s.append(time.perf_counter() - started)
+        if not row.advance(int(token)):
+            return False
+    return row.is_finished()
 
 
 @lru_cache(maxsize=64)

@@ -101,6 +101,17 @@ def classify_error(message: str) -> str:
     keyword = re.search(r"keyword '([^']+)'", message)
     if keyword:
         return f"unsupported: {keyword.group(1)}"
+    keys = re.search(r'Unimplemented keys: \["([^"]+)"', message)  # llguidance's wording
+    if keys:
+        return f"unsupported: {keys.group(1)}"
+    if "oneOf constraints are not supported" in message:
+        return "oneOf (not provably exclusive)"
+    if "Unknown format" in message:
+        return "unknown format"
+    for needle, kind in (("phase: lowering", "lowering timeout"), ("phase: cache load",
+                         "cache load timeout")):  # fmt: skip
+        if needle in message:
+            return kind
     for needle, kind in (
         ("longer than the limit", "compile timeout"),
         ("of memory", "compile memory"),

@@ -1,25 +1,29 @@
-"""JSONSchemaBench on the embedded model: coverage, soundness, validity, token limit, mask cost.
+"""JSONSchemaBench on the embedded model, per grammar engine: coverage, soundness, mask cost,
+validity of finished outputs, token limit, fast-forward.
 
-For a fixed sample of schemas across the benchmark's categories (`bench_data.sample_schemas`):
+For a fixed sample of schemas across the benchmark's categories (`bench_data.sample_schemas`),
+each engine asked for (--engine, repeatable: auto, llguidance, outlines; default all three, on
+the same schemas in one run):
 
-1. compile coverage: how many lower and compile within the time limit (and why the others not);
-2. regex soundness: each test instance's compact JSON, tokenized by the model's tokenizer, is
-   walked through the compiled index: valid ones should be accepted (completeness; the grammar
-   may be narrower than the schema), invalid ones must be rejected (soundness);
-3. generation: the model answers the default schema prompt greedily, up to --max-new-tokens,
-   batched (one grammar per row). Outputs that finished (EOS in an accepting state) are parsed
-   and validated with jsonschema: that share must be 100%. Outputs that hit the token limit
-   are counted (goal: under 5%);
-4. mask overhead: the processor's time per decode step (mean, p99) and its share of the step;
-5. cached recompile: with the disk cache on, each index is loaded again as a second run would
-   (memory cache dropped), timed against the issue's 0.1 s.
+1. compile coverage: how many compile within the time limit (every phase: lowering, index
+   build, cache load), the compile time p50/p90, and why the others did not;
+2. soundness: each test instance's compact JSON, tokenized by the model's tokenizer, is walked
+   through a row of the compiled grammar: valid ones should be accepted (completeness),
+   invalid ones must be rejected (soundness); every step's bitmask fill is timed (the
+   engine's mask cost, mean and p99);
+3. generation (first engine only): the model answers the default schema prompt greedily, up to
+   --max-new-tokens, batched. Finished outputs (EOS in an accepting state) are validated with
+   jsonschema: that share must be 100%; outputs that hit the token limit are counted; with
+   batch 1 the tokens the grammar forces are fast-forwarded (share reported), and
+   --compare-ff generates each output again without it (token identity, tok/s);
+4. mask overhead in the decode loop: the processor's time per step and its share of the step;
+5. cached recompile (outlines-core): each index loaded again from disk, as a second run would.
 
-The report (`bench_report`) gives each of these per category and in total, with declared and
-empirical coverage beside the published GlaiveAI figures. With --json the report is rewritten
-(atomically) after every schema, so an interrupted run keeps what it measured.
+The report (`bench_report`) gives each of these per category and in total, per engine, then one
+comparison line per engine. With --json the report is rewritten (atomically) after every schema.
 
-Usage: python -m quantkit.grammar.bench_jsonschema [--limit N] [--per-category K]
-           [--category NAME ...] [--no-generate] [--json F]
+Usage: python -m quantkit.grammar.bench_jsonschema [--data DIR] [--engine E ...] [--limit N]
+           [--per-category K] [--category NAME ...] [--no-generate] [--compare-ff] [--json F]
 """
 
 from __future__ import annotations
@@ -33,24 +37,29 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import EvalError, GrammarError
-from quantkit.grammar.acceptance import accepts_tokens
+from quantkit.grammar.acceptance import accepts_tokens, timed_walk
 from quantkit.grammar.bench_data import (
     BenchSchema,
     classify_error,
     default_bench_dir,
     sample_schemas,
 )
-from quantkit.grammar.bench_report import mask_summary, print_report, recompile_summary
+from quantkit.grammar.bench_generate import generate_batch, load_model, load_tokenizer
+from quantkit.grammar.bench_report import (
+    fill_summary,
+    mask_summary,
+    print_report,
+    recompile_summary,
+)
 from quantkit.grammar.cli_support import write_atomic
 from quantkit.grammar.compiler import (
     DEFAULT_TIMEOUT_S,
+    ENGINES,
     CompiledGrammar,
     clear_memory_cache,
     compile_grammar,
 )
-from quantkit.grammar.constraints import json_schema_grammar, validate_json
-from quantkit.grammar.processor import GrammarLogitsProcessor
-from quantkit.grammar.prompting import default_schema_prompt
+from quantkit.grammar.constraints import schema_grammar
 from quantkit.grammar.vocabulary import TokenVocabulary
 
 __all__ = ["SchemaResult", "main", "run_bench"]
@@ -78,6 +87,13 @@ class SchemaResult:
     output: str | None = None
     new_tokens: int = 0
     steered: bool = False  # the token budget steered the end (see grammar.budget)
+    engine: str = "auto"  # the engine asked for (--engine)
+    engine_used: str | None = None  # the one that compiled it (auto: llguidance or outlines)
+    notes: list[str] | None = None  # where the compiled grammar narrows the schema (warnings)
+    forced_tokens: int = 0  # output tokens fed by fast-forward, without sampling
+    ff_identical: bool | None = None  # --compare-ff: same tokens with and without fast-forward
+    tok_s: float | None = None  # decode tok/s of the generation (with fast-forward if on)
+    tok_s_no_ff: float | None = None  # --compare-ff: the same generation without it
 
 
 def _compact(value: Any) -> str:
@@ -85,13 +101,20 @@ def _compact(value: Any) -> str:
 
 
 def _check_tests(
-    result: SchemaResult, item: BenchSchema, compiled: CompiledGrammar, tok: Any
+    result: SchemaResult,
+    item: BenchSchema,
+    compiled: CompiledGrammar,
+    tok: Any,
+    fill_s: list[float],
 ) -> None:
     for valid in (True, False):
         tests = [t for t in item.tests if bool(t.get("valid")) == valid][:_MAX_TESTS]
         for test in tests:
             ids = tok.encode(_compact(test["data"]), add_special_tokens=False)
-            accepted = accepts_tokens(compiled, ids)
+            if valid:  # the engine's mask fill, timed at every step of a valid document
+                accepted = timed_walk(compiled, ids, fill_s)
+            else:
+                accepted = accepts_tokens(compiled, ids)
             if valid:
                 result.valid_tests += 1
                 result.valid_accepted += accepted
@@ -100,79 +123,30 @@ def _check_tests(
                 result.invalid_rejected += not accepted
 
 
-def _generate_batch(
-    loaded: Any,
-    rows: list[tuple[SchemaResult, BenchSchema, CompiledGrammar]],
-    *,
-    max_new: int,
-    eos: set[int],
-) -> tuple[list[float], list[float]]:
-    from quantkit.runtime.generate import encode_prompt, generate
-    from quantkit.runtime.sampling import SamplingParams
-
-    prompts = [
-        encode_prompt(loaded.tokenizer, default_schema_prompt(item.schema, max_schema_chars=1500))
-        for _, item, _ in rows
-    ]
-    processor = GrammarLogitsProcessor(
-        [compiled for _, _, compiled in rows], max_new_tokens=max_new
-    )
-    params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
-    out = generate(
-        loaded.model,
-        prompts,
-        params,
-        processors=[processor],
-        eos_ids=eos,
-        tokenizer=loaded.tokenizer,
-    )
-    for i, (result, item, _) in enumerate(rows):
-        result.steered = i in processor.steered
-        result.finish = out.finish_reasons[i]
-        result.new_tokens = len(out.tokens[i])
-        result.output = out.texts[i] if out.texts else None
-        if result.finish == "stop":
-            problem = validate_json(result.output or "", item.schema)
-            result.output_ok = problem is None
-            result.output_error = problem
-    # The first processor call is part of prefill (TTFT); the rest pair with the decode steps.
-    return processor.mask_times_s[1:], list(out.stats.decode_latencies_s)
-
-
-def _load_model(spec: str | None) -> tuple[Any, str]:
-    """The model as `quantkit generate` runs it: the embedded INT4 checkpoint by default
-    (quantized once on first use), float32 activations, the same automatic lm_head dtype."""
-    import torch
-
-    from quantkit.quantize.embedded import ensure_embedded_int4
-    from quantkit.runtime.loader import load_model
-    from quantkit.runtime.options import RuntimeOptions
-
-    options = RuntimeOptions(dtype="float32", head_dtype="auto")
-    loaded = load_model(spec or ensure_embedded_int4(), options=options)
-    kind = loaded.describe()
-    head = str(loaded.model.lm_head.weight.dtype).removeprefix("torch.")
-    threads = torch.get_num_threads()
-    return loaded, f"{loaded.path} ({kind}, lm_head {head}, {threads} torch threads)"
-
-
 def _compile(
     item: BenchSchema, result: SchemaResult, vocab: TokenVocabulary, *, timeout_s: float,
     cache: bool,
 ) -> CompiledGrammar | None:  # fmt: skip
-    """Lower and compile `item` into `result`; with the disk cache, time a second load."""
+    """Compile `item` into `result` with its engine (lowering included for outlines-core);
+    with the disk cache, time a second load of an outlines-core index."""
     try:
-        grammar = json_schema_grammar(item.schema, label=item.name)
-        compiled = compile_grammar(grammar, vocab, timeout_s=timeout_s, cache=cache)
+        grammar = schema_grammar(item.schema, label=item.name)
+        compiled = compile_grammar(
+            grammar, vocab, engine=result.engine, timeout_s=timeout_s, cache=cache
+        )
     except GrammarError as e:
         result.error, result.error_kind = str(e), classify_error(str(e))
         return None
     result.compiled, result.compile_s = True, compiled.compile_s
-    result.compile_source = compiled.source
-    if cache:
+    result.compile_source, result.engine_used = compiled.source, compiled.engine
+    result.notes = list(compiled.notes)
+    if cache and compiled.engine == "outlines":
+        grammar = compiled.grammar  # lowered: a second run pays the lowering again, not timed
         # What a second run of this schema pays: the memory cache is gone, the disk one is not.
         clear_memory_cache()
-        compiled = compile_grammar(grammar, vocab, timeout_s=timeout_s, cache=True)
+        compiled = compile_grammar(
+            grammar, vocab, engine="outlines", timeout_s=timeout_s, cache=True
+        )
         result.recompile_s = compiled.compile_s
     return compiled
 
@@ -181,20 +155,24 @@ def run_bench(
     items: list[BenchSchema],
     *,
     model: str | None = None,
+    engines: tuple[str, ...] = ("auto",),
     generate_outputs: bool = True,
     max_new_tokens: int = 512,
     batch: int = 1,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     cache: bool = True,
+    fast_forward: bool = True,
+    compare_ff: bool = False,
     log: Any = print,
     checkpoint: Any = None,
 ) -> dict[str, Any]:
-    """The benchmark over `items` (see the module docstring); the report as a dict.
+    """The benchmark over `items` (see the module docstring) for each of `engines` on the same
+    schemas; outputs are generated with the first engine only. The report as a dict.
     checkpoint: called with the report so far after every schema (e.g. to save it)."""
     from quantkit.runtime.generate import eos_token_ids
 
     started = time.perf_counter()
-    loaded, model_desc = _load_model(model)
+    loaded, model_desc = (load_model if generate_outputs else load_tokenizer)(model)
     eos = eos_token_ids(tokenizer=loaded.tokenizer, config=loaded.config, model_dir=loaded.path)
     vocab = TokenVocabulary.from_tokenizer(
         loaded.tokenizer, eos_token_ids=eos, vocab_size=loaded.config["vocab_size"]
@@ -203,39 +181,49 @@ def run_bench(
     ready: list[tuple[SchemaResult, BenchSchema, CompiledGrammar]] = []
     mask_s: list[float] = []
     step_s: list[float] = []
+    fill_s: dict[str, list[float]] = {e: [] for e in engines}
 
     def report() -> dict[str, Any]:
         rows = [asdict(r) for r in results]
         return {
             "model": model_desc,
+            "engines": list(engines),
             "max_new_tokens": max_new_tokens,
             "batch": batch,
             "compile_timeout_s": timeout_s,
             "generate": generate_outputs,
+            "fast_forward": fast_forward,
             "mask": mask_summary(mask_s, step_s),
+            "mask_fill": {e: fill_summary(f) for e, f in fill_s.items()},
             "recompile": recompile_summary(rows),
             "results": rows,
         }
 
     def flush() -> None:
-        masks, steps = _generate_batch(loaded, ready, max_new=max_new_tokens, eos=eos)
+        masks, steps = generate_batch(
+            loaded, ready, max_new=max_new_tokens, eos=eos, fast_forward=fast_forward,
+            compare_ff=compare_ff,
+        )  # fmt: skip
         mask_s.extend(masks)
         step_s.extend(steps)
         for r, _, _ in ready:
-            log(f"    {r.name}: {r.finish}, {r.new_tokens} tokens, valid={r.output_ok}")
+            log(f"    {r.name}: {r.finish}, {r.new_tokens} tokens ({r.forced_tokens} forced), "
+                f"valid={r.output_ok}, ff identical={r.ff_identical}")  # fmt: skip
         ready.clear()
 
     for n, item in enumerate(items, 1):
-        result = SchemaResult(item.name, item.category)
-        results.append(result)
-        compiled = _compile(item, result, vocab, timeout_s=timeout_s, cache=cache)
-        at = f"[{n}/{len(items)} {time.perf_counter() - started:.0f} s]"
-        if compiled is None:
-            log(f"{at} {item.name}: not compiled ({result.error_kind})")
-        else:
-            _check_tests(result, item, compiled, loaded.tokenizer)
-            log(f"{at} {item.name}: index in {result.compile_s:.1f} s ({result.compile_source})")
-            if generate_outputs:
+        for engine in engines:
+            result = SchemaResult(item.name, item.category, engine=engine)
+            results.append(result)
+            compiled = _compile(item, result, vocab, timeout_s=timeout_s, cache=cache)
+            at = f"[{n}/{len(items)} {time.perf_counter() - started:.0f} s] {engine}"
+            if compiled is None:
+                log(f"{at} {item.name}: not compiled ({result.error_kind})")
+                continue
+            _check_tests(result, item, compiled, loaded.tokenizer, fill_s[engine])
+            log(f"{at} {item.name}: {result.engine_used} in {result.compile_s * 1e3:.1f} ms "
+                f"({result.compile_source})")  # fmt: skip
+            if generate_outputs and engine == engines[0]:
                 ready.append((result, item, compiled))
                 if len(ready) == batch:
                     flush()
@@ -273,6 +261,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--compile-timeout", type=float, default=DEFAULT_TIMEOUT_S)
+    parser.add_argument(
+        "--engine",
+        action="append",
+        choices=ENGINES,
+        default=None,
+        help="engine to measure (repeatable; default: auto, llguidance and outlines, each on "
+        "the same schemas); outputs are generated with the first",
+    )
+    parser.add_argument(
+        "--no-fast-forward", action="store_true", help="sample every token (batch 1 only)"
+    )
+    parser.add_argument(
+        "--compare-ff",
+        action="store_true",
+        help="generate each output with and without fast-forward: token identity and tok/s",
+    )
     parser.add_argument("--no-generate", action="store_true", help="coverage and soundness only")
     parser.add_argument("--no-cache", action="store_true", help="compile every index afresh")
     parser.add_argument(
@@ -305,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     report = run_bench(
         items,
         model=args.model,
+        engines=tuple(args.engine or ENGINES),
         generate_outputs=not args.no_generate,
+        fast_forward=not args.no_fast_forward,
+        compare_ff=args.compare_ff,
         max_new_tokens=args.max_new_tokens,
         batch=args.batch,
         timeout_s=args.compile_timeout,

@@ -21,7 +21,7 @@ import numpy as np
 
 from quantkit.grammar.bench_data import PUBLISHED_GLAIVE
 
-__all__ = ["mask_summary", "print_report", "recompile_summary", "totals"]
+__all__ = ["fill_summary", "mask_summary", "print_report", "recompile_summary", "totals"]
 
 
 def mask_summary(mask_s: Sequence[float], step_s: Sequence[float]) -> dict[str, float]:
@@ -36,6 +36,15 @@ def mask_summary(mask_s: Sequence[float], step_s: Sequence[float]) -> dict[str, 
         "step_mean_ms": float(np.mean(step_s) * 1e3),
         "share": float(np.sum(mask_s) / np.sum(step_s)),
     }
+
+
+def fill_summary(fill_s: Sequence[float]) -> dict[str, float]:
+    """Mean and p99 (us) of the engine's bitmask fill alone, per step of the valid instances."""
+    if not fill_s:
+        return {}
+    fill = np.asarray(fill_s) * 1e6
+    return {"steps": len(fill), "mean_us": float(fill.mean()),
+            "p99_us": float(np.percentile(fill, 99))}  # fmt: skip
 
 
 def recompile_summary(results: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -82,19 +91,20 @@ def _cell(part: int, whole: int) -> str:
 
 
 def _category_table(by_cat: dict[str, list[dict[str, Any]]], results: list[dict[str, Any]]) -> None:
-    head = ("category", "n", "compiled", "sound+complete", "finished valid", "hit limit",
-            "emp. coverage")  # fmt: skip
-    print(f"{head[0]:<16} {head[1]:>4} {head[2]:>13} {head[3]:>16} {head[4]:>15} {head[5]:>12} "
-          f"{head[6]:>14}")  # fmt: skip
+    head = ("category", "n", "compiled", "p50 ms", "valid acc.", "invalid rej.",
+            "finished valid", "hit limit", "ff share")  # fmt: skip
+    print(f"{head[0]:<16} {head[1]:>4} {head[2]:>13} {head[3]:>7} {head[4]:>13} {head[5]:>13} "
+          f"{head[6]:>15} {head[7]:>12} {head[8]:>8}")  # fmt: skip
     for cat, rs in [*sorted(by_cat.items()), ("ALL", results)]:
         t = totals(rs)
-        agree = t["valid_accepted"] + t["invalid_rejected"]
         print(
             f"{cat:<16} {t['schemas']:>4} {_cell(t['compiled'], t['schemas']):>13} "
-            f"{_cell(agree, t['valid_tests'] + t['invalid_tests']):>16} "
+            f"{_fmt(_compile_ms(rs, 50), '.1f'):>7} "
+            f"{_cell(t['valid_accepted'], t['valid_tests']):>13} "
+            f"{_cell(t['invalid_rejected'], t['invalid_tests']):>13} "
             f"{_cell(t['finished_valid'], t['finished']):>15} "
             f"{_cell(t['hit_limit'], t['generated']):>12} "
-            f"{_cell(t['finished_valid'], t['schemas'] if t['generated'] else 0):>14}"
+            f"{_fmt(_ff_share(rs), '.0%'):>8}"
         )
 
 
@@ -116,9 +126,56 @@ def _glaive_comparison(glaive: list[dict[str, Any]]) -> None:
               "--category Glaiveai2K --per-category 200 for a closer comparison)")  # fmt: skip
 
 
+def _compile_ms(results: Sequence[dict[str, Any]], q: float) -> float | None:
+    times = [r["compile_s"] for r in results if r["compiled"]]
+    return float(np.percentile(times, q) * 1e3) if times else None
+
+
+def _ff_share(results: Sequence[dict[str, Any]]) -> float | None:
+    gen = [r for r in results if r["finish"] is not None]
+    total = sum(r["new_tokens"] for r in gen)
+    return sum(r.get("forced_tokens", 0) for r in gen) / total if total else None
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def engine_table(report: dict[str, Any]) -> None:
+    """One line per engine, on the same schemas: the issue's summary numbers."""
+    print("\nengine      compiled          compile p50/p90 ms  valid accepted     "
+          "invalid rejected   fill mean/p99 us  finished valid  hit limit  ff share")  # fmt: skip
+    for engine in report.get("engines") or []:
+        rows = [r for r in report["results"] if r.get("engine") == engine]
+        t = totals(rows)
+        fill = (report.get("mask_fill") or {}).get(engine) or {}
+        p50, p90 = _compile_ms(rows, 50), _compile_ms(rows, 90)
+        print(
+            f"{engine:<11} {_cell(t['compiled'], t['schemas']):<17} "
+            f"{_fmt(p50, '.1f'):>7}/{_fmt(p90, '.1f'):<10} "
+            f"{_cell(t['valid_accepted'], t['valid_tests']):<18} "
+            f"{_cell(t['invalid_rejected'], t['invalid_tests']):<18} "
+            f"{_fmt(fill.get('mean_us'), '.0f'):>6}/{_fmt(fill.get('p99_us'), '.0f'):<9} "
+            f"{_cell(t['finished_valid'], t['finished']):<15} "
+            f"{_cell(t['hit_limit'], t['generated']):<10} {_fmt(_ff_share(rows), '.1%')}"
+        )
+
+
 def print_report(report: dict[str, Any]) -> None:
-    results: list[dict[str, Any]] = report["results"]
-    print(f"\nmodel {report['model']}; greedy, up to {report['max_new_tokens']} new tokens, "
+    """The report of each engine in turn (outputs: the first engine's), then the comparison."""
+    engines = report.get("engines") or [None]
+    for engine in engines:
+        rows = [r for r in report["results"] if engine is None or r.get("engine") == engine]
+        print(f"\n===== engine {engine}" if engine else "")
+        _print_engine(report, rows, engine, first=engine == engines[0])
+    if report.get("engines"):
+        engine_table(report)
+
+
+def _print_engine(
+    report: dict[str, Any], results: list[dict[str, Any]], engine: str | None, *, first: bool
+) -> None:
+    print(f"model {report['model']}; greedy, up to {report['max_new_tokens']} new tokens, "
           f"batch {report['batch']}, compile limit {report['compile_timeout_s']:g} s")  # fmt: skip
     by_cat: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in results:
@@ -126,6 +183,19 @@ def print_report(report: dict[str, Any]) -> None:
     _category_table(by_cat, results)
     t = totals(results)
     print(f"\ndeclared coverage     {_rate(t['compiled'], t['schemas'])} compile within the limit")
+    p50, p90 = _compile_ms(results, 50), _compile_ms(results, 90)
+    print(f"compile time          p50 {_fmt(p50, '.1f')} ms, p90 {_fmt(p90, '.1f')} ms")
+    used: dict[str, int] = defaultdict(int)
+    for r in results:
+        if r["compiled"]:
+            used[r.get("engine_used") or "outlines"] += 1
+    print("  compiled by         " + ", ".join(f"{e} {n}" for e, n in sorted(used.items())))
+    warned = [r for r in results if r.get("notes")]
+    print(f"  narrowing warnings  {len(warned)} schemas (each reported, see notes in --json)")
+    fill = (report.get("mask_fill") or {}).get(engine) or {}
+    if fill:
+        print(f"mask fill (engine)    mean {fill['mean_us']:.1f} us, p99 {fill['p99_us']:.1f} us "
+              f"over {fill['steps']} steps of valid instances")  # fmt: skip
     causes: dict[str, list[str]] = defaultdict(list)
     for r in results:
         if not r["compiled"]:
@@ -161,8 +231,20 @@ def print_report(report: dict[str, Any]) -> None:
             f"{recompile['p90_s'] * 1e3:.0f} ms, max {recompile['max_s'] * 1e3:.0f} ms; "
             f"{recompile['under_100ms']}/{recompile['n']} under 0.1 s"
         )
+    share = _ff_share(results)
+    if share is not None:
+        print(f"fast-forward          {share:.1%} of output tokens fed without sampling")
+        compared = [r for r in results if r.get("ff_identical") is not None]
+        if compared:
+            same = sum(bool(r["ff_identical"]) for r in compared)
+            on = [r["tok_s"] for r in compared if r.get("tok_s")]
+            off = [r["tok_s_no_ff"] for r in compared if r.get("tok_s_no_ff")]
+            print(f"  token-identical     {_rate(same, len(compared))} with vs without")
+            if on and off:
+                print(f"  decode tok/s        mean {np.mean(on):.1f} with, {np.mean(off):.1f} "
+                      "without")  # fmt: skip
     mask = report.get("mask") or {}
-    if mask:
+    if mask and first:
         print(
             f"mask per decode step  mean {mask['mean_us']:.0f} us, p99 {mask['p99_us']:.0f} us "
             f"over {mask['steps']} steps = {mask['share']:.2%} of the step "

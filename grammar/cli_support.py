@@ -2,7 +2,8 @@
 
 The command calls, in order:
 
-    run = GrammarRun.from_options(schema=..., regex=..., choices=..., compile_timeout=...)
+    run = GrammarRun.from_options(schema=..., regex=..., choices=..., compile_timeout=...,
+                                  engine="auto")
     prompt = run.prompt(prompt)                  # the default prompt for a schema
     ... load the model ...
     processor = run.processor(loaded)            # compile (or load from cache), log to stderr
@@ -26,13 +27,19 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import GenerationError, GrammarError
-from quantkit.grammar.compiler import DEFAULT_TIMEOUT_S, CompiledGrammar, compile_grammar
+from quantkit.grammar.compiler import (
+    DEFAULT_ENGINE,
+    DEFAULT_TIMEOUT_S,
+    ENGINES,
+    CompiledGrammar,
+    compile_grammar,
+)
 from quantkit.grammar.constraints import (
     Grammar,
     choice_grammar,
-    json_schema_grammar,
     load_schema_file,
     regex_grammar,
+    schema_grammar,
     validate_json,
 )
 from quantkit.grammar.processor import GrammarLogitsProcessor
@@ -72,6 +79,7 @@ class GrammarRun:
     grammar: Grammar
     compile_timeout: float | None = DEFAULT_TIMEOUT_S
     log: Callable[[str], None] = _stderr
+    engine: str = DEFAULT_ENGINE
     compiled: CompiledGrammar | None = field(default=None, init=False)
     processor_: GrammarLogitsProcessor | None = field(default=None, init=False)
 
@@ -84,9 +92,16 @@ class GrammarRun:
         choices: Sequence[str] = (),
         compile_timeout: float | None = DEFAULT_TIMEOUT_S,
         log: Callable[[str], None] = _stderr,
+        engine: str = DEFAULT_ENGINE,
     ) -> GrammarRun | None:
         """The run the options ask for, or None without a constraint. Checks everything that
-        needs no model: one constraint at most, the schema file, the regex's syntax."""
+        needs no model: one constraint at most, the engine, the schema file (against its
+        metaschema; lowering it for outlines-core waits for the compile and its time limit),
+        the regex's syntax."""
+        if engine not in ENGINES:
+            raise GrammarError(
+                f"--grammar-engine: expected one of {', '.join(ENGINES)}, got {engine!r}"
+            )
         given = [
             n for n, v in (("--schema", schema), ("--regex", regex), ("--choice", choices)) if v
         ]
@@ -102,7 +117,7 @@ class GrammarRun:
         if schema is not None and schema != "":
             parsed = load_schema_file(schema)
             try:
-                grammar = json_schema_grammar(parsed, label=f"schema {Path(schema).name}")
+                grammar = schema_grammar(parsed, label=f"schema {Path(schema).name}")
             except GrammarError as e:
                 raise GrammarError(f"--schema {schema}: {e}") from None
         elif regex is not None and regex != "":
@@ -111,7 +126,7 @@ class GrammarRun:
             grammar = choice_grammar(choices)
         else:
             return None
-        return cls(grammar, compile_timeout=compile_timeout, log=log)
+        return cls(grammar, compile_timeout=compile_timeout, log=log, engine=engine)
 
     def prompt(self, prompt: str | None) -> str:
         """`prompt`, or for a schema without one the default prompt (title, description)."""
@@ -130,8 +145,13 @@ class GrammarRun:
             loaded.tokenizer, eos_token_ids=eos_ids, vocab_size=loaded.config.get("vocab_size")
         )
         if self.compiled is None or self.compiled.vocabulary.fingerprint != vocab.fingerprint:
-            self.log(f"compiling {self.grammar.label} (limit {self.compile_timeout:g} s) ...")
-            self.compiled = compile_grammar(self.grammar, vocab, timeout_s=self.compile_timeout)
+            limit = "none" if self.compile_timeout is None else f"{self.compile_timeout:g} s"
+            self.log(f"compiling {self.grammar.label} (engine {self.engine}, limit {limit}) ...")
+            self.compiled = compile_grammar(
+                self.grammar, vocab, engine=self.engine, timeout_s=self.compile_timeout
+            )
+            for note in self.compiled.notes:  # never narrowed silently
+                self.log(f"warning: {self.compiled.engine} narrows the schema: {note}")
         self.processor_ = GrammarLogitsProcessor(self.compiled, max_new_tokens=max_new_tokens)
         return self.processor_
 
@@ -142,7 +162,7 @@ class GrammarRun:
         if self.grammar.kind == "json_schema":
             problem = validate_json(text, self.grammar.schema)
             return None if problem is None else f"does not validate: {problem}"
-        if re.fullmatch(self.grammar.regex, text) is None:
+        if re.fullmatch(self.grammar.regex or "", text) is None:
             return f"does not match {self.grammar.label}"
         return None
 
@@ -159,8 +179,14 @@ class GrammarRun:
             mask_s = sum(self.processor_.mask_times_s[1:])
             share = mask_s / sum(steps)
         problem = self.check(text, finish_reason)
+        forced = self.processor_.forced_count
         return {
             "constraint": self.grammar.label,
+            "grammar_engine": self.compiled.engine,
+            "grammar_engine_requested": self.engine,
+            "engines_refused": list(self.compiled.tried),
+            "fast_forward_tokens": forced,
+            "fast_forward_share": forced / max(self.processor_.token_count, 1),
             "compile_s": self.compiled.compile_s,
             "compile_source": self.compiled.source,
             "mask_mean_us": stats["mean_us"],
@@ -169,7 +195,7 @@ class GrammarRun:
             "budget_steered": bool(self.processor_.steered),
             "output_valid": problem is None,
             "output_problem": problem,
-            "grammar_notes": list(self.grammar.notes),
+            "grammar_notes": list(self.compiled.notes),
         }
 
     def summary_lines(self, summary: dict[str, Any]) -> list[str]:
@@ -179,9 +205,19 @@ class GrammarRun:
             "disk": " (from the disk cache, not recompiled)",
             "compiled": " (compiled now; cached for the next run)",
         }.get(summary["compile_source"], "")
+        if summary["grammar_engine"] == "llguidance":
+            cached = ""  # compiled in milliseconds every run: nothing cached on disk
+        engine = summary["grammar_engine"]
+        how = "" if summary["grammar_engine_requested"] == engine else " (auto)"
         lines = [
-            f"grammar    {summary['constraint']}: index in {summary['compile_s']:.2f} s{cached}"
+            f"grammar    {summary['constraint']}: engine {engine}{how}, compiled in "
+            f"{summary['compile_s'] * 1e3:.1f} ms{cached}"
         ]
+        if summary["fast_forward_tokens"]:
+            lines.append(
+                f"forced     {summary['fast_forward_tokens']} tokens fast-forwarded "
+                f"({summary['fast_forward_share']:.0%} of the output, fed without sampling)"
+            )
         share = summary["mask_share"]
         share_text = "" if share is None else f" = {share:.2%} of the decode step"
         lines.append(
@@ -190,8 +226,11 @@ class GrammarRun:
         )
         if summary["budget_steered"]:
             lines.append("budget     steered to finish within --max-new-tokens (byte by byte)")
-        for note in summary["grammar_notes"][:3]:
+        notes = summary["grammar_notes"]
+        for note in notes[:3]:
             lines.append(f"narrowed   {note}")
+        if len(notes) > 3:
+            lines.append(f"narrowed   ... and {len(notes) - 3} more (see --json)")
         verdict = "valid" if summary["output_valid"] else summary["output_problem"]
         what = "JSON, matches the schema" if self.grammar.kind == "json_schema" else "matches"
         lines.append(f"output     {what}" if summary["output_valid"] else f"output     {verdict}")

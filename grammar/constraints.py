@@ -1,8 +1,10 @@
 """What a user can constrain generation to: a JSON schema, a regex, or a choice of strings.
 
-Each becomes a `Grammar`: one regex over the output text (outlines-core's input), plus what is
-needed to check and explain the result (the schema for validation, notes on where the grammar
-is narrower than the schema).
+Each becomes a `Grammar`: the schema (llguidance's input) or one regex over the output text
+(outlines-core's input), plus what is needed to check and explain the result (the schema for
+validation, notes on where the grammar is narrower than the schema). `schema_grammar` leaves the
+regex to be lowered later, only if outlines-core is the engine, under the compile time limit
+(`lowering`); `json_schema_grammar` lowers at once.
 """
 
 from __future__ import annotations
@@ -24,18 +26,20 @@ __all__ = [
     "json_schema_grammar",
     "load_schema_file",
     "regex_grammar",
+    "schema_grammar",
     "validate_json",
 ]
 
 
 @dataclass(frozen=True)
 class Grammar:
-    """kind: "json_schema", "regex" or "choice"; regex: what outlines-core compiles;
-    label: a short description for messages; schema: the parsed schema (json_schema only);
-    notes: where the grammar is narrower than the schema (still sound), for the user."""
+    """kind: "json_schema", "regex" or "choice"; regex: what outlines-core compiles (None for
+    a schema not lowered yet: see `lowering.lower_schema`); label: a short description for
+    messages; schema: the parsed schema (json_schema only); notes: where the grammar is
+    narrower than the schema (still sound), for the user."""
 
     kind: str
-    regex: str
+    regex: str | None
     label: str
     schema: Any = None
     notes: tuple[str, ...] = ()
@@ -66,6 +70,14 @@ def json_schema_grammar(
     lowered = schema_to_regex(schema, whitespace=whitespace)
     parsed = json.loads(schema) if isinstance(schema, str) else schema
     return Grammar("json_schema", lowered.regex, label, schema=parsed, notes=lowered.notes)
+
+
+def schema_grammar(schema: Any, *, label: str = "schema") -> Grammar:
+    """A grammar for JSON documents valid against `schema`, checked against its metaschema but
+    not lowered to a regex (llguidance compiles the schema itself)."""
+    parsed = json.loads(schema) if isinstance(schema, str) else schema
+    check_schema(parsed)
+    return Grammar("json_schema", None, label, schema=parsed)
 
 
 def regex_grammar(pattern: str) -> Grammar:

@@ -1,11 +1,14 @@
-"""The grammar as a `LogitsProcessor`: one outlines-core Guide per row, a bitmask per step.
+"""The grammar as a `LogitsProcessor`: one matcher per row (either engine), a bitmask per step.
 
-Each call (one per decode step, as `quantkit.runtime.sampling.LogitsProcessor` requires):
+Each row is an `OutlinesRow` (an outlines-core Guide) or an `LlgRow` (an llguidance matcher),
+from its CompiledGrammar's `new_row`; a batch may mix them, since both fill the same int32
+bitmask layout. Each call (one per decode step, as `quantkit.runtime.sampling.LogitsProcessor`
+requires):
 
-1. advance every live row's Guide by the token the previous step sampled for it (the last
-   column of input_ids); a row whose token was an EOS, or -1 (the caller already finished it),
-   is done and is never advanced again: outlines-core raises on EOS, which is not text;
-2. let each Guide write its allowed-token bitmask straight into one int32 buffer [B, V/32]
+1. advance every live row by the token the previous step sampled for it (the last column of
+   input_ids); a row whose token was an EOS, or -1 (the caller already finished it), is done
+   and is never advanced again: EOS is not text;
+2. let each row write its allowed-token bitmask straight into one int32 buffer [B, V/32]
    (native code, no Python loop over the vocabulary); rows in an accepting state also get every
    EOS id, so a sequence can only end where the grammar is complete;
 3. with a token budget, rows close to running out are steered to finish in time (`budget`);
@@ -14,8 +17,14 @@ Each call (one per decode step, as `quantkit.runtime.sampling.LogitsProcessor` r
 
 The time of every call is kept in `mask_times_s` (see `mask_stats`).
 
+Fast-forward (`forced_tokens`): after a token is sampled, the decode loop may ask which tokens
+the grammar forces next (llguidance rows only), append them without sampling and feed them all
+in one model call; the row is advanced by them at once, and the next call then expects input_ids
+to have grown by those columns too.
+
 The processor holds per-generation state: create one per `generate()` call, or `reset()` it.
-It checks that input_ids grows by one column per call, which catches reuse without a reset.
+It checks that input_ids grows by one column per call (plus any fast-forwarded ones), which
+catches reuse without a reset.
 """
 
 from __future__ import annotations
@@ -30,7 +39,6 @@ import torch
 from quantkit.errors import GrammarError
 from quantkit.grammar.budget import WINDOW, CompletionPlan
 from quantkit.grammar.compiler import CompiledGrammar
-from quantkit.grammar.vocabulary import import_outlines_core
 
 __all__ = ["GrammarLogitsProcessor"]
 
@@ -104,11 +112,19 @@ class GrammarLogitsProcessor:
     def reset(self) -> None:
         """Forget all rows: the next call starts a new generation."""
         self._guides: list[Any] = []
+        self._ahead: set[int] = set()  # rows already advanced past input_ids' last column
+        self._extra = 0  # fast-forwarded columns input_ids gains before the next call
+        self.forced_count = 0  # tokens fed without sampling (fast-forward), this generation
         self._done: list[bool] = []
         self._counts: list[int] = []
         self.steered: set[int] = set()
         self._width: int | None = None
         self._bits: np.ndarray | None = None
+
+    @property
+    def token_count(self) -> int:
+        """Tokens the rows have advanced by so far (sampled and fast-forwarded, EOS excluded)."""
+        return sum(self._counts)
 
     @property
     def finished(self) -> list[bool]:
@@ -126,9 +142,8 @@ class GrammarLogitsProcessor:
                 f"grammar processor: expected {len(self._grammars)} rows (one per grammar), "
                 f"got {batch}"
             )
-        oc = import_outlines_core()
         grammars = self._grammars if self._per_row else self._grammars * batch
-        self._guides = [None if g is None else oc.Guide(g.index) for g in grammars]
+        self._guides = [None if g is None else g.new_row() for g in grammars]
         self._plans = [None if g is None else g.plan for g in grammars]
         self._done = [False] * batch
         self._counts = [0] * batch
@@ -138,31 +153,49 @@ class GrammarLogitsProcessor:
     def _advance(self, last: list[int]) -> None:
         eos = set(self._eos)
         for row, (guide, token) in enumerate(zip(self._guides, last, strict=True)):
-            if self._done[row] or guide is None:
+            if self._done[row] or guide is None or row in self._ahead:
                 continue
             if token < 0 or token in eos:
                 self._done[row] = True
                 continue
-            try:
-                guide.advance(token, return_tokens=False)
+            if guide.advance(token):
                 self._counts[row] += 1
-            except ValueError:
+            else:
                 raise GrammarError(
                     f"row {row}: token {token} is not allowed by the grammar (a masked token was "
                     f"sampled: the processor must run last-but-sampling, once per step)"
-                ) from None
+                )
+
+    def forced_tokens(self, row: int, token: int, *, limit: int) -> list[int]:
+        """Advance `row` by `token` (just sampled, not yet seen by this processor) and by the
+        tokens its grammar then forces (at most `limit`), and return those: the caller appends
+        them without sampling and adds them to input_ids before the next call."""
+        guide = self._guides[row]
+        if guide is None or self._done[row] or row in self._ahead or token in self._eos:
+            return []
+        if not guide.advance(token):
+            raise GrammarError(f"row {row}: token {token} is not allowed by the grammar")
+        self._counts[row] += 1
+        self._ahead.add(row)
+        forced = guide.forced_tokens()[: max(limit, 0)]
+        for t in forced:
+            if not guide.advance(t):  # internal invariant: the engine forced it
+                raise AssertionError(f"row {row}: forced token {t} was refused")
+        self._counts[row] += len(forced)
+        self._extra = max(self._extra, len(forced))
+        self.forced_count += len(forced)
+        return forced
 
     def _fill(self) -> np.ndarray:
         bits = self._bits
         assert bits is not None  # set by _start
-        words = bits.shape[1]
         for row, guide in enumerate(self._guides):
             line = bits[row]
             if guide is None or self._done[row]:
                 line.fill(-1)  # unconstrained / finished rows: leave their logits alone
                 continue
             line.fill(0)
-            guide.write_mask_into(line.ctypes.data, words, 4)
+            guide.fill(line)
             plan = self._plans[row]
             if self.max_new_tokens is not None and plan is not None:
                 self._steer(row, line, guide, plan)
@@ -179,7 +212,7 @@ class GrammarLogitsProcessor:
         closest to completion. Bytes bound tokens from above, so this is conservative."""
         assert self.max_new_tokens is not None
         left = self.max_new_tokens - self._counts[row]  # tokens left, this step's included
-        state = guide.get_state()
+        state = guide.guide.get_state()  # plans exist for outlines-core rows only
         need = plan.dist.get(state)
         if need is None or left > need + 1 + WINDOW:
             return
@@ -220,13 +253,16 @@ class GrammarLogitsProcessor:
         if self._width is None:
             self._start(batch, vocab)
         else:
-            if width != self._width + 1 or batch != len(self._guides):
+            want = self._width + 1 + self._extra
+            if width != want or batch != len(self._guides):
                 raise GrammarError(
-                    f"grammar processor: expected input_ids with {self._width + 1} columns (one "
-                    f"more than last step), got {width}; use a new processor or reset() per "
-                    f"generate call"
+                    f"grammar processor: expected input_ids with {want} columns (one more than "
+                    f"last step, plus fast-forwarded ones), got {width}; use a new processor or "
+                    f"reset() per generate call"
                 )
             self._advance(input_ids[:, -1].tolist())
+            self._ahead.clear()
+            self._extra = 0
         self._width = width
         bits = self._fill()
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab]

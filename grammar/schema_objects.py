@@ -132,6 +132,8 @@ def lower_object(lowerer: _Lowerer, node: dict[str, Any], where: str, refs: tupl
             dropped = optional[high - len(required) :]
             lowered = {n: s for n, s in lowered.items() if n not in dropped}
             lowerer.note(where, f"maxProperties {high}: optional properties {dropped} left out")
+    if extra is not False or patterns:
+        lowerer.note(where, "properties the schema does not declare are never produced")
     if not lowered:
         return {"type": "object", "maxProperties": 0}
     return {"type": "object", "properties": lowered, "required": [n for n in lowered if n in

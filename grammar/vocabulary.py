@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
@@ -94,11 +94,15 @@ class TokenVocabulary:
         special tokens) are never allowed by a grammar.
     token_bytes: id -> bytes, special tokens and EOS excluded.
     eos_token_ids: every id that ends a sequence; allowed only where the grammar is complete.
+    encode: the tokenizer's own encoding of UTF-8 text (no special tokens), which llguidance
+        uses for its canonical fast-forward tokens; None (hand-built vocabularies): greedy
+        longest match over `token_bytes`. Not part of the fingerprint.
     """
 
     size: int
     token_bytes: Mapping[int, bytes]
     eos_token_ids: frozenset[int]
+    encode: Callable[[bytes], list[int]] | None = field(default=None, compare=False, repr=False)
     fingerprint: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -168,7 +172,12 @@ class TokenVocabulary:
                 data = text.encode("utf-8")
             if data:
                 table[token_id] = data
-        return cls(size=size, token_bytes=table, eos_token_ids=frozenset(eos))
+
+        def encode(data: bytes) -> list[int]:
+            text = data.decode("utf-8", errors="replace")
+            return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+        return cls(size=size, token_bytes=table, eos_token_ids=frozenset(eos), encode=encode)
 
     @property
     def outlines_eos(self) -> int:

@@ -52,8 +52,10 @@ def test_schema_without_prompt_writes_valid_json(
     tiny_model_dir: Path, tmp_path: Path, capsys
 ) -> None:
     # No --prompt: the default one (it must fit the tiny model's 256-token context).
+    # Closed (additionalProperties false): a random tiny model would fill an open object with
+    # undeclared properties until the token limit, which llguidance (rightly) allows.
     schema = {"title": "Switch", "type": "object", "properties": {"ok": {"type": "boolean"}},
-              "required": ["ok"]}  # fmt: skip
+              "required": ["ok"], "additionalProperties": False}  # fmt: skip
     (tmp_path / "switch.json").write_text(json.dumps(schema))
     out_file = tmp_path / "answer.json"
     code, out, err = run(
@@ -63,7 +65,7 @@ def test_schema_without_prompt_writes_valid_json(
     assert code == 0, err
     assert validate_json(out_file.read_text(), schema) is None
     assert json.loads(out_file.read_text()) == json.loads(out.split("\n---\n")[0])
-    assert "grammar    schema switch.json: index in" in out
+    assert "grammar    schema switch.json: engine llguidance (auto), compiled in" in out
     assert "mask       mean" in out and "of the decode step" in out
     assert "output     JSON, matches the schema" in out
     assert not list(tmp_path.glob(".answer.json.*"))  # no temporary file left behind
@@ -73,11 +75,16 @@ def test_json_mode_has_grammar_fields_and_second_run_is_cached(
     tiny_model_dir: Path, small_schema: Path, capsys
 ) -> None:
     args = ["generate", str(tiny_model_dir), "--schema", str(small_schema), "--json",
-            "--max-new-tokens", "64", "--prompt", "Set the switch."]  # fmt: skip
+            "--max-new-tokens", "64", "--prompt", "Set the switch.",
+            "--grammar-engine", "outlines"]  # fmt: skip
     code, out, err = run(capsys, *args)
     assert code == 0, err
     first = json.loads(out)
     assert first["compile_source"] == "compiled" and first["output_valid"] is True
+    # No silent narrowing: the bound is in --json and a warning line on stderr.
+    assert first["grammar_engine"] == "outlines" and first["engines_refused"] == []
+    assert any("declaration order only" in n for n in first["grammar_notes"])
+    assert "warning: outlines narrows the schema: #: declared properties" in err
     assert first["mask_mean_us"] > 0 and first["mask_p99_us"] >= first["mask_mean_us"] * 0.5
     assert validate_json(first["text"], SMALL) is None
     compiler.clear_memory_cache()
@@ -146,7 +153,7 @@ def test_compile_past_the_limit(tiny_model_dir: Path, capsys) -> None:
         capsys, "generate", str(tiny_model_dir), "--prompt", "x", "--regex", slow,
         "--compile-timeout", "0.5",
     )  # fmt: skip
-    last_line_error(code, err, "longer than the limit of 0.5 s (--compile-timeout)")
+    last_line_error(code, err, "longer than the limit of 0.5 s (--compile-timeout", "phase")
 
 
 def test_schema_compile_past_the_limit(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
@@ -158,10 +165,10 @@ def test_schema_compile_past_the_limit(tiny_model_dir: Path, tmp_path: Path, cap
     (tmp_path / "slow.json").write_text(json.dumps({"type": "array", "items": item}))
     code, _, err = run(
         capsys, "generate", str(tiny_model_dir), "--schema", str(tmp_path / "slow.json"),
-        "--compile-timeout", "0.3",
+        "--compile-timeout", "0.3", "--grammar-engine", "outlines",
     )  # fmt: skip
     last_line_error(code, err, "schema slow.json: compiling the grammar took longer than the "
-                    "limit of 0.3 s (--compile-timeout)")  # fmt: skip
+                    "limit of 0.3 s (--compile-timeout; phase: index build)")  # fmt: skip
 
 
 @pytest.fixture()
@@ -203,7 +210,8 @@ def test_the_users_command_exactly_as_typed(
     assert prompts == [default_schema_prompt(SMALL)]  # title and description included
     text = out.split("\n---\n")[0]
     assert validate_json(text, SMALL) is None, text
-    assert "grammar    schema out.json: index in" in out and "(compiled now" in out
+    # The summary names the engine auto picked.
+    assert "grammar    schema out.json: engine llguidance (auto), compiled in" in out
     assert "mask       mean" in out and "of the decode step" in out
     assert "output     JSON, matches the schema" in out
     assert json.loads((tmp_path / "out.json").read_text()) == SMALL  # the schema is untouched

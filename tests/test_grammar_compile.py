@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from quantkit.errors import GrammarError, MissingExtraError
-from quantkit.grammar import compiler
+from quantkit.grammar import compiler, worker_client
 from quantkit.grammar.compiler import compile_grammar, grammar_cache_dir
 from quantkit.grammar.constraints import (
     choice_grammar,
@@ -42,29 +42,31 @@ def vocab() -> TokenVocabulary:
 
 def test_second_compile_comes_from_disk_then_memory(vocab: TokenVocabulary, _home: Path) -> None:
     grammar = json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}})
-    first = compile_grammar(grammar, vocab, timeout_s=60)
+    first = compile_grammar(grammar, vocab, engine="outlines", timeout_s=60)
     assert first.source == "compiled" and not first.from_cache
     assert (grammar_cache_dir() / f"{first.key}.index").is_file()
     assert grammar_cache_dir() == _home / "grammar"
     compiler.clear_memory_cache()
     started = time.perf_counter()
-    second = compile_grammar(grammar, vocab, timeout_s=60)
+    second = compile_grammar(grammar, vocab, engine="outlines", timeout_s=60)
     assert second.source == "disk" and time.perf_counter() - started < 1.0
     assert second.index.get_transitions() == first.index.get_transitions()
-    third = compile_grammar(grammar, vocab, timeout_s=60)
+    third = compile_grammar(grammar, vocab, engine="outlines", timeout_s=60)
     assert third.source == "memory" and third.compile_s < 0.1
 
 
 def test_cache_key_depends_on_the_vocabulary(vocab: TokenVocabulary) -> None:
     grammar = regex_grammar("ab+")
     other = TokenVocabulary.from_bytes({1: b"a", 2: b"b"}, eos_token_ids=[0], size=3)
-    a = compile_grammar(grammar, vocab, timeout_s=None)
+    a = compile_grammar(grammar, vocab, engine="outlines", timeout_s=None)
     b = compile_grammar(grammar, other, timeout_s=None)
     assert a.key != b.key and b.source == "compiled"
 
 
 def test_no_disk_cache_leaves_nothing(vocab: TokenVocabulary) -> None:
-    compile_grammar(choice_grammar(["x", "yz"]), vocab, timeout_s=30, cache=False)
+    compile_grammar(
+        choice_grammar(["x", "yz"]), vocab, engine="outlines", timeout_s=30, cache=False
+    )
     assert not grammar_cache_dir().exists() or not list(grammar_cache_dir().glob("*.index"))
 
 
@@ -72,24 +74,29 @@ def test_compile_past_the_limit_is_a_grammar_error(vocab: TokenVocabulary) -> No
     # {0,16} of the JSON string body over this vocabulary takes minutes (see regex_parts).
     slow = regex_grammar(r'"(?:[^"\\\x00-\x1F]|\\["\\/bfnrt]){0,16}"')
     started = time.perf_counter()
-    with pytest.raises(GrammarError, match=r"longer than the limit of 1 s \(--compile-timeout\)"):
-        compile_grammar(slow, vocab, timeout_s=1.0)
+    with pytest.raises(GrammarError, match=r"longer than the limit of 1 s \(--compile-timeout"):
+        compile_grammar(slow, vocab, engine="outlines", timeout_s=1.0)
     assert time.perf_counter() - started < 60  # the worker was killed, not waited for
     # The next compile gets a fresh worker.
-    assert compile_grammar(regex_grammar("a+"), vocab, timeout_s=60).source == "compiled"
+    assert (
+        compile_grammar(regex_grammar("a+"), vocab, engine="outlines", timeout_s=60).source
+        == "compiled"
+    )
 
 
 def test_a_compile_killed_while_writing_leaves_no_temporary_index(
     vocab: TokenVocabulary, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def killed_mid_write(self: compiler._Worker, payload: dict[str, str], timeout_s: float) -> None:
+    def killed_mid_write(
+        self: worker_client._Worker, payload: dict[str, str], timeout_s: float
+    ) -> None:
         out = Path(payload["out"])  # what the worker writes before its rename, then the kill
         out.with_name(f"{out.name}.tmp-{self.proc.pid}").write_bytes(b"half an index")
         self.close()
 
-    monkeypatch.setattr(compiler._Worker, "request", killed_mid_write)
+    monkeypatch.setattr(worker_client._Worker, "request", killed_mid_write)
     with pytest.raises(GrammarError, match="longer than the limit"):
-        compile_grammar(regex_grammar("ab*"), vocab, timeout_s=5.0, plan=False)
+        compile_grammar(regex_grammar("ab*"), vocab, engine="outlines", timeout_s=5.0, plan=False)
     assert not list(grammar_cache_dir().glob("*.tmp-*"))
 
 
@@ -101,7 +108,9 @@ def test_trim_sweeps_stale_temporary_files(vocab: TokenVocabulary) -> None:
         path.write_bytes(b"x")
     old = time.time() - 2 * compiler._STALE_TMP_S
     os.utime(stale, (old, old))
-    compile_grammar(regex_grammar("a+b"), vocab, timeout_s=60, plan=False)  # trims the cache
+    compile_grammar(
+        regex_grammar("a+b"), vocab, engine="outlines", timeout_s=60, plan=False
+    )  # trims the cache
     assert not stale.exists() and fresh.exists()  # a fresh one may be another process's write
 
 
@@ -109,14 +118,16 @@ def test_regex_errors(vocab: TokenVocabulary) -> None:
     with pytest.raises(GrammarError, match=r"--regex '\(ab': expected a valid regex"):
         regex_grammar("(ab")
     with pytest.raises(GrammarError, match="outlines-core cannot compile it"):
-        compile_grammar(regex_grammar("(?=a)a"), vocab, timeout_s=60)  # Rust: no lookahead
+        compile_grammar(
+            regex_grammar("(?=a)a"), vocab, engine="outlines", timeout_s=60
+        )  # Rust: no lookahead
     with pytest.raises(GrammarError, match="outlines-core cannot compile it"):
-        compile_grammar(regex_grammar("(?=a)a"), vocab, timeout_s=None)
+        compile_grammar(regex_grammar("(?=a)a"), vocab, engine="outlines", timeout_s=None)
 
 
 def test_bad_timeout_and_choices(vocab: TokenVocabulary) -> None:
     with pytest.raises(GrammarError, match="--compile-timeout"):
-        compile_grammar(regex_grammar("a"), vocab, timeout_s=0)
+        compile_grammar(regex_grammar("a"), vocab, engine="outlines", timeout_s=0)
     with pytest.raises(GrammarError, match="distinct"):
         choice_grammar(["a", "a"])
     with pytest.raises(GrammarError, match="non-empty"):

@@ -158,8 +158,10 @@ def test_byte_plan_states_match_the_token_index(vocab: TokenVocabulary) -> None:
     from quantkit.grammar.budget import byte_vocabulary
 
     grammar = json_schema_grammar({"type": "object", "properties": {"a": {"type": "boolean"}}})
-    tokens = compile_grammar(grammar, vocab, timeout_s=None)
-    byte_index = compile_grammar(grammar, byte_vocabulary(), timeout_s=None, plan=False).index
+    tokens = compile_grammar(grammar, vocab, engine="outlines", timeout_s=None)
+    byte_index = compile_grammar(
+        grammar, byte_vocabulary(), engine="outlines", timeout_s=None, plan=False
+    ).index
     token_guide, byte_guide = outlines_core.Guide(tokens.index), outlines_core.Guide(byte_index)
     ids = [3 + PIECES.index(p) for p in ["{", '"a', '"', ":", "true", "}"]]
     for token in ids:

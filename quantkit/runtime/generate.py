@@ -9,6 +9,11 @@ would alone, and RoPE positions equal cache slots, as `CausalLM` requires.
 Rows that finish early (EOS, a stop string, their token limit) keep riding along in the static
 batch, frozen at their last slot, until every row is done; their outputs are discarded.
 
+Fast-forward (`fast_forward=True`, batch 1): a processor with a `forced_tokens(row, token, *,
+limit)` method (the grammar's) names the tokens its constraint forces after each sampled token;
+they are appended without sampling and fed together with that token in one model call of
+several rows (on a CPU, the C step's multi-row call that prefill uses). Off, nothing changes.
+
 What is timed (see `quantkit.runtime.stats`): TTFT = prefill + sampling + handling of the first
 token; then one latency per decode step, each including its sampling and the detokenization and
 callback of its tokens, so TTFT + the steps add up to the wall time of the call.
@@ -244,6 +249,7 @@ def generate(
     compile: bool = False,
     generator: torch.Generator | None = None,
     cache_len: int | None = None,
+    fast_forward: bool = False,
 ) -> GenerationResult:
     """Generate up to `params.max_new_tokens` tokens after each prompt (token ids), batched.
 
@@ -257,6 +263,8 @@ def generate(
     cache_len: slots of the static KV cache (default: see `cache_length`). A compiled step is
         specialized to it, so a warm-up run that should compile for a later call passes the
         later call's `cache_length(...)`.
+    fast_forward: append the tokens a processor forces without sampling (batch 1 only; see
+        the module docstring); a batch of several rows decodes as without it.
     A row's token limit is also capped by the context window (finish reason "length").
     """
     cfg, device = model.config, model.device
@@ -314,6 +322,28 @@ def generate(
                 if on_token is not None:
                     on_token(event)
 
+    forcer = None
+    if fast_forward and batch == 1:
+        forcer = next((p for p in processors if hasattr(p, "forced_tokens")), None)
+
+    def forced_after(token: int) -> list[int]:
+        """The tokens forced after row 0's `token`, already handled and in the history."""
+        nonlocal width
+        row = rows[0]
+        if forcer is None or row.finish_reason is not None:
+            return []
+        forced = forcer.forced_tokens(0, token, limit=row.limit - len(row.tokens))
+        kept = []
+        for t in forced:
+            if row.finish_reason is not None:  # a stop string ended it: feed no more
+                break
+            handle([t])
+            kept.append(t)
+        if kept and history is not None:
+            history[0, width : width + len(kept)] = torch.tensor(kept, device=device)
+            width += len(kept)
+        return kept
+
     step = _decode_step(device, compile=compile)
     latencies: list[float] = []
     model.setup_cache(batch=batch, max_len=slots)
@@ -325,15 +355,33 @@ def generate(
         cache_slots = torch.arange(slots, device=device)
         positions = length_t.clone()  # the slot each row's next fed token goes to
         while any(r.finish_reason is None for r in rows):
-            fed = torch.tensor(tokens, device=device).unsqueeze(1)
-            mask = (cache_slots <= positions[:, None]).view(batch, 1, 1, slots)
-            logits = step(model, fed, positions.unsqueeze(1), mask)
+            forced = forced_after(tokens[0])
+            if forced and rows[0].finish_reason is None:
+                # Sampled + forced tokens in one call of k rows, causal among themselves.
+                fed = torch.tensor([[tokens[0], *forced]], device=device)
+                at = positions[:, None] + torch.arange(fed.shape[1], device=device)
+                mask = (cache_slots <= at[..., None]).unsqueeze(1)
+                logits = model(fed, positions=at, mask=mask, last_only=True)[:, -1]
+                positions = positions + len(forced)
+            elif rows[0].finish_reason is not None and batch == 1:
+                # Fast-forward reached the token limit or a stop string: no step left to run.
+                lap = timer.lap()
+                latencies.extend([lap / len(forced)] * len(forced))
+                break
+            else:
+                fed = torch.tensor(tokens, device=device).unsqueeze(1)
+                mask = (cache_slots <= positions[:, None]).view(batch, 1, 1, slots)
+                logits = step(model, fed, positions.unsqueeze(1), mask)
             # Finished rows stay at their slot: never past the cache, never seen by others.
             done = torch.tensor([r.finish_reason is not None for r in rows], device=device)
             positions = torch.where(done, positions, positions + 1)
             tokens = pick(logits)
             handle(tokens)
-            latencies.append(timer.lap())
+            if forced:  # one latency per token: the call's time spread over what it fed
+                lap = timer.lap()
+                latencies.extend([lap / (1 + len(forced))] * (1 + len(forced)))
+            else:
+                latencies.append(timer.lap())
         wall = timer.elapsed()
     finally:
         model.drop_cache()

@@ -1,0 +1,99 @@
+"""The benchmark's model side: load the model (or only its tokenizer) and generate a batch of
+outputs under their grammars, with and without fast-forward. Kept apart from
+`bench_jsonschema` so both stay small.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quantkit.grammar.compiler import CompiledGrammar
+from quantkit.grammar.constraints import validate_json
+from quantkit.grammar.processor import GrammarLogitsProcessor
+from quantkit.grammar.prompting import default_schema_prompt
+
+__all__ = ["generate_batch", "load_model", "load_tokenizer"]
+
+
+def generate_batch(
+    loaded: Any,
+    rows: list[tuple[Any, Any, CompiledGrammar]],
+    *,
+    max_new: int,
+    eos: set[int],
+    fast_forward: bool = True,
+    compare_ff: bool = False,
+) -> tuple[list[float], list[float]]:
+    from quantkit.runtime.generate import encode_prompt, generate
+    from quantkit.runtime.sampling import SamplingParams
+
+    prompts = [
+        encode_prompt(loaded.tokenizer, default_schema_prompt(item.schema, max_schema_chars=1500))
+        for _, item, _ in rows
+    ]
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new)
+
+    def run(ff: bool) -> tuple[Any, GrammarLogitsProcessor]:
+        processor = GrammarLogitsProcessor(
+            [compiled for _, _, compiled in rows], max_new_tokens=max_new
+        )
+        out = generate(
+            loaded.model, prompts, params, processors=[processor], eos_ids=eos,
+            tokenizer=loaded.tokenizer, fast_forward=ff,
+        )  # fmt: skip
+        return out, processor
+
+    out, processor = run(fast_forward)
+    if compare_ff:
+        plain, _ = run(not fast_forward)
+        for i, (result, _, _) in enumerate(rows):
+            result.ff_identical = plain.tokens[i] == out.tokens[i]
+            result.tok_s_no_ff = _tok_s(plain.stats)
+    for i, (result, item, _) in enumerate(rows):
+        result.forced_tokens = processor.forced_count if len(rows) == 1 else 0
+        result.tok_s = _tok_s(out.stats)
+        result.steered = i in processor.steered
+        result.finish = out.finish_reasons[i]
+        result.new_tokens = len(out.tokens[i])
+        result.output = out.texts[i] if out.texts else None
+        if result.finish == "stop":
+            problem = validate_json(result.output or "", item.schema)
+            result.output_ok = problem is None
+            result.output_error = problem
+    # The first processor call is part of prefill (TTFT); the rest pair with the decode steps.
+    return processor.mask_times_s[1:], list(out.stats.decode_latencies_s)
+
+
+def _tok_s(stats: Any) -> float | None:
+    steps = stats.decode_latencies_s
+    return len(steps) / sum(steps) if steps and sum(steps) > 0 else None
+
+
+def load_tokenizer(spec: str | None) -> tuple[Any, str]:
+    """Without generation only the tokenizer (and config) is needed: no quantization, no
+    weights loaded, and no wait on another process quantizing the embedded model."""
+    from types import SimpleNamespace
+
+    from quantkit.sources.resolve import read_config, resolve_model
+    from quantkit.sources.tokenizer import load_tokenizer
+
+    path = resolve_model(spec or "smollm2-135m")
+    loaded = SimpleNamespace(path=path, tokenizer=load_tokenizer(path), config=read_config(path))
+    return loaded, f"{path} (tokenizer only)"
+
+
+def load_model(spec: str | None) -> tuple[Any, str]:
+    """The model as `quantkit generate` runs it: the embedded INT4 checkpoint by default
+    (quantized once on first use), float32 activations, the same automatic lm_head dtype."""
+    import torch
+
+    from quantkit.quantize.embedded import ensure_embedded_int4
+    from quantkit.runtime.loader import load_model
+    from quantkit.runtime.options import RuntimeOptions
+
+    options = RuntimeOptions(dtype="float32", head_dtype="auto")
+    loaded = load_model(spec or ensure_embedded_int4(), options=options)
+    kind = loaded.describe()
+    head = str(loaded.model.lm_head.weight.dtype).removeprefix("torch.")
+    threads = torch.get_num_threads()
+    return loaded, f"{loaded.path} ({kind}, lm_head {head}, {threads} torch threads)"

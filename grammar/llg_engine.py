@@ -1,0 +1,217 @@
+"""The llguidance engine: JSON schemas (and regexes) compiled natively, masks from an Earley
+parser over a lazy lexer.
+
+Where outlines-core turns a schema into one regex and walks the whole vocabulary through its
+automaton up front (0.28 s p50, minutes for some schemas), llguidance builds its lexer lazily
+and computes each step's mask from a token trie: compiles take milliseconds and the grammar is
+the schema itself, so nothing is narrowed (no bounds on arrays, objects or property order).
+What it cannot represent exactly it refuses, naming the keyword ("Unimplemented keys:
+["uniqueItems"]"); `lenient` stays off, so it never ignores a keyword silently.
+
+JSON comes out compact: no whitespace between tokens (`whitespace_flexible: False`), so the
+whitespace bound is zero (outlines-core's lowering allows one optional space). Compact output
+also makes more of each document forced (`{"name":"` after `{`), which fast-forward feeds
+without sampling (`compute_ff_tokens`: llguidance's own safe fast-forward, canonical tokens
+only, holding back a last token that the next bytes could still merge into).
+
+The tokenizer: llguidance's `LLTokenizer` is built from the same `TokenVocabulary` the other
+engine uses (same ids, same bytes, so both fill the same bitmask), with the model tokenizer's
+own encoder for canonical tokenization; ~0.3 s for a 49k vocabulary, built once per vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from quantkit.errors import GrammarError, MissingExtraError
+from quantkit.grammar.constraints import Grammar
+from quantkit.grammar.llg_schema import (
+    one_of_exclusive,
+    ref_siblings_dropped,
+    simplify_not,
+    unique_items_bounded,
+    without_dependencies,
+)
+from quantkit.grammar.vocabulary import TokenVocabulary
+
+__all__ = ["LlgIndex", "LlgRow", "compile_llguidance", "import_llguidance", "llg_tokenizer"]
+
+# Compact JSON: see the module docstring. coerce_one_of stays off: treating oneOf as anyOf
+# would accept instances matching two branches (unsound); lenient off: no ignored keywords.
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "coerce_one_of": False}
+
+_tokenizers: dict[str, Any] = {}
+
+
+def import_llguidance() -> Any:
+    """llguidance, or a MissingExtraError naming the `grammar` extra."""
+    try:
+        import llguidance
+    except ImportError as e:
+        raise MissingExtraError("llguidance", "grammar") from e
+    return llguidance
+
+
+def _greedy_encoder(vocabulary: TokenVocabulary) -> Any:
+    """Longest match over the vocabulary's bytes (hand-built vocabularies have no encoder)."""
+    by_bytes = {data: token for token, data in sorted(vocabulary.token_bytes.items())}
+    longest = max((len(d) for d in by_bytes), default=1)
+
+    def encode(data: bytes) -> list[int]:
+        out, at = [], 0
+        while at < len(data):
+            for size in range(min(longest, len(data) - at), 0, -1):
+                token = by_bytes.get(data[at : at + size])
+                if token is not None:
+                    out.append(token)
+                    at += size
+                    break
+            else:  # a byte no token holds: llguidance falls back to its own greedy pass
+                return out
+        return out
+
+    return encode
+
+
+class _Wrapped:
+    """The object `llguidance.TokenizerWrapper` reads: bytes per id, EOS, special ids, encoder."""
+
+    def __init__(self, vocabulary: TokenVocabulary) -> None:
+        self.eos_token_id = vocabulary.outlines_eos
+        self.bos_token_id = None
+        # Ids without bytes (special tokens, padding) get a unique name and are marked special,
+        # so no grammar ever allows them as text.
+        self.tokens = [
+            vocabulary.token_bytes.get(i, b"<|qk-special-%d|>" % i) for i in range(vocabulary.size)
+        ]
+        self.special_token_ids = [
+            i for i in range(vocabulary.size) if i not in vocabulary.token_bytes
+        ]
+        self._encode = vocabulary.encode or _greedy_encoder(vocabulary)
+
+    def __call__(self, data: bytes) -> list[int]:
+        return self._encode(data)
+
+
+def llg_tokenizer(vocabulary: TokenVocabulary) -> Any:
+    """The `LLTokenizer` of `vocabulary` (cached per fingerprint for the process's life)."""
+    tokenizer = _tokenizers.get(vocabulary.fingerprint)
+    if tokenizer is None:
+        llg = import_llguidance()
+        wrapped = llg.TokenizerWrapper(_Wrapped(vocabulary))
+        eos = sorted(vocabulary.eos_token_ids)
+        tokenizer = llg.LLTokenizer(wrapped, n_vocab=vocabulary.size, eos_token=eos)
+        _tokenizers[vocabulary.fingerprint] = tokenizer
+    return tokenizer
+
+
+@dataclass(frozen=True)
+class LlgIndex:
+    """What an llguidance row needs: the tokenizer and the grammar text (LLMatcher's input).
+    notes: llguidance's warnings about the grammar (none narrow it; shown to the user)."""
+
+    tokenizer: Any
+    grammar_text: str
+    notes: tuple[str, ...] = ()
+
+    def new_row(self) -> LlgRow:
+        llg = import_llguidance()
+        return LlgRow(llg.LLMatcher(self.tokenizer, self.grammar_text, log_level=0))
+
+
+class LlgRow:
+    """One sequence's llguidance matcher behind the row interface the processor drives."""
+
+    engine = "llguidance"
+
+    def __init__(self, matcher: Any) -> None:
+        self.matcher = matcher
+        if matcher.is_error():
+            raise GrammarError(f"llguidance: {matcher.get_error()}")
+
+    def advance(self, token: int) -> bool:
+        return bool(self.matcher.consume_token(int(token)))
+
+    def fill(self, line: np.ndarray) -> None:
+        self.matcher.unsafe_compute_mask_ptr(line.ctypes.data, line.nbytes)
+
+    def is_finished(self) -> bool:
+        return bool(self.matcher.is_accepting())
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces next (canonical, safe to append without sampling)."""
+        return list(self.matcher.compute_ff_tokens())
+
+
+def _grammar_text(grammar: Grammar, schema: Any, options: dict[str, Any]) -> str:
+    llg = import_llguidance()
+    if grammar.kind == "json_schema":
+        return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+    assert grammar.regex is not None  # regex and choice grammars always carry theirs
+    return llg.LLMatcher.grammar_from_regex(grammar.regex)
+
+
+def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list[str]]:
+    """(is_error, llguidance's messages, grammar text, notes), settling what `llg_schema` can:
+    a oneOf proven exclusive is read as anyOf (exact); dependency keywords and uniqueItems are
+    rewritten into a narrower schema (noted)."""
+    llg = import_llguidance()
+    schema = simplify_not(ref_siblings_dropped(grammar.schema))  # exact rewrites
+    options, notes = dict(JSON_OPTIONS), []
+    done: set[Any] = set()  # the narrowing rewrites applied (each once)
+    for _ in range(16):  # each retry settles one refusal
+        text = _grammar_text(grammar, schema, options)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
+        if not is_error or grammar.kind != "json_schema":
+            break
+        # An unknown format stays a refusal: dropping it accepted a benchmark instance that is
+        # invalid by its format (measured: MCPspec CompleteRequest, uri-template).
+        reason = messages[0] if messages else ""
+        if "oneOf" in reason and not options["coerce_one_of"] and one_of_exclusive(schema):
+            options["coerce_one_of"] = True  # exact: the branches are pairwise disjoint
+        elif "Unimplemented keys" in reason and ("ependen" in reason or "uniqueItems" in reason):
+            fix = without_dependencies if "ependen" in reason else unique_items_bounded
+            if fix in done:
+                break
+            done.add(fix)
+            rewritten = fix(schema)
+            if rewritten is None:
+                break
+            schema, more = rewritten
+            notes += more
+        else:
+            break
+    return is_error, messages, text, notes
+
+
+def compile_llguidance(
+    grammar: Grammar,
+    vocabulary: TokenVocabulary,
+    *,
+    timeout_s: float | None,
+    limit_s: float | None = None,
+) -> LlgIndex:
+    """Check and build `grammar` for llguidance within `timeout_s`; GrammarError naming the
+    keyword llguidance does not support, or the phase that ran out of time."""
+    tokenizer = llg_tokenizer(vocabulary)
+    answer: list[Any] = []
+    # Native code that drops the GIL: a thread can wait on it, and is abandoned at the limit.
+    worker = threading.Thread(target=lambda: answer.append(_build(grammar, tokenizer)), daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if not answer:
+        raise GrammarError(
+            f"{grammar.label}: llguidance grammar build took longer than the limit of "
+            f"{limit_s or timeout_s:g} s (--compile-timeout; phase: llguidance build)"
+        )
+    is_error, messages, text, notes = answer[0]
+    if is_error:
+        reason = (messages[0] if messages else "unknown error").splitlines()[0]
+        raise GrammarError(f"{grammar.label}: llguidance cannot compile it: {reason}")
+    notes += [f"llguidance: {m}" for m in messages]
+    return LlgIndex(tokenizer, text, tuple(notes))
