@@ -162,7 +162,9 @@ def _prompt_tokens(tokenizer: object) -> list[int] | None:
     show_default=True,
     help="Goodput's target for a request's mean TPOT, with a unit (50ms, 0.05s).",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Workload seed.")
+@click.option(
+    "--seed", type=click.IntRange(0, 2**63 - 1), default=0, show_default=True, help="Workload seed."
+)
 @click.option(
     "--prompts",
     type=click.Choice(["text", "random"]),

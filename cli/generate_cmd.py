@@ -192,7 +192,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
 @click.option("--top-p", type=float, default=1.0, show_default=True, help="1 = off.")
 @click.option("--min-p", type=float, default=0.0, show_default=True, help="0 = off.")
 @click.option("--repetition-penalty", type=float, default=1.0, show_default=True, help="1 = off.")
-@click.option("--seed", type=int, default=None, help="Sampling seed (default: random).")
+@click.option(
+    "--seed",
+    type=click.IntRange(0, 2**63 - 1),
+    default=None,
+    help="Sampling seed (default: random).",
+)
 @click.option("--stop", multiple=True, help="Stop string (repeatable); removed from the output.")
 @click.option(
     "--chat/--no-chat",

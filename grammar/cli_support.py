@@ -46,6 +46,9 @@ from quantkit.grammar.processor import GrammarLogitsProcessor
 from quantkit.grammar.prompting import default_schema_prompt
 from quantkit.grammar.vocabulary import TokenVocabulary
 
+# A day: longer is a typo (or `inf`, which no timer takes), not a wish.
+MAX_TIMEOUT_S = 86400.0
+
 __all__ = ["GrammarRun", "write_atomic"]
 
 
@@ -110,17 +113,22 @@ class GrammarRun:
                 f"{' and '.join(given)}: expected at most one of --schema, --regex, --choice, "
                 f"got {len(given)}"
             )
-        if compile_timeout is not None and not compile_timeout > 0:
+        if compile_timeout is not None and not 0 < compile_timeout <= MAX_TIMEOUT_S:
             raise GrammarError(
-                f"--compile-timeout: expected a number of seconds > 0, got {compile_timeout}"
+                f"--compile-timeout: expected seconds in (0, {MAX_TIMEOUT_S:g}], "
+                f"got {compile_timeout}"
             )
-        if schema is not None and schema != "":
+        for flag, value in (("--schema", schema), ("--regex", regex)):
+            if value is not None and str(value) == "":
+                # An empty constraint is a mistake, never "unconstrained" in disguise.
+                raise GrammarError(f"{flag}: expected a non-empty value, got ''")
+        if schema is not None:
             parsed = load_schema_file(schema)
             try:
                 grammar = schema_grammar(parsed, label=f"schema {Path(schema).name}")
             except GrammarError as e:
                 raise GrammarError(f"--schema {schema}: {e}") from None
-        elif regex is not None and regex != "":
+        elif regex is not None:
             grammar = regex_grammar(regex)
         elif choices:
             grammar = choice_grammar(choices)

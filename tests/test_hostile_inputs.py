@@ -440,3 +440,22 @@ def test_ctrl_c_while_the_old_checkpoint_is_deleted_finishes_the_deletion(
     assert (target / "new.bin").read_bytes() == b"new"
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no half-deleted .old- left
     assert paths.WRITTEN == [target]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--seed", str(2**70)], "--seed"),
+        (["--regex", "a+", "--compile-timeout", "inf"], "--compile-timeout"),
+        (["--regex", "a+", "--compile-timeout", "nan"], "--compile-timeout"),
+        (["--regex", ""], "--regex: expected a non-empty value"),
+        (["--schema", ""], "--schema: expected a non-empty value"),
+    ],
+    ids=["seed-past-64-bits", "timeout-inf", "timeout-nan", "regex-empty", "schema-empty"],
+)
+def test_options_that_used_to_slip_through(ckpt: Path, capsys, args: list[str], needle: str):
+    code, out, err = run_cli(
+        capsys, "generate", str(ckpt), "--prompt", "hi", "--max-new-tokens", "2", *args
+    )
+    _check(code, err, USAGE, needle)
+    assert out == ""  # nothing generated, constrained or not
