@@ -131,7 +131,7 @@ def test_token_limit_before_the_grammar_is_complete(tiny_model_dir: Path, capsys
         ({}, ["--choice", "a", "--choice", "a"], ["expected distinct options"]),
         ({}, ["--regex", "a"], ["--prompt: expected a prompt with regex 'a', got none"]),
         ({"s.json": "{}"}, ["--schema", "s.json", "--compile-timeout", "-1"],
-         ["--compile-timeout: expected a number of seconds > 0"]),
+         ["--compile-timeout: expected seconds in (0, 86400]"]),
     ],
     ids=["not-json", "not-a-schema", "missing-file", "bad-regex", "unsupported", "two-constraints",
          "duplicate-choice", "regex-without-prompt", "bad-timeout"],
