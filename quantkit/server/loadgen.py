@@ -72,11 +72,26 @@ class _Target:
 
 
 def probe(url: str, *, api_key: str | None = None) -> ServerInfo:
-    """What the server runs (/health and /v1/models); a clear error when nothing answers."""
+    """What the server runs (/health and /v1/models); a clear error when nothing answers.
+
+    llama.cpp's `llama-server` answers /health with its status alone; its slots and context
+    come from its /props instead (no chunked prefill to report)."""
     target = _Target(url, api_key, 30)
     health = target.get("/health")
     model = target.get("/v1/models")["data"][0]["id"]
+    if "batch_cap" not in health:
+        props = target.get("/props")
+        context = props.get("default_generation_settings", {}).get("n_ctx", 0)
+        return ServerInfo(target.url, model, int(props.get("total_slots", 1)), None, int(context))
     return ServerInfo(target.url, model, health["batch_cap"], health["chunk"], health["context"])
+
+
+def _closing(choice: dict[str, Any], usage: dict[str, Any] | None) -> bool:
+    """A chunk that only closes the stream: the finish reason and the usage, no text.
+    `quantkit serve` puts the finish reason on the last token's chunk and the usage on a chunk
+    of its own, so none of its chunks is one; llama.cpp's llama-server sends the last token with
+    no finish reason, then one of these."""
+    return bool(choice.get("finish_reason") and not choice.get("text") and usage)
 
 
 def _one(
@@ -111,7 +126,10 @@ def _one(
                 break
             chunk = json.loads(data)
             choices = chunk.get("choices")
-            if choices:  # one chunk per token
+            if choices and _closing(choices[0], chunk.get("usage")):
+                result.finish_reason = choices[0]["finish_reason"]
+                result.finish_s = now
+            elif choices:  # one chunk per token
                 result.tokens.append(-1)  # ids do not travel; the count does
                 result.token_times_s.append(now)
                 if choices[0].get("finish_reason"):
