@@ -29,6 +29,7 @@ from quantkit.runtime.generate import (
     eos_token_ids,
     generate,
 )
+from quantkit.runtime.head import head_name
 from quantkit.runtime.loader import LoadedModel, load_model
 from quantkit.runtime.options import ACT_DTYPE_NAMES, RuntimeOptions
 from quantkit.runtime.sampling import SamplingParams
@@ -68,7 +69,7 @@ def _act_dtype(loaded: LoadedModel) -> str:
 
 def _backend(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> str:
     kind = str(dtype).removeprefix("torch.")
-    head = str(loaded.model.lm_head.weight.dtype).removeprefix("torch.")
+    head = head_name(loaded.model)
     head_note = "" if head == kind else f", lm_head {head}"
     act = _act_dtype(loaded)
     act_note = "" if act == kind else f" ({act} in the INT4 GEMVs)"
@@ -130,7 +131,7 @@ def _summary_dict(
         "mbu": None,
         "device": _device_name(device),
         "backend": backend,
-        "head_dtype": str(loaded.model.lm_head.weight.dtype).removeprefix("torch."),
+        "head_dtype": head_name(loaded.model),
         "act_dtype": _act_dtype(loaded),
         "model": str(loaded.path),
     }

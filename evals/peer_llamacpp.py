@@ -49,6 +49,7 @@ from pathlib import Path
 
 from quantkit.errors import QuantkitError
 from quantkit.evals.peer_build import Children, LlamaBuild, PeerError, build, find_build
+from quantkit.runtime.head import head_name
 
 NEW_TOKENS = 128  # llama-bench's tg128
 PROMPT_TOKENS = 512  # llama-bench's pp512
@@ -144,7 +145,7 @@ class QuantkitDecode:
         model = self.loaded.model
         path = model.decode_path
         act = str(path.act_dtype if path is not None else model.dtype).removeprefix("torch.")
-        head = str(model.lm_head.weight.dtype).removeprefix("torch.")
+        head = head_name(model)
         return f"{self.loaded.describe()}, {act} activations, {head} lm_head"
 
     def _run(self, prompt_len: int, new_tokens: int):

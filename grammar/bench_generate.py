@@ -11,6 +11,7 @@ from quantkit.grammar.compiler import CompiledGrammar
 from quantkit.grammar.constraints import validate_json
 from quantkit.grammar.processor import GrammarLogitsProcessor
 from quantkit.grammar.prompting import default_schema_prompt
+from quantkit.runtime.head import head_name
 
 __all__ = ["generate_batch", "load_model", "load_tokenizer"]
 
@@ -94,6 +95,6 @@ def load_model(spec: str | None) -> tuple[Any, str]:
     options = RuntimeOptions(dtype="float32", head_dtype="auto")
     loaded = load_model(spec or ensure_embedded_int4(), options=options)
     kind = loaded.describe()
-    head = str(loaded.model.lm_head.weight.dtype).removeprefix("torch.")
+    head = head_name(loaded.model)
     threads = torch.get_num_threads()
     return loaded, f"{loaded.path} ({kind}, lm_head {head}, {threads} torch threads)"

@@ -57,6 +57,14 @@ class CastHead(nn.Module):
         return F.linear(x.to(self.weight.dtype), self.weight)
 
 
+def head_name(model: CausalLM) -> str:
+    """How the lm_head is stored, for summaries: a dtype name, or the quantized format."""
+    head = model.lm_head
+    if isinstance(head, QuantLinear):
+        return head.scheme.describe()
+    return str(head.weight.dtype).removeprefix("torch.")
+
+
 def auto_head_dtype(model: CausalLM, *, quantized: bool) -> torch.dtype:
     """bf16 for a quantized fp32 model on a CPU with bf16 instructions, else the model dtype.
 
