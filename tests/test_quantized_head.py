@@ -100,3 +100,16 @@ def test_a_quantized_head_refuses_another_head_dtype(tiny_llama_dir: Path, tmp_p
     assert isinstance(auto.lm_head, QuantLinear)  # auto leaves a quantized head alone
     with pytest.raises(GenerationError, match="lm_head is quantized"):
         load_model(out, tokenizer=False, options=RuntimeOptions.cli(head_dtype="bfloat16"))
+
+
+def test_generate_names_a_quantized_head(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
+    from tests.conftest import run_cli
+
+    out = quantize_model(tiny_model_dir, scheme=QuantScheme("int4", 32), quantize_head=True).save(
+        tmp_path / "ckpt", source_dir=tiny_model_dir
+    )
+    code, stdout, err = run_cli(
+        capsys, "generate", str(out), "--prompt", "hi", "--max-new-tokens", "2"
+    )
+    assert code == 0, err
+    assert "lm_head int4 g32 asymmetric" in stdout + err
