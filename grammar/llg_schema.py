@@ -35,6 +35,7 @@ are proven exclusive here.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from itertools import combinations
 from typing import Any
 
@@ -175,14 +176,8 @@ def without_dependencies(schema: Any) -> tuple[Any, list[str]] | None:
     """`schema` with its dependency keywords rewritten (see the module docstring) and the notes
     saying how it narrowed; None when a rewrite would not be sound (a required property with a
     dependent schema)."""
-    notes: list[str] = []
 
-    def walk(node: Any, where: str) -> Any:
-        if isinstance(node, list):
-            return [walk(v, f"{where}/{i}") for i, v in enumerate(node)]
-        if not isinstance(node, dict):
-            return node
-        out = {k: v if k in _SKIP else walk(v, f"{where}/{k}") for k, v in node.items()}
+    def fix(out: dict[str, Any], where: str, notes: list[str]) -> dict[str, Any]:
         deps = {}
         for key in _DEPENDENCY_KEYS:
             value = out.pop(key, None)
@@ -208,6 +203,25 @@ def without_dependencies(schema: Any) -> tuple[Any, list[str]] | None:
         if props:
             out["properties"] = props
         return out
+
+    return _rewrite_bottom_up(schema, fix)
+
+
+def _rewrite_bottom_up(
+    schema: Any, fix: Callable[[dict[str, Any], str, list[str]], dict[str, Any]]
+) -> tuple[Any, list[str]] | None:
+    """`schema` with `fix(node, where, notes)` applied to every subschema object, children
+    first (JSON values under `_SKIP` keys untouched), and the notes it made; None when `fix`
+    raised `_Unsound`."""
+    notes: list[str] = []
+
+    def walk(node: Any, where: str) -> Any:
+        if isinstance(node, list):
+            return [walk(v, f"{where}/{i}") for i, v in enumerate(node)]
+        if not isinstance(node, dict):
+            return node
+        out = {k: v if k in _SKIP else walk(v, f"{where}/{k}") for k, v in node.items()}
+        return fix(out, where, notes)
 
     try:
         return walk(schema, "#"), notes
@@ -257,14 +271,8 @@ def ref_siblings_dropped(schema: Any) -> Any:
 def unique_items_bounded(schema: Any) -> tuple[Any, list[str]] | None:
     """`schema` with every `uniqueItems: true` array bounded to one item (noted); None when an
     array needs more items."""
-    notes: list[str] = []
 
-    def walk(node: Any, where: str) -> Any:
-        if isinstance(node, list):
-            return [walk(v, f"{where}/{i}") for i, v in enumerate(node)]
-        if not isinstance(node, dict):
-            return node
-        out = {k: v if k in _SKIP else walk(v, f"{where}/{k}") for k, v in node.items()}
+    def fix(out: dict[str, Any], where: str, notes: list[str]) -> dict[str, Any]:
         if out.pop("uniqueItems", False) is True:
             if out.get("minItems", 0) > 1:
                 raise _Unsound
@@ -272,7 +280,4 @@ def unique_items_bounded(schema: Any) -> tuple[Any, list[str]] | None:
             notes.append(f"{where}: uniqueItems: at most one item produced")
         return out
 
-    try:
-        return walk(schema, "#"), notes
-    except _Unsound:
-        return None
+    return _rewrite_bottom_up(schema, fix)
