@@ -11,13 +11,17 @@ import torch
 from safetensors.torch import load_file
 
 from quantkit.models.decoder import CausalLM, build_model
-from quantkit.runtime.generate import generate
-from quantkit.runtime.sampling import SamplingParams
-from tests.family_models import FAMILIES, make_family_model, max_rel_err, padded_batch
+from tests.family_models import (
+    FAMILIES,
+    assert_greedy_matches_transformers,
+    assert_logits_match_transformers,
+    make_family_model,
+    max_rel_err,
+    padded_batch,
+)
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")
-MAX_REL_ERR = 1e-4  # fp32 both sides; measured 0.0 for every family (same op order)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -33,27 +37,14 @@ def family_model(request, tmp_path_factory) -> tuple[str, Path, object, CausalLM
 def test_dense_logits_match_transformers(family_model) -> None:
     name, _, ref, ours = family_model
     assert ours.family.name == {"llama3": "llama"}.get(name, name)
-    ids, mask = padded_batch()
-    with torch.no_grad():
-        want = ref(ids, attention_mask=mask).logits
-        got = ours(ids)
-    for row, n in enumerate(mask.sum(1).tolist()):  # right padding: real tokens only
-        assert max_rel_err(got[row, :n], want[row, :n]) <= MAX_REL_ERR, (name, row)
+    assert_logits_match_transformers(name, ref, ours)
 
 
 def test_greedy_generate_matches_transformers(family_model) -> None:
     """32 greedy tokens, two prompts batched by quantkit (KV cache, positions past the
     sliding window), one at a time by transformers."""
     name, _, ref, ours = family_model
-    ids, mask = padded_batch(seed=3)
-    prompts = [ids[r, :n].tolist() for r, n in enumerate(mask.sum(1).tolist()[:2])]
-    got = generate(ours, prompts, SamplingParams(max_new_tokens=32)).tokens
-    for row, prompt in enumerate(prompts):
-        out = ref.generate(
-            torch.tensor([prompt]), do_sample=False, max_new_tokens=32, min_new_tokens=32,
-            pad_token_id=0,
-        )  # fmt: skip
-        assert got[row] == out[0, len(prompt) :].tolist(), (name, row)
+    assert_greedy_matches_transformers(name, ref, ours)
 
 
 def test_the_options_the_test_models_set_change_the_forward(family_model) -> None:
