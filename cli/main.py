@@ -132,9 +132,9 @@ def _write_crash_log() -> Path | None:
 
 
 def _log_folders() -> list[Path]:
-    home = os.environ.get("QUANTKIT_HOME")
-    base = Path(home).expanduser() if home else Path.home() / ".cache" / "quantkit"
-    return [base / "logs", Path(tempfile.gettempdir()) / "quantkit-logs"]
+    from quantkit.paths import quantkit_home  # light: os, shutil, uuid
+
+    return [quantkit_home() / "logs", Path(tempfile.gettempdir()) / "quantkit-logs"]
 
 
 def _say(line: str) -> None:

@@ -24,7 +24,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -170,17 +170,16 @@ def cpu_bandwidth(*, remeasure: bool = False, seconds: float = 0.1) -> Bandwidth
 def _cache_lock(path: Path) -> Iterator[bool]:
     """The cache's lock; where it cannot be taken (a read-only $QUANTKIT_HOME) the probe still
     runs, the figure is used for this run, and writing it is skipped with a warning."""
-    try:
-        lock = file_lock(path.with_suffix(".lock"))
-        lock.__enter__()
-    except OSError as e:
-        warnings.warn(f"bandwidth cache {path}: no lock ({e.strerror}); not cached", stacklevel=4)
-        yield False
-        return
-    try:
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(file_lock(path.with_suffix(".lock")))
+        except OSError as e:
+            warnings.warn(
+                f"bandwidth cache {path}: no lock ({e.strerror}); not cached", stacklevel=4
+            )
+            yield False
+            return
         yield True
-    finally:
-        lock.__exit__(None, None, None)
 
 
 def _cpu_times() -> tuple[float, float, float] | None:
