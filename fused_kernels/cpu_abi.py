@@ -194,6 +194,7 @@ FUNCTIONS: dict[str, Fn] = {
         cos_=c_void_p,
         sin_=c_void_p,
         act_dt=c_int,
+        row_invariant=c_int,
         work=c_void_p,
         work_floats=c_int64,
         n_threads=c_int,

@@ -152,12 +152,15 @@ class CpuDecodeStep:
         sin: torch.Tensor,
         *,
         slots: Sequence[int] | None = None,
+        row_invariant: bool = False,
     ) -> torch.Tensor:
         """Run every layer on x [R, H] (fp32, contiguous), updated in place and returned. Row r's
         token sits at cache row `slots[r]` (default r) and position `positions[r]`, and attends
         to that cache row's positions <= its own, including those other rows of this call
         write (rows sharing a cache row: a prompt's tokens, prefilled causally); cos/sin
-        [R, D]: each row's rotary values."""
+        [R, D]: each row's rotary values. row_invariant: each row's result is bit-identical to
+        a one-row call's (the GEMVs take the rows one at a time; slower for many rows), which
+        speculative decoding's verification needs to reproduce plain decoding exactly."""
         rows = len(positions)
         if rows < 1:
             raise ValueError("positions: expected at least one row, got none")
@@ -186,7 +189,8 @@ class CpuDecodeStep:
         work = self._work_for(rows, threads)
         status = self._fn(
             *self._args, x.data_ptr(), rows, slot_t.data_ptr(), pos_t.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), self._act, work.data_ptr(), work.numel(), threads,
+            cos.data_ptr(), sin.data_ptr(), self._act, int(row_invariant), work.data_ptr(),
+            work.numel(), threads,
         )  # fmt: skip
         check_status(status, "qk_decode_step")
         return x

@@ -283,3 +283,31 @@ def test_act_precision_scores_windows_through_the_step(llama_ckpt: Path) -> None
         {"mode": "C step, bf16 activations", "ppl": 20.02, "tokens": 100, "seconds": 0.5},
     ]
     assert "+0.100%" in format_rows(rows).splitlines()[2]
+
+
+@pytest.mark.parametrize("act", ["float32", "bfloat16"])
+def test_row_invariant_rows_equal_one_row_calls_bit_for_bit(llama_ckpt: Path, act: str) -> None:
+    """Speculative decoding verifies k drafts in one call of k + 1 rows; with row_invariant
+    each row's hidden state is bit-identical to the one-row call plain decoding makes, for any
+    row count (pairs and a single, 8-row chunks without it)."""
+    from quantkit.runtime.fast_path import bf16_activations_available, set_act_dtype
+
+    if act == "bfloat16" and not bf16_activations_available():
+        pytest.skip("needs AVX512-BF16 for bf16 activations")
+    model = load_model(llama_ckpt, tokenizer=False).model
+    set_act_dtype(model, getattr(torch, act))
+    prompt = [5, 17, 99, 3, 250, 31, 7, 8, 9, 10, 11, 12]
+    with torch.no_grad():
+        model.setup_cache(batch=2, max_len=64)
+        path = model.decode_path
+        for row in (0, 1):
+            path.run_rows(model, prompt[:4], [0, 1, 2, 3], [row] * 4)
+        for rows in (2, 3, 5, 8):
+            one = torch.cat(
+                [path.run_rows(model, [prompt[4 + i]], [4 + i], [0]) for i in range(rows)]
+            )
+            many = path.run_rows(
+                model, prompt[4 : 4 + rows], list(range(4, 4 + rows)), [1] * rows,
+                row_invariant=True,
+            )  # fmt: skip
+            assert torch.equal(one, many), f"{rows} rows"

@@ -21,7 +21,9 @@
    distinct positions: every row's K/V is written before any row attends, so R consecutive tokens
    of one sequence are a causal prefill. RoPE takes the cos/sin rows torch computed
    for each row's position (the HF rotate-half layout), so the rotation is exactly the PyTorch
-   path's. Return value: 0, 1 = unsupported group layout, 2 = the work buffer is too small, 3 = a
+   path's. row_invariant: every row's GEMVs run as in a one-row call (`row_chunk`), so each
+   row's result is bit-identical to what it would be alone (the rest of a layer is per row
+   already); speculative decoding's verification needs that. Return value: 0, 1 = unsupported group layout, 2 = the work buffer is too small, 3 = a
    slot or position outside the cache. */
 
 /* The INT4 library's translation unit: the GEMV kernels (and through them `common.h` and
@@ -208,8 +210,8 @@ static void rope(float *v, const float *cos_, const float *sin_, int64_t D) {
    allows it; the rest of the layer is fp32 either way). */
 int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_decoder_dims *d,
                    float *x, int64_t R, const int64_t *slot, const int64_t *pos,
-                   const float *cos_, const float *sin_, int act_dt, float *work,
-                   int64_t work_floats, int n_threads) {
+                   const float *cos_, const float *sin_, int act_dt, int row_invariant,
+                   float *work, int64_t work_floats, int n_threads) {
     const int64_t H = d->hidden, Hq = d->heads, Hkv = d->kv_heads, D = d->head_dim;
     const int64_t I = d->inter, S = d->slots, group = Hq / Hkv, QKV = (Hq + 2 * Hkv) * D;
     const int64_t row_stride = Hkv * S * D;  /* floats between cache rows */
@@ -247,8 +249,8 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         const int xg = gemv_x_dt(&L->gate_up, act_dt), xd = gemv_x_dt(&L->down, act_dt);
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) rmsnorm(x + r * H, L->in_norm, H, eps, h + r * H);
-        permute_x(h, DT_F32, R, H, H, xp, xq);
-        gemv_rows(&L->qkv, xp, xq, R, qkv, DT_F32, QKV);
+        permute_x(h, DT_F32, R, H, H, xp, xq, row_invariant);
+        gemv_rows(&L->qkv, xp, xq, R, qkv, DT_F32, QKV, row_invariant);
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) {
             float *q = qkv + r * QKV, *k = q + Hq * D, *v = k + Hkv * D;
@@ -269,23 +271,23 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
                 attend(qkv + r * QKV + i * D, L->k_cache + off, L->v_cache + off, npos, D, scale,
                        scores + omp_get_thread_num() * S, att + (r * Hq + i) * D);
         }
-        permute_x(att, DT_F32, R, Hq * D, Hq * D, xp, xo);
-        gemv_rows(&L->o, xp, xo, R, t, DT_F32, H);
+        permute_x(att, DT_F32, R, Hq * D, Hq * D, xp, xo, row_invariant);
+        gemv_rows(&L->o, xp, xo, R, t, DT_F32, H, row_invariant);
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) {
             for (int64_t i = r * H; i < (r + 1) * H; i++) x[i] += t[i];
             rmsnorm(x + r * H, L->post_norm, H, eps, h + r * H);
         }
-        permute_x(h, DT_F32, R, H, H, xp, xg);
-        gemv_rows(&L->gate_up, xp, xg, R, gu, DT_F32, 2 * I);
+        permute_x(h, DT_F32, R, H, H, xp, xg, row_invariant);
+        gemv_rows(&L->gate_up, xp, xg, R, gu, DT_F32, 2 * I, row_invariant);
         #pragma omp for schedule(static)
         for (int64_t rc = 0; rc < R * n_chunks; rc++) {  /* 256-wide chunks: a vector loop */
             float *g = gu + (rc / n_chunks) * 2 * I;
             int64_t i0 = (rc % n_chunks) * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
             silu_mul(g + i0, g + I + i0, i1 - i0);
         }
-        permute_x(gu, DT_F32, R, I, 2 * I, xp, xd);
-        gemv_rows(&L->down, xp, xd, R, t, DT_F32, H);
+        permute_x(gu, DT_F32, R, I, 2 * I, xp, xd, row_invariant);
+        gemv_rows(&L->down, xp, xd, R, t, DT_F32, H, row_invariant);
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < R * H; i++) x[i] += t[i];
     }

@@ -85,12 +85,13 @@ int qk_w4_dequant(const int32_t *wq, int64_t n0, int64_t n1, int64_t K, int64_t 
 int64_t qk_decode_work(const qk_decoder_layer *layers, int64_t n_layers,
                        const qk_decoder_dims *d, int64_t R, int n_threads);
 
-/* Every layer on x [R][H] in place. Return value: 0, 1 = unsupported group layout, 2 = the work
+/* Every layer on x [R][H] in place; row_invariant: each row bit-identical to a one-row call.
+   Return value: 0, 1 = unsupported group layout, 2 = the work
    buffer is too small, 3 = a slot or position outside the cache. */
 int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_decoder_dims *d,
                    float *x, int64_t R, const int64_t *slot, const int64_t *pos,
-                   const float *cos_, const float *sin_, int act_dt, float *work,
-                   int64_t work_floats, int n_threads);
+                   const float *cos_, const float *sin_, int act_dt, int row_invariant,
+                   float *work, int64_t work_floats, int n_threads);
 
 /* ---- fp8.c (library qk_fp8_cpu). Return value: 0, 2 = out of memory. ---- */
 

@@ -44,6 +44,7 @@ typedef __m512i vi;
 /* 32 zmm registers: 4 accumulators per activation row up to MB = 4, 2 at MB = 8 (16 chains) */
 #define ACC_PER_ROW(MB) ((MB) <= 4 ? 4 : 2)
 #define MAX_MB 8
+#define INV_MB 2
 /* Dequantize by table: a group's 16 possible weights u * s + c (u = 0..15, one FMA per group,
    the same FMA as below, so bit-identical) sit in one register, and vpermps picks lane l's
    weight by the low 4 bits of its shifted word (it ignores the rest: no mask). 2 ops per 16
@@ -75,14 +76,27 @@ typedef struct { __m256 s, c; } dq_t;
 #define MAX_MB 4
 #endif
 #define NV (32 / VEC)
+#ifndef INV_MB
+#define INV_MB 1
+#endif
 
 /* Activation rows are processed in chunks that share each dequantized weight: chunks of
    MAX_MB rows while that many remain, then chunks of <= 4. A chunk of 8 (AVX-512) dequantizes
    each weight once for 8 rows instead of twice: at batch 8 the dequantization, not the memory,
-   bounds the GEMV. `row_chunk` gives the first row and the size of the chunk holding row m. */
-static inline void row_chunk(int64_t m, int64_t M, int64_t *m0, int64_t *mb) {
+   bounds the GEMV. `row_chunk` gives the first row and the size of the chunk holding row m.
+   Row-invariant (`one_row`): chunks of INV_MB rows whose tiles keep a one-row call's
+   accumulator count and K tiles (`gemv_rows`), so row m's sums run in exactly the order of a
+   one-row call and its result is bit-identical whatever else the call holds. INV_MB is 2 where
+   a row pair still fits a one-row call's accumulators in registers (AVX-512), else 1; the
+   weight tile is read from memory once and from L1/L2 for the other chunks, and what costs
+   more than the chunked call is the dequantization, repeated per chunk. Speculative decoding
+   verifies drafts this way, so it reproduces plain decoding exactly. */
+static inline void row_chunk(int64_t m, int64_t M, int one_row, int64_t *m0, int64_t *mb) {
     int64_t big = MAX_MB > 4 ? (M / MAX_MB) * MAX_MB : 0;
-    if (m < big) {
+    if (one_row) {
+        *m0 = m - m % INV_MB;
+        *mb = M - *m0 < INV_MB ? M - *m0 : INV_MB;
+    } else if (m < big) {
         *m0 = m - m % MAX_MB;
         *mb = MAX_MB;
     } else {
@@ -284,14 +298,15 @@ static inline __attribute__((always_inline)) void reduce_pair(
    in the same run: M = 1 2.41 vs 2.83 ms, M = 4 4.39 vs 4.67 ms, M = 8 no change (9.99 vs
    9.94 ms: ~125 GMAC/s L2-resident, half the two cores' FMA peak of ~240 measured with a
    register-only loop, so the loads were not the M = 8 bound). Accumulators: 4 chains per
-   activation row at MB = 1, 2 up to MB = 4, 1 at MB = 8 (>= 8 chains, <= 16 registers). */
+   activation row at MB = 1, 2 up to MB = 4, 1 at MB = 8 (>= 8 chains, <= 16 registers);
+   NACC > 0 (a literal) overrides that: the row-invariant pairs keep MB = 1's 4 (`row_chunk`). */
 static inline __attribute__((always_inline)) void gemv_tile2(
-    int MB, const float *xc, int64_t b0, int64_t b1, int gsh, const int32_t *wa,
+    int MB, int NACC, const float *xc, int64_t b0, int64_t b1, int gsh, const int32_t *wa,
     const int32_t *wb, const float *sa, const float *ca, const float *sb, const float *cb,
     int64_t pf, float *ra, float *rb)
 {
     vf acc[2][MAX_MB][4];
-    const int nacc = MB == 1 ? 4 : (MB <= 4 ? 2 : 1);
+    const int nacc = NACC ? NACC : (MB == 1 ? 4 : (MB <= 4 ? 2 : 1));
     for (int m = 0; m < MB; m++)
         for (int a = 0; a < 4; a++) acc[0][m][a] = acc[1][m][a] = VF_ZERO();
 #define GEMV_BLOCK2(bi, alt)                                                         \
@@ -343,12 +358,12 @@ static inline __attribute__((always_inline)) void gemv_tile2(
 #define DQB_APPLY(wv, tbl) \
     (__m512bh)_mm512_permutexvar_epi16(_mm512_srlv_epi16(wv, bf16_shifts), tbl)
 static inline __attribute__((always_inline)) void gemv_tile2_bf16(
-    int MB, const uint16_t *xc, int64_t b0, int64_t b1, int gsh, const int32_t *wa,
+    int MB, int NACC, const uint16_t *xc, int64_t b0, int64_t b1, int gsh, const int32_t *wa,
     const int32_t *wb, const float *sa, const float *ca, const float *sb, const float *cb,
     int64_t pf, float *ra, float *rb)
 {
     __m512 acc[2][MAX_MB][4];
-    const int nacc = MB == 1 ? 4 : (MB <= 4 ? 2 : 1);
+    const int nacc = NACC ? NACC : (MB == 1 ? 4 : (MB <= 4 ? 2 : 1));
     const __m512i bf16_shifts = _mm512_set_epi16(12, 12, 12, 12, 12, 12, 12, 12, 8, 8, 8, 8,
         8, 8, 8, 8, 4, 4, 4, 4, 4, 4, 4, 4, 0, 0, 0, 0, 0, 0, 0, 0);
     for (int m = 0; m < MB; m++)
@@ -449,12 +464,12 @@ static int64_t gemv_scratch(const qk_w4_layer *L, int64_t M) {
    shares it (with one thread the other would wait at the next barrier), outside one the
    calling thread does it all. */
 static void permute_x(const void *x, int x_dt, int64_t M, int64_t K, int64_t x_stride,
-                      float *xp, int xp_dt) {
+                      float *xp, int xp_dt, int one_row) {
     const int64_t nblk = (K + 31) / 32, kp = nblk * 32;
     #pragma omp for schedule(static)
     for (int64_t mb_i = 0; mb_i < M * nblk; mb_i++) {
         int64_t m = mb_i / nblk, b = mb_i % nblk, m0, mb;
-        row_chunk(m, M, &m0, &mb);
+        row_chunk(m, M, one_row, &m0, &mb);
         int64_t at = m0 * kp + (b * mb + (m - m0)) * 32;  /* in elements of xp_dt */
 #if defined(__AVX512F__)
         if (x_dt == DT_F32) {  /* two loads and two lane permutes a block, not 32 scalars */
@@ -492,7 +507,7 @@ static void permute_x(const void *x, int x_dt, int64_t M, int64_t K, int64_t x_s
    floats: the permuted x, then (N + RT) * 2 * G floats of per-tile constants. The caller has
    checked the group layout. */
 static void gemv_rows(const qk_w4_layer *L, float *xp, int xp_dt, int64_t M, void *out,
-                      int o_dt, int64_t o_stride) {
+                      int o_dt, int64_t o_stride, int one_row) {
     const int64_t K = L->K, N = L->N, n_groups = L->n_groups, wq_stride = L->wq_stride;
     const int32_t *wq = L->wq;
     int64_t nblk = (K + 31) / 32, kp = nblk * 32, words = (K + 7) / 8, bpg;
@@ -512,9 +527,10 @@ static void gemv_rows(const qk_w4_layer *L, float *xp, int xp_dt, int64_t M, voi
         tile_params(L->scale, (int)L->s_dt, L->s_stride, L->zp, L->zp_stride, n0, n1, n_groups,
                     s, c);
         for (int64_t m0 = 0, mb; m0 < M; m0 += mb) {
-            row_chunk(m0, M, &m0, &mb);
+            row_chunk(m0, M, one_row, &m0, &mb);
             float res[RT][MAX_MB] = {{0}};
-            int64_t kt = (KT_BLOCKS / mb) & ~(int64_t)3;  /* any group layout: handled per block */
+            /* any group layout: handled per block; row-invariant chunks keep one row's tiles */
+            int64_t kt = one_row ? KT_BLOCKS : (KT_BLOCKS / mb) & ~(int64_t)3;
             /* Prefetch distance. One K tile per row: the row tile is one contiguous run, and the
                same spot of the next row tile is fetched. Several K tiles: each row is visited in
                4 KB runs, and the row 4 ahead in the same K tile is fetched. At 4096x14336,
@@ -537,13 +553,14 @@ static void gemv_rows(const qk_w4_layer *L, float *xp, int xp_dt, int64_t M, voi
                     const float *sb = s + (nb - n0) * n_groups, *cb = c + (nb - n0) * n_groups;
                     float spare[MAX_MB] = {0};
                     float *rb = nb > n ? res[nb - n0] : spare;
-#define TILE2B(MB) gemv_tile2_bf16(MB, xcb, b0, b1, gsh, wa, wb, sa, ca, sb, cb, pf, \
-                                   res[n - n0], rb)
-                    if (mb == 1) TILE2B(1);
-                    else if (mb == 2) TILE2B(2);
-                    else if (mb == 3) TILE2B(3);
-                    else if (mb == 4) TILE2B(4);
-                    else TILE2B(MAX_MB);
+#define TILE2B(MB, NACC) gemv_tile2_bf16(MB, NACC, xcb, b0, b1, gsh, wa, wb, sa, ca, sb, \
+                                         cb, pf, res[n - n0], rb)
+                    if (mb == 1) TILE2B(1, 0);
+                    else if (mb == 2 && one_row) TILE2B(2, 4);
+                    else if (mb == 2) TILE2B(2, 0);
+                    else if (mb == 3) TILE2B(3, 0);
+                    else if (mb == 4) TILE2B(4, 0);
+                    else TILE2B(MAX_MB, 0);
 #undef TILE2B
                 }
 #endif
@@ -551,14 +568,18 @@ static void gemv_rows(const qk_w4_layer *L, float *xp, int xp_dt, int64_t M, voi
                 for (; gsh >= 0 && n + 1 < n1; n += 2) {  /* rows in pairs, see gemv_tile2 */
                     const int32_t *wa = wq + n * wq_stride;
                     const float *sa = s + (n - n0) * n_groups, *ca = c + (n - n0) * n_groups;
-#define TILE2(MB) gemv_tile2(MB, xc, b0, b1, gsh, wa, wa + wq_stride, sa, ca, sa + n_groups, \
-                             ca + n_groups, pf, res[n - n0], res[n + 1 - n0])
-                    if (mb == 1) TILE2(1);
-                    else if (mb == 2) TILE2(2);
-                    else if (mb == 3) TILE2(3);
-                    else if (mb == 4) TILE2(4);
+#define TILE2(MB, NACC) gemv_tile2(MB, NACC, xc, b0, b1, gsh, wa, wa + wq_stride, sa, ca, \
+                                   sa + n_groups, ca + n_groups, pf, res[n - n0], \
+                                   res[n + 1 - n0])
+                    if (mb == 1) TILE2(1, 0);
+#if INV_MB > 1
+                    else if (mb == 2 && one_row) TILE2(2, 4);
+#endif
+                    else if (mb == 2) TILE2(2, 0);
+                    else if (mb == 3) TILE2(3, 0);
+                    else if (mb == 4) TILE2(4, 0);
 #if MAX_MB > 4
-                    else TILE2(MAX_MB);
+                    else TILE2(MAX_MB, 0);
 #endif
 #undef TILE2
                 }
@@ -601,8 +622,8 @@ int qk_w4a16_gemv_layer(const qk_w4_layer *L, const void *x, int x_dt, int64_t M
     const int xp_dt = gemv_x_dt(L, act_dt);
     #pragma omp parallel num_threads(n_threads)
     {
-        permute_x(x, x_dt, M, L->K, x_stride, work, xp_dt);
-        gemv_rows(L, work, xp_dt, M, out, o_dt, o_stride);
+        permute_x(x, x_dt, M, L->K, x_stride, work, xp_dt, 0);
+        gemv_rows(L, work, xp_dt, M, out, o_dt, o_stride, 0);
     }
     free(work);
     return 0;

@@ -236,9 +236,12 @@ class FastPath(Protocol):
         tokens: list[int],
         positions: list[int],
         slots: list[int] | None = None,
+        *,
+        row_invariant: bool = False,
     ) -> torch.Tensor:
         """Hidden states [R, 1, H] after every layer: token r at cache row slots[r] (default
-        r), position positions[r]; the caller vouches that the bound cache is the model's."""
+        r), position positions[r]; the caller vouches that the bound cache is the model's.
+        row_invariant: each row bit-identical to a one-row call (speculative verification)."""
         ...
 
     def unbound(self) -> FastPath:

@@ -171,15 +171,21 @@ class CpuDecodePath:
         tokens: list[int],
         positions: list[int],
         slots: list[int] | None = None,
+        *,
+        row_invariant: bool = False,
     ) -> torch.Tensor:
         """Hidden states [R, 1, H] after every layer: token r fed at cache row slots[r]
         (default r) and position positions[r] (see `CpuDecodeStep`), of the cache bound last
-        (the caller vouches that it is still the model's)."""
+        (the caller vouches that it is still the model's). row_invariant: each row exactly as
+        a one-row call computes it (speculative decoding's verification)."""
         assert self.step is not None
         pos = torch.tensor(positions).unsqueeze(1)
         cos, sin = model.rope(pos)
         x = model.embed(torch.tensor(tokens)).contiguous()
-        self.step(x, positions, cos.contiguous(), sin.contiguous(), slots=slots)
+        self.step(
+            x, positions, cos.contiguous(), sin.contiguous(), slots=slots,
+            row_invariant=row_invariant,
+        )  # fmt: skip
         return x.unsqueeze(1)
 
     def unbound(self) -> CpuDecodePath:
