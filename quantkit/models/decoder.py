@@ -230,6 +230,10 @@ class FastPath(Protocol):
         bound step does not apply to this call (then the PyTorch layers run)."""
         ...
 
+    def is_current(self) -> bool:
+        """True when a step is bound and its cache is still the model's."""
+        ...
+
     def run_rows(
         self,
         model: CausalLM,

@@ -151,9 +151,7 @@ class CpuDecodePath:
         (input_ids, positions [B, 1]; row b at cache row b), or None when the bound step does
         not apply (no step, or the cache was replaced since binding)."""
         step = self.step
-        if step is None:
-            return None
-        if any(attention.cache.k is not k for attention, k in self._caches):
+        if step is None or not self.is_current():
             return None
         b, t = input_ids.shape
         if b > step.cache_rows or (t > 1 and (b > 1 or t > self.max_rows)):
@@ -164,6 +162,12 @@ class CpuDecodePath:
             positions.reshape(-1).tolist(),
             [0] * t if t > 1 else None,
         ).view(b, t, -1)
+
+    def is_current(self) -> bool:
+        """True when a step is bound and its cache is still the model's (no new cache since)."""
+        return self.step is not None and all(
+            attention.cache.k is k for attention, k in self._caches
+        )
 
     def run_rows(
         self,

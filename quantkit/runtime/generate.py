@@ -22,6 +22,7 @@ callback of its tokens, so TTFT + the steps add up to the wall time of the call.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ import torch
 
 from quantkit.errors import GenerationError
 from quantkit.models.decoder import CausalLM
+from quantkit.runtime.prefix_cache import PrefixCache
 from quantkit.runtime.sampling import (
     LogitsProcessor,
     SamplingParams,
@@ -38,6 +40,14 @@ from quantkit.runtime.sampling import (
     default_processors,
     make_generator,
     sample,
+)
+from quantkit.runtime.speculate import (
+    DraftPolicy,
+    NgramDrafter,
+    SpecConfig,
+    SpecStats,
+    accept,
+    verify_logits,
 )
 from quantkit.runtime.stats import GenerationStats, Timer
 from quantkit.runtime.textstream import IncrementalDetokenizer, StopStringStream
@@ -89,15 +99,18 @@ class GenerationResult:
 # --------------------------------------------------------------------------- model steps
 
 
-def prefill(model: CausalLM, ids: torch.Tensor, *, lengths: torch.Tensor) -> torch.Tensor:
+def prefill(
+    model: CausalLM, ids: torch.Tensor, *, lengths: torch.Tensor, start: int = 0
+) -> torch.Tensor:
     """Run right-padded prompts ids [B, T] (row b real up to lengths[b]) into the cache at slots
-    0..T-1; return the next-token logits [B, V] of each row's last real token."""
+    0..T-1; return the next-token logits [B, V] of each row's last real token. start: the
+    first `start` positions are in the cache already (a prefix cache hit): only the rest runs."""
     b, t = ids.shape
     slots = model.model.layers[0].self_attn.cache.k.shape[2]
-    positions = torch.arange(t, device=ids.device).expand(b, t)
+    positions = torch.arange(start, t, device=ids.device).expand(b, t - start)
     # Causal over the cache: query t sees slots <= t; the same for every row.
     mask = (torch.arange(slots, device=ids.device) <= positions[:1, :, None]).unsqueeze(1)
-    logits = model(ids, positions=positions, mask=mask, logits_at=lengths - 1)
+    logits = model(ids[:, start:], positions=positions, mask=mask, logits_at=lengths - 1 - start)
     return logits[:, 0]
 
 
@@ -250,6 +263,8 @@ def generate(
     generator: torch.Generator | None = None,
     cache_len: int | None = None,
     fast_forward: bool = False,
+    speculate: SpecConfig | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> GenerationResult:
     """Generate up to `params.max_new_tokens` tokens after each prompt (token ids), batched.
 
@@ -265,6 +280,11 @@ def generate(
         later call's `cache_length(...)`.
     fast_forward: append the tokens a processor forces without sampling (batch 1 only; see
         the module docstring); a batch of several rows decodes as without it.
+    speculate: prompt-lookup speculative decoding (`runtime.speculate`), one prompt at a time;
+        greedy output is token-identical to plain decoding, sampled output has the same
+        distribution. Not with `processors` (a grammar keeps state per step).
+    prefix_cache: reuse the K/V of prompt prefixes seen by earlier calls with this cache, and
+        add this call's prompts to it (`runtime.prefix_cache`).
     A row's token limit is also capped by the context window (finish reason "length").
     """
     cfg, device = model.config, model.device
@@ -272,6 +292,12 @@ def generate(
     lengths = _check_prompts(prompts, cfg.vocab_size, context)
     if params.stop and tokenizer is None:
         raise GenerationError("stop strings: expected a tokenizer to decode text, got none")
+    if speculate is not None and (len(prompts) > 1 or processors):
+        raise GenerationError(
+            "speculate: expected one prompt and no logits processors (a grammar's state "
+            f"advances once per step), got {len(prompts)} prompts and {len(processors)} "
+            "processors"
+        )
     chain = [*default_processors(params), *processors]
     generator = generator or make_generator(params, device)
     eos = set(eos_ids)
@@ -347,14 +373,23 @@ def generate(
     step = _decode_step(device, compile=compile)
     latencies: list[float] = []
     model.setup_cache(batch=batch, max_len=slots)
+    spec_stats = None
     try:
         timer = Timer(device).start()
-        tokens = pick(prefill(model, ids, lengths=length_t))
+        start = _load_prefixes(model, prompts, prefix_cache)
+        tokens = pick(prefill(model, ids, lengths=length_t, start=start))
         handle(tokens)
         ttft = timer.lap()
         cache_slots = torch.arange(slots, device=device)
         positions = length_t.clone()  # the slot each row's next fed token goes to
-        while any(r.finish_reason is None for r in rows):
+        if speculate is not None and rows[0].finish_reason is None:
+            spec_stats = SpecStats()
+            latencies = _speculative_decode(
+                model, list(prompts[0]), rows[0], tokens[0], params, speculate,
+                chain=chain, generator=generator, timer=timer, on_token=on_token,
+                stats=spec_stats,
+            )  # fmt: skip
+        while speculate is None and any(r.finish_reason is None for r in rows):
             forced = forced_after(tokens[0])
             if forced and rows[0].finish_reason is None:
                 # Sampled + forced tokens in one call of k rows, causal among themselves.
@@ -383,6 +418,9 @@ def generate(
             else:
                 latencies.append(timer.lap())
         wall = timer.elapsed()
+        if prefix_cache is not None:  # the prompts' positions are still theirs
+            for b, prompt in enumerate(prompts):
+                _store_prefix(model, prompt, prefix_cache, b)
     finally:
         model.drop_cache()
     stats = GenerationStats(
@@ -392,6 +430,8 @@ def generate(
         decode_latencies_s=latencies,
         wall_s=wall,
         batch_size=batch,
+        prefill_skipped=start * batch,
+        speculation=spec_stats,
     )
     return GenerationResult(
         tokens=[r.tokens for r in rows],
@@ -399,3 +439,96 @@ def generate(
         finish_reasons=[r.finish_reason or "length" for r in rows],
         stats=stats,
     )
+
+
+# --------------------------------------------------------------------------- prefix cache
+
+
+def _kv(model: CausalLM) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    caches = [layer.self_attn.cache for layer in model.model.layers]
+    return [c.k for c in caches], [c.v for c in caches]
+
+
+def _load_prefixes(
+    model: CausalLM, prompts: Sequence[Sequence[int]], cache: PrefixCache | None
+) -> int:
+    """Positions every row's prompt has in `cache` (the fewest over the rows, whole blocks),
+    copied into each row's cache row; 0 without a cache."""
+    if cache is None:
+        return 0
+    start = min(cache.match(prompt) for prompt in prompts)
+    if start:
+        k, v = _kv(model)
+        for b, prompt in enumerate(prompts):
+            cache.load(prompt, start, k, v, b)
+    return start
+
+
+def _store_prefix(model: CausalLM, prompt: Sequence[int], cache: PrefixCache, row: int) -> None:
+    k, v = _kv(model)
+    cache.store(prompt, k, v, row)
+
+
+# --------------------------------------------------------------------------- speculation
+
+
+def _speculative_decode(
+    model: CausalLM,
+    prompt: list[int],
+    row: _Row,
+    token: int,
+    params: SamplingParams,
+    config: SpecConfig,
+    *,
+    chain: list[LogitsProcessor],
+    generator: torch.Generator,
+    timer: Timer,
+    on_token: Callable[[StreamEvent], None] | None,
+    stats: SpecStats,
+) -> list[float]:
+    """Decode one sequence from its first token by draft-and-verify (`runtime.speculate`);
+    return one latency per generated token after the first (a call's time spread over the
+    tokens it produced)."""
+    seq = [*prompt, token]
+    drafter, policy = NgramDrafter(seq, config), DraftPolicy(config)
+    position = len(prompt)  # where `token` is fed
+    latencies: list[float] = []
+    while row.finish_reason is None:
+        proposal = drafter.propose(config.k)
+        # never draft past the token limit: a call emits up to j + 1 tokens
+        j = min(policy.length(len(proposal)), row.limit - len(row.tokens) - 1)
+        drafts = proposal[: max(j, 0)]
+        fed = [token, *drafts]
+        began = time.perf_counter()
+        logits = verify_logits(model, fed, position)
+        policy.times.add(len(fed), time.perf_counter() - began)
+        if chain:  # each row sees the tokens before it (stateless processors only)
+            width = len(seq) + len(drafts)
+            history = torch.full((len(fed), width), -1, dtype=torch.long)
+            for i in range(len(fed)):
+                history[i, width - len(seq) - i :] = torch.tensor([*seq, *drafts[:i]])
+            logits = apply_processors(chain, history.to(logits.device), logits)
+        if drafts:
+            out, n = accept(logits, drafts, params, generator=generator)
+            policy.observe(len(drafts), n)
+        else:
+            out, n = sample(logits, params, generator=generator).tolist(), 0
+            if proposal:  # a free check of the draft not taken
+                policy.observe(1, int(out[0] == proposal[0]))
+        emitted = 0
+        for t in out:
+            event = row.add(t)
+            emitted += 1
+            if on_token is not None:
+                on_token(event)
+            if row.finish_reason is not None:
+                break
+        stats.record(len(drafts), n, emitted)
+        kept = out[:emitted]
+        drafter.extend(kept)
+        seq.extend(kept)
+        position += n + 1
+        token = out[-1]
+        lap = timer.lap()
+        latencies.extend([lap / emitted] * emitted)
+    return latencies

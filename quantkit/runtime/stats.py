@@ -20,6 +20,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from types import TracebackType
+from typing import Any
 
 import torch
 
@@ -62,6 +63,8 @@ class GenerationStats:
     decode_latencies_s: list[float] = field(default_factory=list)
     wall_s: float = math.nan
     batch_size: int = 1
+    prefill_skipped: int = 0  # prompt tokens served by a prefix cache instead of prefilled
+    speculation: Any = None  # `runtime.speculate.SpecStats` of a speculative run, else None
 
     def __post_init__(self) -> None:
         expected = max(self.generated_tokens - 1, 0)
@@ -117,7 +120,7 @@ class GenerationStats:
             return math.nan
         return abs(self.e2e_model_s - self.wall_s) / self.wall_s
 
-    def to_dict(self) -> dict[str, float | int | None]:
+    def to_dict(self) -> dict[str, Any]:
         """Flat, JSON-ready summary; an undefined value (no decode step) is None, not NaN."""
         values: dict[str, float | int] = {
             "prompt_tokens": self.prompt_tokens,
@@ -132,8 +135,14 @@ class GenerationStats:
             "prompt_tok_s": self.prompt_tok_s,
             "e2e_ms": 1e3 * self.e2e_model_s,
             "wall_ms": 1e3 * self.wall_s,
+            "prefill_skipped_tokens": self.prefill_skipped,
         }
-        return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in values.items()}
+        out: dict[str, Any] = {
+            k: None if isinstance(v, float) and math.isnan(v) else v for k, v in values.items()
+        }
+        if self.speculation is not None:
+            out["speculation"] = self.speculation.as_dict()
+        return out
 
 
 class Timer:
