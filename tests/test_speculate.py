@@ -26,6 +26,7 @@ from quantkit.runtime.speculate import (
     SpecConfig,
     accept,
     parse_speculate,
+    plan_drafts,
 )
 
 _REAL_HOME = os.environ.get("QUANTKIT_HOME")
@@ -104,7 +105,7 @@ def test_sampled_acceptance_keeps_the_distribution() -> None:
 def test_policy_drafts_when_accepted_and_switches_off_when_not() -> None:
     times = CallTimes()
     for rows, ms in ((1, 10.0), (2, 13.0), (3, 15.0), (4, 23.0), (5, 29.0)):
-        times.add(rows, ms)
+        times.add(rows, ms, verify=True)
     policy = DraftPolicy(SpecConfig(k=4), times)
     for _ in range(30):
         policy.observe(4, 4)
@@ -117,7 +118,19 @@ def test_policy_drafts_when_accepted_and_switches_off_when_not() -> None:
     assert policy.length(4) >= 1
     fixed = DraftPolicy(SpecConfig(k=3, adaptive=False))
     assert fixed.length(5) == 3 and fixed.length(2) == 2
-    assert CallTimes().estimate(3) > CallTimes().estimate(1)
+    assert CallTimes().estimate(3, verify=True) > CallTimes().estimate(1, verify=True)
+
+
+def test_plan_drafts_spends_rows_where_acceptance_is_high() -> None:
+    times = CallTimes()
+    for rows in range(1, 17):  # a step costs 10 ms + 1 ms a row, plain or verifying
+        times.add(rows, 0.010 + 0.001 * rows, verify=False)
+        times.add(rows, 0.010 + 0.001 * rows, verify=True)
+    sure, never = DraftPolicy(SpecConfig(k=4), times), DraftPolicy(SpecConfig(k=4), times)
+    sure.accept_rate, never.accept_rate = 0.95, 0.05
+    assert plan_drafts([sure, never], [4, 4], times) == [4, 0]
+    assert plan_drafts([sure, never], [2, 4], times) == [2, 0]  # only what was proposed
+    assert plan_drafts([never], [4], times) == [0]
 
 
 # --------------------------------------------------------------------------- generate

@@ -501,7 +501,7 @@ def _speculative_decode(
         fed = [token, *drafts]
         began = time.perf_counter()
         logits = verify_logits(model, fed, position)
-        policy.times.add(len(fed), time.perf_counter() - began)
+        policy.times.add(len(fed), time.perf_counter() - began, verify=True)
         if chain:  # each row sees the tokens before it (stateless processors only)
             width = len(seq) + len(drafts)
             history = torch.full((len(fed), width), -1, dtype=torch.long)

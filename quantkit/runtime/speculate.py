@@ -49,6 +49,7 @@ __all__ = [
     "SpecStats",
     "accept",
     "parse_speculate",
+    "plan_drafts",
     "verify_logits",
 ]
 
@@ -189,8 +190,9 @@ class SpecStats:
 
 
 class DraftPolicy:
-    """How many draft tokens to verify next (see the module docstring). One per sequence for
-    the acceptance estimate; the call-time table may be shared (`times`)."""
+    """One sequence's acceptance estimate (see the module docstring) and, through
+    `plan_drafts`, how many draft tokens it verifies next. The call-time table may be shared
+    by the sequences of one engine (`times`)."""
 
     def __init__(self, config: SpecConfig, times: CallTimes | None = None) -> None:
         self.config = config
@@ -198,17 +200,8 @@ class DraftPolicy:
         self.times = times or CallTimes()
 
     def length(self, available: int) -> int:
-        """Draft tokens to verify now, 0..available (<= k)."""
-        j_max = min(available, self.config.k)
-        if not self.config.adaptive or j_max == 0:
-            return j_max
-        a, best, best_rate, expected = self.accept_rate, 0, 0.0, 0.0
-        for j in range(j_max + 1):
-            expected += a**j
-            rate = expected / self.times.estimate(j + 1)
-            if rate > best_rate * 1.02:  # a longer draft must pay clearly
-                best, best_rate = j, rate
-        return best
+        """Draft tokens to verify now, 0..available (<= k), for a sequence decoded alone."""
+        return plan_drafts([self], [available], self.times)[0]
 
     def observe(self, verified: int, accepted: int) -> None:
         """`verified` draft tokens were checked (0 with a shadow check: pass 1 and whether
@@ -220,36 +213,76 @@ class DraftPolicy:
                 break
 
 
+def plan_drafts(
+    policies: Sequence[DraftPolicy], available: Sequence[int], times: CallTimes
+) -> list[int]:
+    """Draft lengths for the sequences of one step (one row each without drafts) that
+    maximise expected tokens per second. Draft tokens are added one at a time, each time the
+    one with the best chance of being accepted (a^(j+1) for a sequence at draft length j), and
+    the best prefix of those additions is kept: a longer plan must beat a shorter one by 2%.
+    Non-adaptive policies draft every available token (up to k)."""
+    n = len(policies)
+    caps = [min(a, p.config.k) for p, a in zip(policies, available, strict=True)]
+    if not any(p.config.adaptive for p in policies):
+        return caps
+    js, order = [0] * n, []
+    best, best_rate, expected = 0, n / times.estimate(n, verify=False), float(n)
+    while True:
+        pick = max(
+            (p.accept_rate ** (js[i] + 1), i)
+            for i, p in enumerate(policies)
+            if js[i] < caps[i]
+        ) if any(js[i] < caps[i] for i in range(n)) else None  # fmt: skip
+        if pick is None:
+            break
+        gain, i = pick
+        js[i] += 1
+        order.append(i)
+        expected += gain
+        rate = expected / times.estimate(n + len(order), verify=True)
+        if rate > best_rate * 1.02:
+            best, best_rate = len(order), rate
+    plan = [0] * n
+    for i in order[:best]:
+        plan[i] += 1
+    return plan
+
+
 class CallTimes:
-    """Measured seconds of a decoder call of r rows (an EMA per r); unmeasured counts are
-    estimated from the nearest measured ones, and before any measurement from a prior that
-    makes each extra row cost a third of a one-row call (this CPU's row-invariant calls cost
-    1.3x one row at 2 rows, 1.6x at 3, 2.3x at 4)."""
+    """Measured seconds of a decoder call of r rows (an EMA per r), for plain steps and for
+    verification calls (row-invariant: slower per row) apart; at one row they are the same
+    call. An unmeasured count is estimated from the largest measured smaller one plus, per
+    extra row, a share of a one-row call (a third for plain steps, half for verification; this
+    CPU's row-invariant calls measured 1.3x one row at 2 rows, 1.6x at 3, 2.3x at 4)."""
+
+    _SHARE = {False: 1 / 3, True: 1 / 2}
 
     def __init__(self) -> None:
-        self._ema: dict[int, float] = {}
+        self._ema: dict[tuple[bool, int], float] = {}
 
-    def add(self, rows: int, seconds: float) -> None:
+    def add(self, rows: int, seconds: float, *, verify: bool) -> None:
         if not (seconds > 0 and math.isfinite(seconds)):
             return
-        old = self._ema.get(rows)
-        self._ema[rows] = seconds if old is None else old + 0.2 * (seconds - old)
+        key = (verify and rows > 1, rows)
+        old = self._ema.get(key)
+        self._ema[key] = seconds if old is None else old + 0.2 * (seconds - old)
 
-    def estimate(self, rows: int) -> float:
-        if rows in self._ema:
-            return self._ema[rows]
-        base = self._ema.get(1)
-        known = sorted(self._ema)
-        if base is None and not known:
-            return 1.0 + (rows - 1) / 3
-        if base is None:
-            r0 = known[0]
-            base = self._ema[r0] / (1.0 + (r0 - 1) / 3)
+    def estimate(self, rows: int, *, verify: bool) -> float:
+        kind = verify and rows > 1
+        if (kind, rows) in self._ema:
+            return self._ema[(kind, rows)]
+        share = self._SHARE[kind]
+        one = self._ema.get((False, 1))
+        known = sorted(r for k, r in self._ema if k == kind)
+        if one is None:
+            if not known:
+                return 1.0 + (rows - 1) * share
+            one = self._ema[(kind, known[0])] / (1.0 + (known[0] - 1) * share)
         below = [r for r in known if r < rows]
-        if below:  # at least as slow as the largest measured smaller call
+        if below:
             r0 = below[-1]
-            return max(self._ema[r0], self._ema[r0] + (rows - r0) * base / 3)
-        return base * (1.0 + (rows - 1) / 3)
+            return self._ema[(kind, r0)] + (rows - r0) * one * share
+        return one * (1.0 + (rows - 1) * share)
 
 
 def accept(

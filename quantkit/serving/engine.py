@@ -41,6 +41,7 @@ the schedule deterministic for tests.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -48,7 +49,16 @@ import torch
 
 from quantkit.errors import GenerationError
 from quantkit.models.decoder import CausalLM
+from quantkit.runtime.prefix_cache import PrefixCache
 from quantkit.runtime.sampling import SamplingParams, make_generator, sample
+from quantkit.runtime.speculate import (
+    CallTimes,
+    DraftPolicy,
+    NgramDrafter,
+    SpecStats,
+    accept,
+    plan_drafts,
+)
 from quantkit.serving.rows import PathRows, RowRunner, SlotKV, WindowRows, round_width
 from quantkit.serving.types import (
     DecodeStep,
@@ -143,6 +153,12 @@ class SlotEngine:
         self.decode_steps: list[DecodeStep] = []
         self.prefill_chunks: list[PrefillChunk] = []
         self._order = 0
+        budget = int(config.prefix_cache_mb * 2**20)
+        self.prefix_cache = PrefixCache(budget) if budget > 0 else None
+        self.spec_stats = SpecStats() if config.speculate is not None else None
+        self.spec_off: str | None = None  # why speculation was asked for but is off
+        self._times = CallTimes()
+        self._drafters: dict[int, tuple[NgramDrafter, DraftPolicy]] = {}
 
     # -- cache
     def install(self) -> None:
@@ -160,6 +176,14 @@ class SlotEngine:
             layer.self_attn.cache = cache
             self.caches.append(cache)
         self.rows = self._row_runner()
+        if self.config.speculate is not None:
+            if self.config.mode != "continuous":
+                self.spec_off = "static batching decodes whole batches in lockstep"
+            elif not isinstance(self.rows, PathRows):
+                self.spec_off = "no one-call decode path (the C step) to verify drafts on"
+
+    def _kv(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [c.store_k for c in self.caches], [c.store_v for c in self.caches]
 
     def _row_runner(self) -> RowRunner:
         """What runs every forward of this run, picked once: the model's one-call decode path
@@ -191,6 +215,13 @@ class SlotEngine:
         here: every request shares one `params` and generator)."""
         return sample(logits, self.params, generator=self.generator).tolist()
 
+    def _spec_sampling(
+        self, active: ActiveRequest
+    ) -> tuple[SamplingParams, torch.Generator] | None:
+        """How a request that may draft samples (speculation accepts with these), or None when
+        it may not (its tokens then come from `_sample`, one a step)."""
+        return self.params, self.generator
+
     # -- scheduling
     def occupied(self) -> list[ActiveRequest]:
         return [a for a in self.slots if a is not None]
@@ -219,6 +250,11 @@ class SlotEngine:
             if budget <= 0:
                 break
             prompt = active.request.prompt
+            if active.prefilled == 0 and self.prefix_cache is not None:
+                hit = self.prefix_cache.match(prompt)
+                if hit:
+                    self.prefix_cache.load(prompt, hit, *self._kv(), active.slot)
+                    active.prefilled = hit
             start = active.prefilled
             n = int(min(len(prompt) - start, budget))
             budget -= n
@@ -227,6 +263,8 @@ class SlotEngine:
             logits = self.rows.run_chunk(active.slot, prompt[start:end], start)
             active.prefilled = end
             if end == len(prompt):
+                if self.prefix_cache is not None:
+                    self.prefix_cache.store(prompt, *self._kv(), active.slot)
                 token = self._sample(logits, [active])[0]
                 self.clock.forward_done()
                 active.next_pos = end
@@ -255,6 +293,9 @@ class SlotEngine:
         rows = [a for a in self.occupied() if a.decoding]
         if not rows:
             return
+        if self.config.speculate is not None and self.spec_off is None:
+            self._decode_speculative(rows)
+            return
         span = self.occupied() if self.config.mode == "static" else rows
         began = self.clock.now()
         fed = [self._fed(a) for a in span]
@@ -268,6 +309,92 @@ class SlotEngine:
             a.next_pos += 1
             self._emit(a, sampled[a.slot], now)
         self.decode_steps.append(DecodeStep(len(rows), window, context, now - began))
+
+    def _decode_speculative(self, rows: list[ActiveRequest]) -> None:
+        """A decode step where each request may feed drafted tokens after its last one
+        (`runtime.speculate`): the draft lengths are planned for the whole step
+        (`plan_drafts`), every row of a step with drafts runs row-invariant (each exactly as
+        decoded alone), and each request keeps its accepted drafts plus one token."""
+        config, stats = self.config.speculate, self.spec_stats
+        assert config is not None and stats is not None
+        began = self.clock.now()
+        policies, proposals, available = [], [], []
+        for a in rows:
+            proposal: list[int] = []
+            entry = self._drafters.get(a.request.id)
+            if self._spec_sampling(a) is not None:
+                if entry is None:
+                    tokens = [*a.request.prompt, *a.result.tokens]
+                    entry = (NgramDrafter(tokens, config), DraftPolicy(config, self._times))
+                    self._drafters[a.request.id] = entry
+                proposal = entry[0].propose(config.k)
+            policies.append(entry[1] if entry else DraftPolicy(config, self._times))
+            proposals.append(proposal)
+            left = a.request.max_new_tokens - len(a.result.tokens) - 1
+            available.append(max(0, min(len(proposal), left)))
+        plan = plan_drafts(policies, available, self._times)
+        fed: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for a, j, proposal in zip(rows, plan, proposals, strict=True):
+            tokens = [a.result.tokens[-1], *proposal[:j]]
+            fed += tokens
+            positions += range(a.next_pos, a.next_pos + len(tokens))
+            slots += [a.slot] * len(tokens)
+        verify = any(plan)
+        t0 = time.perf_counter()
+        logits, window = self.rows.run_rows(fed, positions, slots, row_invariant=verify)
+        self._times.add(len(fed), time.perf_counter() - t0, verify=verify)
+        outs: list[tuple[list[int], int]] = []
+        at = 0
+        for a, j, proposal, policy in zip(rows, plan, proposals, policies, strict=True):
+            rows_of = logits[at : at + j + 1]
+            at += j + 1
+            sampling = self._spec_sampling(a)
+            if sampling is None:
+                outs.append((self._sample(rows_of, [a]), 0))
+                continue
+            params, generator = sampling
+            if j:
+                out, n = accept(rows_of, proposal[:j], params, generator=generator)
+                policy.observe(j, n)
+            else:
+                out, n = sample(rows_of, params, generator=generator).tolist(), 0
+                if proposal:  # a free check of the draft not taken
+                    policy.observe(1, int(out[0] == proposal[0]))
+            outs.append((out, n))
+        self.clock.forward_done()
+        now = self.clock.now()
+        context = sum(a.next_pos + 1 for a in rows)
+        for a, j, (out, n) in zip(rows, plan, outs, strict=True):
+            emitted = 0
+            for token in out:
+                self._emit(a, token, now)
+                emitted += 1
+                if a.done:
+                    break
+            a.next_pos += n + 1
+            stats.record(j, n, emitted)
+            entry = self._drafters.get(a.request.id)
+            if a.done:
+                self._drafters.pop(a.request.id, None)
+            elif entry is not None:
+                entry[0].extend(out[:emitted])
+        self.decode_steps.append(DecodeStep(len(rows), window, context, now - began))
+
+    def spec_summary(self) -> dict[str, object] | None:
+        if self.spec_stats is None:
+            return None
+        summary: dict[str, object] = dict(self.spec_stats.as_dict())
+        if self.spec_off is not None:
+            summary["off"] = self.spec_off
+        return summary
+
+    def prefix_summary(self) -> dict[str, object] | None:
+        cache = self.prefix_cache
+        if cache is None:
+            return None
+        return {**cache.stats.as_dict(), "bytes": cache.bytes, "budget_bytes": cache.budget_bytes}
 
 
 @torch.inference_mode()
@@ -347,4 +474,6 @@ def run_engine(
         config=config,
         start_s=min(r.arrival_s for r in requests),
         end_s=end,
+        speculation=engine.spec_summary(),
+        prefix_cache=engine.prefix_summary(),
     )

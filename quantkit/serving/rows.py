@@ -31,6 +31,7 @@ from typing import Protocol
 
 import torch
 
+from quantkit.errors import GenerationError
 from quantkit.models.decoder import CausalLM, FastPath, KVCache
 
 __all__ = ["WIDTH_ROUND", "PathRows", "RowRunner", "SlotKV", "WindowRows", "round_width"]
@@ -71,9 +72,15 @@ class RowRunner(Protocol):
     """The engine's forwards (see the module docstring)."""
 
     def run_rows(
-        self, tokens: list[int], positions: list[int], slots: list[int]
+        self,
+        tokens: list[int],
+        positions: list[int],
+        slots: list[int],
+        *,
+        row_invariant: bool = False,
     ) -> tuple[torch.Tensor, int]:
-        """(fp32 logits [R, V] of exactly these rows in their order, rows computed)."""
+        """(fp32 logits [R, V] of exactly these rows in their order, rows computed).
+        row_invariant: each row exactly as a one-row call computes it (a `PathRows` only)."""
         ...
 
     def run_chunk(self, slot: int, tokens: Sequence[int], start: int) -> torch.Tensor:
@@ -103,8 +110,18 @@ class WindowRows:
             cache.select(start, stop, width)
 
     def run_rows(
-        self, tokens: list[int], positions: list[int], slots: list[int]
+        self,
+        tokens: list[int],
+        positions: list[int],
+        slots: list[int],
+        *,
+        row_invariant: bool = False,
     ) -> tuple[torch.Tensor, int]:
+        if row_invariant or len(set(slots)) != len(slots):
+            raise GenerationError(
+                "window rows: expected one row per slot and no row_invariant (the PyTorch "
+                f"layers), got slots {slots}, row_invariant={row_invariant}"
+            )
         hi = 1 + max(slots)
         given = {s: (t, p) for s, t, p in zip(slots, tokens, positions, strict=True)}
         fed = [given.get(slot) or self.idle(slot) for slot in range(hi)]
@@ -141,9 +158,16 @@ class PathRows:
         self.max_rows = path.max_rows
 
     def run_rows(
-        self, tokens: list[int], positions: list[int], slots: list[int]
+        self,
+        tokens: list[int],
+        positions: list[int],
+        slots: list[int],
+        *,
+        row_invariant: bool = False,
     ) -> tuple[torch.Tensor, int]:
-        hidden = self.path.run_rows(self.model, tokens, positions, slots)
+        hidden = self.path.run_rows(
+            self.model, tokens, positions, slots, row_invariant=row_invariant
+        )
         return self.model.logits(hidden)[:, -1], len(slots)
 
     def run_chunk(self, slot: int, tokens: Sequence[int], start: int) -> torch.Tensor:

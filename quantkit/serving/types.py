@@ -7,11 +7,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
 from quantkit.errors import GenerationError
+from quantkit.runtime.speculate import SpecConfig
 
 __all__ = [
     "DecodeStep",
@@ -40,12 +41,18 @@ class EngineConfig:
         (every admitted prompt is prefilled in full in the step that admits it).
     admission_limit: the most requests in the system (running + waiting); one arriving beyond
         it is rejected. None = no limit.
+    speculate: prompt-lookup speculative decoding (`runtime.speculate`); needs the model's
+        one-call decode path (the C step), else it stays off and the run says why.
+    prefix_cache_mb: keep the K/V of prompt prefixes, up to this many MiB, and prefill only
+        what a new prompt does not share with them (`runtime.prefix_cache`); 0 = off.
     """
 
     batch_cap: int = 8
     mode: Mode = "continuous"
     chunk: int | None = None
     admission_limit: int | None = None
+    speculate: SpecConfig | None = None
+    prefix_cache_mb: float = 0.0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.batch_cap, int) and self.batch_cap >= 1):
@@ -61,6 +68,9 @@ class EngineConfig:
                 "prefill chunk: expected continuous batching (static batching prefills whole "
                 "batches before decoding), got mode static"
             )
+        mb = self.prefix_cache_mb
+        if not (isinstance(mb, int | float) and math.isfinite(mb) and mb >= 0):
+            raise GenerationError(f"prefix cache: expected a size >= 0 MiB, got {mb!r}")
         limit = self.admission_limit
         if limit is not None and not (isinstance(limit, int) and limit >= 1):
             raise GenerationError(
@@ -127,6 +137,8 @@ class RunResult:
     config: EngineConfig
     start_s: float  # the first arrival
     end_s: float  # the last token
+    speculation: dict[str, Any] | None = None  # `SpecStats.as_dict()` (+ why off), if asked
+    prefix_cache: dict[str, Any] | None = None  # `PrefixCacheStats.as_dict()`, if on
 
     @property
     def duration_s(self) -> float:
