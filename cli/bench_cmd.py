@@ -26,6 +26,7 @@ from quantkit.evals.bench_serving import (
 from quantkit.format.dtypes import DTYPES, name_of
 from quantkit.runtime.loader import LoadedModel
 from quantkit.runtime.options import RuntimeOptions
+from quantkit.runtime.speculate import parse_speculate
 from quantkit.serving.metrics import SLO, parse_duration
 from quantkit.serving.workload import LengthDist, parse_rate
 
@@ -81,6 +82,9 @@ def _config(
     slo_ttft: str | None,
     slo_tpot: str | None,
     seed: int,
+    shared_prefix: int = 0,
+    speculate: str = "off",
+    prefix_cache_mb: float = 0.0,
 ) -> BenchConfig:
     """Every option checked, before any model is loaded: bad input fails in milliseconds."""
     frac, long_len = _long_prompts(long_prompts)
@@ -104,7 +108,16 @@ def _config(
             tpot_s=None if slo_tpot is None else parse_duration(slo_tpot, option="--slo-tpot"),
         ),
         seed=seed,
+        shared_prefix=_positive(shared_prefix, "--shared-prefix", zero_ok=True),
+        speculate=parse_speculate(speculate),
+        prefix_cache_mb=_megabytes(prefix_cache_mb),
     )
+
+
+def _megabytes(value: float) -> float:
+    if not (math.isfinite(value) and value >= 0):
+        raise GenerationError(f"--prefix-cache-mb: expected a size >= 0 MiB, got {value}")
+    return value
 
 
 def _prompt_tokens(tokenizer: object) -> list[int] | None:
@@ -188,6 +201,28 @@ def _prompt_tokens(tokenizer: object) -> list[int] | None:
     show_default=True,
     help="Activations inside the INT4 GEMVs (as `quantkit generate --act-dtype`).",
 )
+@click.option(
+    "--speculate",
+    default="off",
+    show_default=True,
+    help="Speculative decoding in the continuous runs: 'ngram' or 'ngram:K' (see `quantkit "
+    "generate --speculate`).",
+)
+@click.option(
+    "--prefix-cache-mb",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Reuse the K/V of prompt prefixes seen before, up to this many MiB; 0 = off.",
+)
+@click.option(
+    "--shared-prefix",
+    type=int,
+    default=0,
+    show_default=True,
+    help="Every prompt starts with the same this many tokens (a system prompt), then its own "
+    "--prompt-len tokens.",
+)
 @click.option("--threads", type=int, default=None, help="CPU threads for torch.")
 @click.option("--json", "json_file", default=None, help="Write the report: a record per setting.")
 @click.option("--plot", "plot_dir", default=None, help="Write PNG plots into this directory.")
@@ -220,6 +255,9 @@ def bench_cmd(
     device: str,
     dtype: str,
     act_dtype: str,
+    speculate: str,
+    prefix_cache_mb: float,
+    shared_prefix: int,
     threads: int | None,
     json_file: str | None,
     plot_dir: str | None,
@@ -244,6 +282,9 @@ def bench_cmd(
         slo_ttft=slo_ttft,
         slo_tpot=slo_tpot,
         seed=seed,
+        shared_prefix=shared_prefix,
+        speculate=speculate,
+        prefix_cache_mb=prefix_cache_mb,
     )
     if server is not None:
         _bench_server(
@@ -297,10 +338,27 @@ def _meta(loaded: LoadedModel, dev: torch.device, *, text_prompts: bool) -> dict
     }
 
 
+def _reuse(record: dict) -> str:
+    """What speculation and the prefix cache saved in one setting, for the progress line."""
+    parts = []
+    if (spec := record.get("speculation")) is not None:
+        parts.append(
+            f"speculation off ({spec['off']})" if "off" in spec else
+            f"drafts {spec['accepted_tokens']}/{spec['drafted_tokens']} accepted, "
+            f"{spec['tokens_per_step']:.2f} tokens per request and step"
+        )  # fmt: skip
+    if (cache := record.get("prefix_cache")) is not None:
+        parts.append(
+            f"prefix cache {cache['hit_tokens']} prompt tokens reused "
+            f"({cache['token_hit_rate']:.0%}), {cache['bytes'] / 2**20:.1f} MiB held"
+        )
+    return "; " + "; ".join(parts) if parts else ""
+
+
 def _progress(setting: Setting, record: dict) -> None:
     click.echo(
         f"  {setting.describe()}: {record['throughput_tok_s']:.1f} tok/s, TPOT p99 "
-        f"{record['tpot_ms_p99'] or math.nan:.1f} ms",
+        f"{record['tpot_ms_p99'] or math.nan:.1f} ms{_reuse(record)}",
         err=True,
     )
 

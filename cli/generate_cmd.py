@@ -33,6 +33,7 @@ from quantkit.runtime.head import head_name
 from quantkit.runtime.loader import LoadedModel, load_model
 from quantkit.runtime.options import ACT_DTYPE_NAMES, RuntimeOptions
 from quantkit.runtime.sampling import SamplingParams
+from quantkit.runtime.speculate import parse_speculate
 
 
 def _device(name: str) -> torch.device:
@@ -99,13 +100,16 @@ def _roofline(
     stats = result.stats
     # Decode step k attends to prompt + k tokens: the mean context over the timed steps.
     context = stats.prompt_tokens // stats.batch_size + stats.generated_tokens // 2
+    rate = stats.decode_tok_s if stats.decode_latencies_s else math.nan
+    if stats.speculation is not None and stats.speculation.tokens_per_step > 0:
+        rate /= stats.speculation.tokens_per_step  # model calls/s: each reads the weights once
     try:
         hardware = local_hardware(device)
     except HardwareError:  # a GPU missing from the table: report the rate without a ceiling
         return None
     return decode_roofline(
         loaded.model,
-        achieved_tok_s=stats.decode_tok_s if stats.decode_latencies_s else math.nan,
+        achieved_tok_s=rate,
         context=context,
         hardware=hardware,
         batch=stats.batch_size,
@@ -162,6 +166,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
     if s["decode_tok_s"] is not None:
         rate = f"{s['decode_tok_s']:.1f} tok/s"
     click.echo(f"decode     {rate}")
+    if (spec := s.get("speculation")) is not None:
+        click.echo(
+            f"speculate  {spec['accepted_tokens']}/{spec['drafted_tokens']} drafts accepted "
+            f"({spec['acceptance_rate']:.0%}) over {spec['verify_steps']} verifying calls, "
+            f"{spec['tokens_per_step']:.2f} tokens a model call; MBU below counts model calls"
+        )
     if s["bytes_per_token"] is not None:
         mb = 1e-6
         click.echo(
@@ -261,6 +271,14 @@ def _print_summary(summary: dict[str, Any]) -> None:
     show_default=True,
     help="Append the tokens the grammar forces without sampling, fed in one model call.",
 )
+@click.option(
+    "--speculate",
+    default="off",
+    show_default=True,
+    help="Speculative decoding: 'ngram' or 'ngram:K' drafts up to K tokens (default 4) by "
+    "prompt lookup and verifies them in one model call; greedy output is unchanged, sampling "
+    "keeps its distribution. Drafting switches itself off where drafts are not accepted.",
+)
 @click.option("--output", default=None, help="Also write the output to this file (atomically).")
 def generate_cmd(
     model: str | None,
@@ -287,6 +305,7 @@ def generate_cmd(
     compile_timeout: float,
     grammar_engine: str,
     fast_forward: bool,
+    speculate: str,
     output: str | None,
 ) -> None:
     """Generate a completion of --prompt with MODEL_OR_CKPT (a checkpoint, a HF directory, a
@@ -299,6 +318,13 @@ def generate_cmd(
     grammar, prompt = _grammar_and_prompt(
         prompt, schema_file, regex, choices, compile_timeout, grammar_engine
     )
+    spec = parse_speculate(speculate)
+    if spec is not None and (grammar is not None or compile_step):
+        raise GenerationError(
+            "--speculate: expected no --schema/--regex/--choice (a grammar advances one token "
+            "a step; --fast-forward skips its forced tokens instead) and no --compile, got "
+            + ("a grammar" if grammar is not None else "--compile")
+        )
     params = SamplingParams(
         temperature=temperature,
         top_k=top_k,
@@ -332,6 +358,7 @@ def generate_cmd(
         cache_len=slots,
         processors=processors,
         fast_forward=fast_forward and grammar is not None,
+        speculate=spec,
     )
     backend = _backend(loaded, dev, options.torch_dtype())
     if loaded.scheme is not None and (why := pytorch_path_reason(loaded.model)) is not None:

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from quantkit.format.dtypes import DTYPES
 from quantkit.grammar.compiler import DEFAULT_TIMEOUT_S
 from quantkit.runtime.generate import eos_token_ids
 from quantkit.runtime.options import RuntimeOptions
+from quantkit.runtime.speculate import parse_speculate
 
 # KV positions per slot when --context is not given: the model's window, at most this (the
 # cache holds batch_cap x context positions of every layer; 2048 keeps the embedded model's
@@ -116,6 +118,21 @@ def _off_main_thread(fn: Callable[[], T]) -> T:
     default="auto",
     show_default=True,
 )
+@click.option(
+    "--speculate",
+    default="off",
+    show_default=True,
+    help="Speculative decoding: 'ngram' or 'ngram:K' (prompt lookup; requests without a "
+    "response_format or repetition penalty draft; greedy output unchanged).",
+)
+@click.option(
+    "--prefix-cache-mb",
+    type=float,
+    default=0.0,
+    show_default=True,
+    help="Reuse the K/V of prompt prefixes seen before (a shared system prompt), up to this "
+    "many MiB; 0 = off.",
+)
 @click.option("--log-level", default="warning", show_default=True, help="uvicorn's log level.")
 def serve_cmd(
     model: str | None,
@@ -133,6 +150,8 @@ def serve_cmd(
     device: str,
     dtype: str,
     act_dtype: str,
+    speculate: str,
+    prefix_cache_mb: float,
     log_level: str,
 ) -> None:
     """Serve MODEL_OR_CKPT (default: the embedded model as INT4) over OpenAI's API."""
@@ -146,6 +165,9 @@ def serve_cmd(
     _at_least(context, "--context", 2)
     if not drain_timeout >= 0:
         raise GenerationError(f"--drain-timeout: expected seconds >= 0, got {drain_timeout}")
+    spec = parse_speculate(speculate)
+    if not (math.isfinite(prefix_cache_mb) and prefix_cache_mb >= 0):
+        raise GenerationError(f"--prefix-cache-mb: expected a size >= 0 MiB, got {prefix_cache_mb}")
     _set_threads(threads)
     sock = bind(host, port)  # a port in use fails now, not after the model loads
     dev = _device(device)
@@ -169,12 +191,16 @@ def serve_cmd(
         api_key=api_key,
         drain_s=drain_timeout,
         compile_timeout_s=compile_timeout,
+        speculate=spec,
+        prefix_cache_mb=prefix_cache_mb,
     )
     app = create_app(settings, loaded)
     bound_host, bound_port = sock.getsockname()[:2]
     click.echo(
         f"serving {name} ({loaded.describe()}) on {_device_name(dev)}: batch cap {batch_cap}, "
-        f"chunk {chunk or 'off'}, context {ctx}, queue {max_queue}",
+        f"chunk {chunk or 'off'}, context {ctx}, queue {max_queue}, speculate "
+        f"{spec.describe() if spec else 'off'}, prefix cache "
+        f"{f'{prefix_cache_mb:g} MiB' if prefix_cache_mb else 'off'}",
         err=True,
     )
     click.echo(f"listening on http://{bound_host}:{bound_port}", err=True)

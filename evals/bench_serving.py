@@ -35,6 +35,7 @@ from quantkit.errors import GenerationError, HardwareError
 from quantkit.fused_kernels.bench import git_commit
 from quantkit.models.decoder import CausalLM
 from quantkit.perf.hardware import local_hardware
+from quantkit.runtime.speculate import SpecConfig
 from quantkit.serving.engine import EngineConfig, RunResult, run_engine
 from quantkit.serving.metrics import SLO, StepCost, decode_points, summarize
 from quantkit.serving.workload import LengthDist, WorkloadSpec, make_workload
@@ -72,6 +73,9 @@ class BenchConfig:
     admission_limit: int | None = None
     slo: SLO = field(default_factory=lambda: SLO(ttft_s=2.0, tpot_s=0.2))
     seed: int = 0
+    shared_prefix: int = 0  # tokens every prompt starts with (`WorkloadSpec.shared_prefix_len`)
+    speculate: SpecConfig | None = None  # every setting's engine (`EngineConfig.speculate`)
+    prefix_cache_mb: float = 0.0  # every setting's engine (`EngineConfig.prefix_cache_mb`)
 
     def __post_init__(self) -> None:
         if not self.batch_caps or not all(isinstance(c, int) and c >= 1 for c in self.batch_caps):
@@ -103,6 +107,7 @@ class BenchConfig:
             long_prompt_frac=self.long_prompt_frac if long else 0.0,
             long_prompt_len=self.long_prompt_len if long else 0,
             seed=self.seed,
+            shared_prefix_len=self.shared_prefix,
         )
 
 
@@ -217,6 +222,8 @@ def _record(setting: Setting, run: RunResult, config: BenchConfig, **metrics_kw:
         "long_prompts": setting.long_prompts,
         "workload": config.workload(setting.rate, long=setting.long_prompts).describe(),
         **metrics,
+        "speculation": run.speculation,
+        "prefix_cache": run.prefix_cache,
         "samples": {
             "ttft_ms": [round(1e3 * r.ttft_s, 3) for r in done],
             "tpot_ms": [round(1e3 * g, 3) for r in done for g in r.gaps_s],
@@ -261,6 +268,8 @@ def run_bench(
             mode=setting.mode,  # type: ignore[arg-type]
             chunk=setting.chunk,
             admission_limit=config.admission_limit,
+            speculate=config.speculate if setting.mode == "continuous" else None,
+            prefix_cache_mb=config.prefix_cache_mb,
         )
         run = run_engine(model, requests_for(setting.rate, setting.long_prompts), engine)
         record = _record(setting, run, config, cost=cost, bandwidth=machine.get("bandwidth"))

@@ -52,9 +52,11 @@ def _requests() -> list[Request]:
     [
         EngineConfig(batch_cap=3, speculate=SpecConfig()),
         EngineConfig(batch_cap=8, chunk=16, speculate=SpecConfig(k=6, adaptive=False)),
-        EngineConfig(batch_cap=1, speculate=SpecConfig(k=3)),
+        EngineConfig(batch_cap=1, speculate=SpecConfig(k=3, adaptive=False)),
         EngineConfig(batch_cap=3, prefix_cache_mb=64),
-        EngineConfig(batch_cap=4, chunk=32, prefix_cache_mb=64, speculate=SpecConfig()),
+        EngineConfig(
+            batch_cap=4, chunk=32, prefix_cache_mb=64, speculate=SpecConfig(adaptive=False)
+        ),
     ],
     ids=["spec-3", "spec-8-chunk-fixed", "spec-1", "prefix-3", "both-4-chunk"],
 )
@@ -74,6 +76,8 @@ def test_greedy_tokens_equal_each_request_alone(int4: Path, act: str, config: En
     if config.speculate is not None:
         spec = result.speculation
         assert spec is not None and "off" not in spec
+    if config.speculate is not None and not config.speculate.adaptive:
+        # (adaptive drafting follows this machine's measured step times: not asserted)
         assert spec["verify_steps"] > 0 and spec["accepted_tokens"] > 0
         # fewer forward passes than tokens: the point of it
         assert len(result.decode_steps) < sum(len(t) - 1 for t in alone)

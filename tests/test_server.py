@@ -422,3 +422,41 @@ def test_bench_over_http_reports_the_table(
     assert code == 0, err
     row = next(line for line in out.splitlines() if line.startswith("http"))
     assert row.split()[1:5] == ["4", "inf", "64", "6/6"], out
+
+
+# --------------------------------------------------------------------------- fewer forwards
+
+
+def test_speculation_and_prefix_cache_keep_the_completions(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """An INT4 checkpoint served with --speculate and --prefix-cache-mb answers exactly what it
+    answers without them (greedy), reuses a shared prompt prefix, and counts both in
+    /metrics."""
+    from quantkit.format.scheme import QuantScheme
+    from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
+    from quantkit.quantize.pipeline import quantize_model
+
+    if not cpu_kernel_available():
+        pytest.skip("needs gcc for the C kernel")
+    home = tmp_path_factory.mktemp("home-reuse")
+    outcome = quantize_model(model_dir, scheme=QuantScheme("int4", "auto", False))
+    ckpt = outcome.save(home / "int4", source_dir=model_dir)
+    system = " ".join(PROMPTS) + " " + " ".join(PROMPTS)  # a long shared start
+    prompts = [f"{system} {p}" for p in PROMPTS[:3]]
+    answers = {}
+    for args in ((), ("--speculate", "ngram", "--prefix-cache-mb", "16")):
+        server = _start(ckpt, home, "--batch-cap", "2", "--api-key", KEY, *args)
+        try:
+            answers[args] = [
+                _complete(server, p, max_tokens=24, extra_body={"ignore_eos": True}).choices[0].text
+                for p in prompts
+            ]
+            if args:
+                assert server.metric("quantkit_prefix_cache_hit_tokens_total") >= 2 * 32
+                assert server.metric("quantkit_spec_draft_tokens_total") >= 0
+                assert any("speculate ngram:4" in line for line in server.log)
+        finally:
+            _stop(server)
+    plain, reused = answers.values()
+    assert reused == plain and all(plain)

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quantkit.runtime.loader import LoadedModel
+from quantkit.runtime.speculate import SpecConfig
 from quantkit.server.engine_loop import EngineLoop, LiveRequest, TokenEvent
 from quantkit.server.generation import Generation, respond
 from quantkit.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
@@ -51,6 +52,8 @@ class ServerSettings:
     api_key: str | None = None
     drain_s: float = 30.0
     compile_timeout_s: float = 30.0
+    speculate: SpecConfig | None = None
+    prefix_cache_mb: float = 0.0
 
 
 class _CountStatus:
@@ -136,7 +139,12 @@ def create_app(settings: ServerSettings, loaded: LoadedModel) -> FastAPI:
 
         loop = EngineLoop(
             loaded.model,
-            EngineConfig(batch_cap=settings.batch_cap, chunk=settings.chunk),
+            EngineConfig(
+                batch_cap=settings.batch_cap,
+                chunk=settings.chunk,
+                speculate=settings.speculate,
+                prefix_cache_mb=settings.prefix_cache_mb,
+            ),
             max_len=settings.context,
             max_queue=settings.max_queue,
             deliver=deliver,

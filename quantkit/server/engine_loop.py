@@ -112,6 +112,10 @@ class LoopObserver(Protocol):
 
     def on_step(self, steps: Sequence[DecodeStep], *, running: int, waiting: int) -> None: ...
 
+    def on_reuse(self, totals: dict[str, int]) -> None:
+        """Running totals of what speculation and the prefix cache saved (`reuse_totals`)."""
+        ...
+
 
 class LiveEngine(SlotEngine):
     """`SlotEngine` with per-request sampling, processors and text (see the module doc)."""
@@ -149,6 +153,27 @@ class LiveEngine(SlotEngine):
                     live.failure = str(e)
             out.append(int(sample(row, live.params, generator=live.generator)[0]))
         return out
+
+    def _spec_sampling(
+        self, active: ActiveRequest
+    ) -> tuple[SamplingParams, torch.Generator] | None:
+        """A request drafts unless it has processors (a grammar or a repetition penalty: they
+        need each token's history in turn) or has failed."""
+        live = self.live.get(active.request.id)
+        if live is None or live.processors or live.failure is not None:
+            return None
+        return live.params, live.generator
+
+    def reuse_totals(self) -> dict[str, int]:
+        """Draft tokens verified and accepted, and prompt tokens the prefix cache served, so
+        far."""
+        spec, cache = self.spec_stats, self.prefix_cache
+        return {
+            "drafted": spec.drafted if spec else 0,
+            "accepted": spec.accepted if spec else 0,
+            "prefix_hit_tokens": cache.stats.hit_tokens if cache else 0,
+            "prefix_looked_up_tokens": cache.stats.looked_up_tokens if cache else 0,
+        }
 
     def _emit(self, active: ActiveRequest, token: int, now: float) -> None:
         live, res = self.live[active.request.id], active.result
@@ -329,6 +354,7 @@ class EngineLoop:
         if self.observer is not None:  # before the tokens go out: a client that saw its
             # token and then reads /metrics sees this step's gauges
             self.observer.on_step(steps, running=self.running, waiting=self.waiting)
+            self.observer.on_reuse(self.engine.reuse_totals())
         self._flush()
         return True
 

@@ -59,6 +59,25 @@ class ServerMetrics:
         self.steps = Counter(
             "quantkit_decode_steps", "Decode forwards by batch size", ["batch_size"], registry=r
         )
+        self.reuse = {
+            "drafted": Counter(
+                "quantkit_spec_draft_tokens", "Draft tokens verified (speculation)", registry=r
+            ),
+            "accepted": Counter(
+                "quantkit_spec_accepted_tokens", "Draft tokens accepted (speculation)", registry=r
+            ),
+            "prefix_hit_tokens": Counter(
+                "quantkit_prefix_cache_hit_tokens",
+                "Prompt tokens served from the prefix cache instead of prefilled",
+                registry=r,
+            ),
+            "prefix_looked_up_tokens": Counter(
+                "quantkit_prefix_cache_queried_tokens",
+                "Prompt tokens looked up in the prefix cache",
+                registry=r,
+            ),
+        }
+        self._reused = dict.fromkeys(self.reuse, 0)
 
     # -- LoopObserver (engine thread)
     def on_token(self, request: LiveRequest, now: float) -> None:
@@ -76,6 +95,13 @@ class ServerMetrics:
         self.running.set(running)
         self.slots_in_use.set(running)
         self.waiting.set(waiting)
+
+    def on_reuse(self, totals: dict[str, int]) -> None:
+        for key, counter in self.reuse.items():
+            delta = totals.get(key, 0) - self._reused[key]
+            if delta > 0:
+                counter.inc(delta)
+                self._reused[key] += delta
 
     # -- HTTP side
     def response(self, status: int) -> None:

@@ -14,6 +14,8 @@ static and a continuous run (or a run with and without chunked prefill) replay t
 - Long prompts (`long_prompt_frac`, `long_prompt_len`): exactly round(frac x requests) requests,
   picked at random, get a prompt of `long_prompt_len` tokens. A few long prompts arriving among
   short ones are what chunked prefill is for.
+- Shared prefix (`shared_prefix_len`): every prompt starts with the same window of that many
+  tokens (a system prompt), then its own `prompt_len` tokens: the load prefix caching is for.
 - Prompt tokens: windows of a token stream the caller passes (real text, so the prompts look
   like prose), or uniform random ids when there is none. Decode and prefill time do not depend
   on which ids are fed, so either gives the same timings.
@@ -126,6 +128,7 @@ class WorkloadSpec:
     long_prompt_frac: float = 0.0
     long_prompt_len: int = 0
     seed: int = 0
+    shared_prefix_len: int = 0  # every prompt: these same tokens, then its own prompt_len
 
     def __post_init__(self) -> None:
         if not (isinstance(self.requests, int) and self.requests >= 1):
@@ -138,6 +141,10 @@ class WorkloadSpec:
             raise GenerationError(
                 f"long prompts: expected a fraction in [0, 1], got {self.long_prompt_frac}"
             )
+        if not (isinstance(self.shared_prefix_len, int) and self.shared_prefix_len >= 0):
+            raise GenerationError(
+                f"shared prefix: expected an integer >= 0 tokens, got {self.shared_prefix_len!r}"
+            )
         if self.long_prompt_frac > 0 and self.long_prompt_len < 1:
             raise GenerationError(
                 f"long prompts: expected a length >= 1, got {self.long_prompt_len}"
@@ -148,8 +155,9 @@ class WorkloadSpec:
         long = ""
         if self.long_prompt_frac > 0:
             long = f", {self.long_prompt_frac:.0%} long prompts of {self.long_prompt_len}"
+        shared = f" after a shared {self.shared_prefix_len}" if self.shared_prefix_len else ""
         return (
-            f"{self.requests} requests, {rate}, prompt {self.prompt_len.describe()}, "
+            f"{self.requests} requests, {rate}, prompt {self.prompt_len.describe()}{shared}, "
             f"output {self.output_len.describe()}{long}, seed {self.seed}"
         )
 
@@ -186,13 +194,16 @@ def make_workload(
         prompts_len[i] = spec.long_prompt_len
     prompts_len = [min(p, max_total - k) for p, k in zip(prompts_len, outputs, strict=True)]
     stream = torch.tensor(list(source_tokens), dtype=torch.int64) if source_tokens else None
+
+    def window(length: int) -> list[int]:
+        if stream is None:
+            return torch.randint(0, vocab_size, (length,), generator=g).tolist()
+        start = int(torch.randint(0, stream.numel(), (1,), generator=g))
+        return stream[(start + torch.arange(length)) % stream.numel()].tolist()
+
+    shared = window(spec.shared_prefix_len) if spec.shared_prefix_len else []
     requests = []
     for i in range(n):
-        length = prompts_len[i]
-        if stream is None:
-            ids = torch.randint(0, vocab_size, (length,), generator=g)
-        else:
-            start = int(torch.randint(0, stream.numel(), (1,), generator=g))
-            ids = stream[(start + torch.arange(length)) % stream.numel()]
-        requests.append(Request(i, tuple(ids.tolist()), outputs[i], arrivals[i]))
+        prompt = (shared + window(prompts_len[i]))[: max(1, max_total - outputs[i])]
+        requests.append(Request(i, tuple(prompt), outputs[i], arrivals[i]))
     return requests
