@@ -85,6 +85,7 @@ def _config(
     shared_prefix: int = 0,
     speculate: str = "off",
     prefix_cache_mb: float = 0.0,
+    batch_invariant: bool = False,
 ) -> BenchConfig:
     """Every option checked, before any model is loaded: bad input fails in milliseconds."""
     frac, long_len = _long_prompts(long_prompts)
@@ -111,6 +112,7 @@ def _config(
         shared_prefix=_positive(shared_prefix, "--shared-prefix", zero_ok=True),
         speculate=parse_speculate(speculate),
         prefix_cache_mb=_megabytes(prefix_cache_mb),
+        batch_invariant=batch_invariant,
     )
 
 
@@ -216,6 +218,12 @@ def _prompt_tokens(tokenizer: object) -> list[int] | None:
     help="Reuse the K/V of prompt prefixes seen before, up to this many MiB; 0 = off.",
 )
 @click.option(
+    "--batch-invariant",
+    is_flag=True,
+    help="Every decode step row-invariant, prefill chunks cut at multiples of 8: each request "
+    "gets exactly the tokens it gets alone (slower batched steps; the C step only).",
+)
+@click.option(
     "--shared-prefix",
     type=int,
     default=0,
@@ -257,6 +265,7 @@ def bench_cmd(
     act_dtype: str,
     speculate: str,
     prefix_cache_mb: float,
+    batch_invariant: bool,
     shared_prefix: int,
     threads: int | None,
     json_file: str | None,
@@ -285,6 +294,7 @@ def bench_cmd(
         shared_prefix=shared_prefix,
         speculate=speculate,
         prefix_cache_mb=prefix_cache_mb,
+        batch_invariant=batch_invariant,
     )
     if server is not None:
         _bench_server(

@@ -16,6 +16,7 @@ from quantkit.cli.generate_cmd import _device, _device_name, _load, _set_threads
 from quantkit.errors import GenerationError, MissingExtraError
 from quantkit.format.dtypes import DTYPES
 from quantkit.grammar.compiler import DEFAULT_TIMEOUT_S
+from quantkit.runtime.fast_path import pytorch_path_reason
 from quantkit.runtime.generate import eos_token_ids
 from quantkit.runtime.options import RuntimeOptions
 from quantkit.runtime.speculate import parse_speculate
@@ -133,6 +134,12 @@ def _off_main_thread(fn: Callable[[], T]) -> T:
     help="Reuse the K/V of prompt prefixes seen before (a shared system prompt), up to this "
     "many MiB; 0 = off.",
 )
+@click.option(
+    "--batch-invariant",
+    is_flag=True,
+    help="Each request gets exactly the tokens it gets alone, whatever else is running "
+    "(row-invariant decode steps, prefill chunks at multiples of 8; slower batched steps).",
+)
 @click.option("--log-level", default="warning", show_default=True, help="uvicorn's log level.")
 def serve_cmd(
     model: str | None,
@@ -152,6 +159,7 @@ def serve_cmd(
     act_dtype: str,
     speculate: str,
     prefix_cache_mb: float,
+    batch_invariant: bool,
     log_level: str,
 ) -> None:
     """Serve MODEL_OR_CKPT (default: the embedded model as INT4) over OpenAI's API."""
@@ -173,6 +181,10 @@ def serve_cmd(
     dev = _device(device)
     options = RuntimeOptions.cli(dtype=dtype, device=str(dev), act_dtype=act_dtype)
     loaded = _off_main_thread(lambda: _load(model, options))
+    if batch_invariant and (why := pytorch_path_reason(loaded.model)) is not None:
+        raise GenerationError(
+            f"--batch-invariant: expected a model on the C decode step, got the PyTorch path: {why}"
+        )
     if loaded.tokenizer is None:
         raise GenerationError(f"{loaded.path}: expected a model with a tokenizer, got none")
     window = loaded.model.config.max_position_embeddings
@@ -193,6 +205,7 @@ def serve_cmd(
         compile_timeout_s=compile_timeout,
         speculate=spec,
         prefix_cache_mb=prefix_cache_mb,
+        batch_invariant=batch_invariant,
     )
     app = create_app(settings, loaded)
     bound_host, bound_port = sock.getsockname()[:2]

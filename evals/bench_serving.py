@@ -76,6 +76,7 @@ class BenchConfig:
     shared_prefix: int = 0  # tokens every prompt starts with (`WorkloadSpec.shared_prefix_len`)
     speculate: SpecConfig | None = None  # every setting's engine (`EngineConfig.speculate`)
     prefix_cache_mb: float = 0.0  # every setting's engine (`EngineConfig.prefix_cache_mb`)
+    batch_invariant: bool = False  # every setting's engine (`EngineConfig.batch_invariant`)
 
     def __post_init__(self) -> None:
         if not self.batch_caps or not all(isinstance(c, int) and c >= 1 for c in self.batch_caps):
@@ -270,6 +271,7 @@ def run_bench(
             admission_limit=config.admission_limit,
             speculate=config.speculate if setting.mode == "continuous" else None,
             prefix_cache_mb=config.prefix_cache_mb,
+            batch_invariant=config.batch_invariant,
         )
         run = run_engine(model, requests_for(setting.rate, setting.long_prompts), engine)
         record = _record(setting, run, config, cost=cost, bandwidth=machine.get("bandwidth"))

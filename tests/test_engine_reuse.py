@@ -114,3 +114,31 @@ def test_speculation_off_says_why(tiny_llama_dir: Path) -> None:
     assert len(result.requests[0].tokens) == 6
     with pytest.raises(GenerationError, match="prefix cache: expected a size >= 0 MiB"):
         EngineConfig(prefix_cache_mb=-1)
+
+
+@pytest.mark.parametrize("act", ["float32", "bfloat16"])
+def test_batch_invariant_runs_cut_chunks_on_row_groups(int4: Path, act: str) -> None:
+    """batch_invariant: every decode step row-invariant and every prefill chunk but a prompt's
+    last starting on a multiple of 8, so each request is computed as `generate` computes it
+    alone, bit for bit; prefill chunks under 8 tokens could not make progress and are refused."""
+    from quantkit.runtime.fast_path import bf16_activations_available
+
+    if act == "bfloat16" and not bf16_activations_available():
+        pytest.skip("needs AVX512-BF16")
+    model = load_model(int4, options=RuntimeOptions.cli(act_dtype=act), tokenizer=False).model
+    requests = _requests()
+    alone = [
+        generate(model, [r.prompt], SamplingParams(max_new_tokens=r.max_new_tokens)).tokens[0]
+        for r in requests
+    ]
+    for config in (
+        EngineConfig(batch_cap=8, chunk=20, batch_invariant=True),
+        EngineConfig(batch_cap=3, chunk=16, batch_invariant=True, speculate=SpecConfig(),
+                     prefix_cache_mb=64),
+    ):  # fmt: skip
+        result = run_engine(model, requests, config, clock=VirtualClock(step_s=1.0))
+        assert [r.tokens for r in result.requests] == alone
+        starts = [c.end - c.tokens for c in result.prefill_chunks]
+        assert all(s % 8 == 0 for s in starts), starts
+    with pytest.raises(GenerationError, match="expected >= 8 tokens with batch invariance"):
+        EngineConfig(chunk=4, batch_invariant=True)

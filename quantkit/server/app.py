@@ -54,6 +54,7 @@ class ServerSettings:
     compile_timeout_s: float = 30.0
     speculate: SpecConfig | None = None
     prefix_cache_mb: float = 0.0
+    batch_invariant: bool = False
 
 
 class _CountStatus:
@@ -144,6 +145,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel) -> FastAPI:
                 chunk=settings.chunk,
                 speculate=settings.speculate,
                 prefix_cache_mb=settings.prefix_cache_mb,
+                batch_invariant=settings.batch_invariant,
             ),
             max_len=settings.context,
             max_queue=settings.max_queue,

@@ -82,6 +82,12 @@ __all__ = [
     "run_engine",
 ]
 
+# Prefill chunks of a batch-invariant run are cut at multiples of this many tokens: the C
+# step's GEMVs group a call's rows in eights (AVX-512; fours elsewhere), and a row's sums depend
+# on its group's size, so chunks that start on such a boundary give every prompt position the
+# group it gets in one whole-prompt call (`generate`'s prefill).
+INVARIANT_ALIGN = 8
+
 # --------------------------------------------------------------------------- the engine
 
 
@@ -176,6 +182,11 @@ class SlotEngine:
             layer.self_attn.cache = cache
             self.caches.append(cache)
         self.rows = self._row_runner()
+        if self.config.batch_invariant and not isinstance(self.rows, PathRows):
+            raise GenerationError(
+                "batch invariant: expected a model on the one-call decode path (the C step), "
+                "got the PyTorch layers"
+            )
         if self.config.speculate is not None:
             if self.config.mode != "continuous":
                 self.spec_off = "static batching decodes whole batches in lockstep"
@@ -257,6 +268,10 @@ class SlotEngine:
                     active.prefilled = hit
             start = active.prefilled
             n = int(min(len(prompt) - start, budget))
+            if self.config.batch_invariant and start + n < len(prompt):
+                n -= n % INVARIANT_ALIGN  # chunks start where a whole prefill's row groups do
+                if n == 0:
+                    break
             budget -= n
             began = self.clock.now()
             end = start + n
@@ -300,7 +315,10 @@ class SlotEngine:
         began = self.clock.now()
         fed = [self._fed(a) for a in span]
         slots = [a.slot for a in span]
-        logits, window = self.rows.run_rows([t for t, _ in fed], [p for _, p in fed], slots)
+        logits, window = self.rows.run_rows(
+            [t for t, _ in fed], [p for _, p in fed], slots,
+            row_invariant=self.config.batch_invariant,
+        )  # fmt: skip
         sampled = dict(zip(slots, self._sample(logits, span), strict=True))
         self.clock.forward_done()
         now = self.clock.now()
@@ -341,7 +359,7 @@ class SlotEngine:
             fed += tokens
             positions += range(a.next_pos, a.next_pos + len(tokens))
             slots += [a.slot] * len(tokens)
-        verify = any(plan)
+        verify = any(plan) or self.config.batch_invariant
         t0 = time.perf_counter()
         logits, window = self.rows.run_rows(fed, positions, slots, row_invariant=verify)
         self._times.add(len(fed), time.perf_counter() - t0, verify=verify)

@@ -45,6 +45,10 @@ class EngineConfig:
         one-call decode path (the C step), else it stays off and the run says why.
     prefix_cache_mb: keep the K/V of prompt prefixes, up to this many MiB, and prefill only
         what a new prompt does not share with them (`runtime.prefix_cache`); 0 = off.
+    batch_invariant: every decode step row-invariant and prefill chunks cut at multiples of 8
+        tokens, so each request gets exactly the tokens `generate` gives it alone, whatever
+        runs beside it (and with speculation or the prefix cache on or off); batched steps
+        cost more (the C step only).
     """
 
     batch_cap: int = 8
@@ -53,6 +57,7 @@ class EngineConfig:
     admission_limit: int | None = None
     speculate: SpecConfig | None = None
     prefix_cache_mb: float = 0.0
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if not (isinstance(self.batch_cap, int) and self.batch_cap >= 1):
@@ -67,6 +72,11 @@ class EngineConfig:
             raise GenerationError(
                 "prefill chunk: expected continuous batching (static batching prefills whole "
                 "batches before decoding), got mode static"
+            )
+        if self.batch_invariant and self.chunk is not None and self.chunk < 8:
+            raise GenerationError(
+                f"prefill chunk: expected >= 8 tokens with batch invariance (chunks are cut at "
+                f"multiples of 8), got {self.chunk}"
             )
         mb = self.prefix_cache_mb
         if not (isinstance(mb, int | float) and math.isfinite(mb) and mb >= 0):
