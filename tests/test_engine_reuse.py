@@ -12,6 +12,7 @@ import torch
 from quantkit.errors import GenerationError
 from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
+from quantkit.models.decoder import CausalLM
 from quantkit.quantize.pipeline import quantize_model
 from quantkit.runtime.generate import generate
 from quantkit.runtime.loader import load_model
@@ -46,6 +47,22 @@ def _requests() -> list[Request]:
     return out
 
 
+def _model_and_alone(int4: Path, act: str) -> tuple[CausalLM, list[Request], list[list[int]]]:
+    """The checkpoint with `act` activations in the GEMVs, the requests, and each request's
+    greedy tokens decoded alone (`generate`): the reference every engine run must equal."""
+    from quantkit.runtime.fast_path import bf16_activations_available
+
+    if act == "bfloat16" and not bf16_activations_available():
+        pytest.skip("needs AVX512-BF16")
+    model = load_model(int4, options=RuntimeOptions.cli(act_dtype=act), tokenizer=False).model
+    requests = _requests()
+    alone = [
+        generate(model, [r.prompt], SamplingParams(max_new_tokens=r.max_new_tokens)).tokens[0]
+        for r in requests
+    ]
+    return model, requests, alone
+
+
 @pytest.mark.parametrize("act", ["float32", "bfloat16"])
 @pytest.mark.parametrize(
     "config",
@@ -61,16 +78,7 @@ def _requests() -> list[Request]:
     ids=["spec-3", "spec-8-chunk-fixed", "spec-1", "prefix-3", "both-4-chunk"],
 )
 def test_greedy_tokens_equal_each_request_alone(int4: Path, act: str, config: EngineConfig):
-    from quantkit.runtime.fast_path import bf16_activations_available
-
-    if act == "bfloat16" and not bf16_activations_available():
-        pytest.skip("needs AVX512-BF16")
-    model = load_model(int4, options=RuntimeOptions.cli(act_dtype=act), tokenizer=False).model
-    requests = _requests()
-    alone = [
-        generate(model, [r.prompt], SamplingParams(max_new_tokens=r.max_new_tokens)).tokens[0]
-        for r in requests
-    ]
+    model, requests, alone = _model_and_alone(int4, act)
     result = run_engine(model, requests, config, clock=VirtualClock(step_s=1.0))
     assert [r.tokens for r in result.requests] == alone
     if config.speculate is not None:
@@ -121,16 +129,7 @@ def test_batch_invariant_runs_cut_chunks_on_row_groups(int4: Path, act: str) -> 
     """batch_invariant: every decode step row-invariant and every prefill chunk but a prompt's
     last starting on a multiple of 8, so each request is computed as `generate` computes it
     alone, bit for bit; prefill chunks under 8 tokens could not make progress and are refused."""
-    from quantkit.runtime.fast_path import bf16_activations_available
-
-    if act == "bfloat16" and not bf16_activations_available():
-        pytest.skip("needs AVX512-BF16")
-    model = load_model(int4, options=RuntimeOptions.cli(act_dtype=act), tokenizer=False).model
-    requests = _requests()
-    alone = [
-        generate(model, [r.prompt], SamplingParams(max_new_tokens=r.max_new_tokens)).tokens[0]
-        for r in requests
-    ]
+    model, requests, alone = _model_and_alone(int4, act)
     for config in (
         EngineConfig(batch_cap=8, chunk=20, batch_invariant=True),
         EngineConfig(batch_cap=3, chunk=16, batch_invariant=True, speculate=SpecConfig(),
