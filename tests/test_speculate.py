@@ -270,3 +270,30 @@ def test_embedded_model_speculation_and_prefix_cache_are_lossless(embedded_int4:
     assert verified > 0 and accepted > 10
     assert cache.stats.hit_tokens >= 32  # the two passage prompts share template + passage
     assert math.isfinite(cache.stats.hit_rate())
+
+
+@needs_c
+def test_embedded_model_engine_reuse_is_batch_invariant(embedded_int4: Path) -> None:
+    """The serving engine at cap 4, batch-invariant, with speculation and the prefix cache:
+    every request gets exactly the tokens `generate` gives it alone on the embedded model."""
+    from quantkit.serving.engine import EngineConfig, VirtualClock, run_engine
+    from quantkit.serving.workload import Request
+
+    loaded = load_model(embedded_int4, options=RuntimeOptions.cli())
+    tok, model = loaded.tokenizer, loaded.model
+    texts = [
+        f"{PASSAGE}\n\nRepeat the passage above exactly.",
+        f"{PASSAGE}\n\nHow many square kilometres does the rainforest cover?",
+        "Write a haiku about the sea.",
+        f"{PASSAGE}\n\nName the continent.",
+    ]
+    requests = [Request(i, tuple(encode_prompt(tok, t)), 24, 0.0) for i, t in enumerate(texts)]
+    alone = [generate(model, [r.prompt], SamplingParams(max_new_tokens=24)).tokens[0]
+             for r in requests]  # fmt: skip
+    config = EngineConfig(
+        batch_cap=4, chunk=32, batch_invariant=True, speculate=SpecConfig(adaptive=False),
+        prefix_cache_mb=64,
+    )  # fmt: skip
+    result = run_engine(model, requests, config, clock=VirtualClock(step_s=1.0))
+    assert [r.tokens for r in result.requests] == alone
+    assert result.speculation["accepted_tokens"] > 0
