@@ -311,6 +311,10 @@ def bench_cmd(
         from quantkit.evals.plots import require_matplotlib
 
         require_matplotlib()  # fail now, not after minutes of benchmarking
+        if Path(plot_dir).exists() and not Path(plot_dir).is_dir():
+            raise GenerationError(
+                f"--plot: expected a directory (or one to create), got the file {plot_dir}"
+            )
     if threads is not None:
         torch.set_num_threads(_positive(threads, "--threads"))
     dev = _device(device)

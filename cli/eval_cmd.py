@@ -9,6 +9,7 @@ import torch
 
 from quantkit.errors import EvalError
 from quantkit.evals.compare import compare_models, format_table, write_json
+from quantkit.evals.harness import check_limit
 from quantkit.evals.task_data import LOCAL_TASKS
 from quantkit.paths import quantkit_home
 
@@ -99,6 +100,7 @@ def eval_cmd(
 ) -> None:
     """Compare quantized CHECKPOINTS with --reference on lm-eval tasks (offline), held-out
     perplexity and next-token KL / top-1 agreement; print one table with recovery %."""
+    check_limit(limit)  # a usage mistake: exit 2 before any model loads
     if threads is not None:
         if threads < 1:
             raise EvalError(f"--threads: expected an integer >= 1, got {threads}")

@@ -342,6 +342,7 @@ def generate_cmd(
     )
     loaded = _load(model, options)
     ids = encode_prompt(loaded.tokenizer, prompt, chat=chat)
+    _warn_if_clamped(loaded, len(ids), max_new_tokens)
     eos = eos_token_ids(tokenizer=loaded.tokenizer, config=loaded.config, model_dir=loaded.path)
     processors = []
     if grammar is not None:
@@ -391,6 +392,20 @@ def _grammar_and_prompt(
     if not prompt.strip():
         raise GenerationError("--prompt: expected some text, got an empty prompt")
     return grammar, prompt
+
+
+def _warn_if_clamped(loaded: LoadedModel, prompt_tokens: int, max_new_tokens: int) -> None:
+    """One warning line when the prompt and --max-new-tokens overflow the context window:
+    `generate` caps the row at what fits, which the user should not have to discover."""
+    context = loaded.model.config.max_position_embeddings
+    fits = context - prompt_tokens
+    if 0 < fits < max_new_tokens:  # fits <= 0: generate refuses the prompt itself
+        click.echo(
+            f"warning: --max-new-tokens {max_new_tokens}: only {fits} tokens fit after the "
+            f"{prompt_tokens}-token prompt in the {context}-token context window; generating "
+            f"at most {fits}",
+            err=True,
+        )
 
 
 def _stream(event: StreamEvent) -> None:

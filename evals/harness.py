@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -23,9 +24,39 @@ from quantkit.errors import EvalError, MissingExtraError
 from quantkit.evals.task_data import LOCAL_TASKS, TASKS_DIR
 from quantkit.paths import quantkit_home
 
-__all__ = ["local_task_manager", "offline_env", "run_lm_eval_cli", "simple_evaluate"]
+__all__ = [
+    "EvalUsageError",
+    "check_limit",
+    "local_task_manager",
+    "offline_env",
+    "run_lm_eval_cli",
+    "simple_evaluate",
+]
 
 _PREFIX = "quantkit_"
+
+
+class EvalUsageError(EvalError):
+    """An evaluation option the command cannot take: a usage mistake (exit 2), where an
+    EvalError is about the data (exit 3)."""
+
+    exit_code = 2
+
+
+def check_limit(limit: float | None, *, fractions: bool = False) -> None:
+    """EvalUsageError unless `limit` is None (every item) or a whole count >= 1; with
+    `fractions` (lm-eval's --limit), also a fraction of the items in (0, 1)."""
+    if limit is None:
+        return
+    count = math.isfinite(limit) and limit >= 1 and float(limit).is_integer()
+    if count or (fractions and 0 < limit < 1):
+        return
+    shown = int(limit) if math.isfinite(limit) and float(limit).is_integer() else limit
+    if fractions:
+        raise EvalUsageError(
+            f"--limit: expected a count of items >= 1 or a fraction in (0, 1), got {shown}"
+        )
+    raise EvalUsageError(f"--limit: expected an integer >= 1, got {shown}")
 
 
 def offline_env() -> None:
@@ -197,6 +228,7 @@ def run_lm_eval_cli(args: Sequence[str]) -> None:
     finally:
         sys.argv = saved
     if getattr(ns, "command", None) == "run":
+        check_limit(getattr(ns, "limit", None), fractions=True)
         if not ns.model:
             ns.model = "quantkit"
         if ns.model == "quantkit":

@@ -106,14 +106,34 @@ def load_benchmark(*, file: str, fields: list[str], data_dir: str | None = None,
     lm-eval calls it with the task's metadata and model arguments as keywords too (its
     `--metadata` merges them); everything but `file`, `fields` and `data_dir` is ignored."""
     rows = read_jsonl(benchmarks_dir(data_dir) / file, fields=tuple(fields))
-    if "choices" in fields:
-        for i, row in enumerate(rows):
-            if not 0 <= int(row["gold"]) < len(row["choices"]):
-                raise EvalError(
-                    f"{file} item {i}: expected gold in [0, {len(row['choices'])}), "
-                    f"got {row['gold']}"
-                )
+    for i, row in enumerate(rows):
+        _check_row(f"{file} item {i}", row, fields)
     return _dataset_dict(rows)
+
+
+def _check_row(where: str, row: dict[str, Any], fields: list[str]) -> None:
+    """EvalError unless the text fields are text, `choices` a list of strings and `gold` an
+    index into it (a row lm-eval would otherwise fail on deep inside, or score wrongly)."""
+    for name in fields:
+        if name not in ("choices", "gold") and not isinstance(row[name], str):
+            raise EvalError(f"{where}: expected {name} as text, got {_shown(row[name])}")
+    if "choices" in fields:
+        choices = row["choices"]
+        if not isinstance(choices, list) or not choices:
+            raise EvalError(f"{where}: expected choices as a non-empty list, got {_shown(choices)}")
+        if not all(isinstance(c, str) for c in choices):
+            raise EvalError(f"{where}: expected choices as a list of strings, got {choices!r:.80}")
+    if "gold" in fields:
+        gold = row["gold"]
+        if isinstance(gold, bool) or not isinstance(gold, int):
+            raise EvalError(f"{where}: expected gold as an integer index, got {_shown(gold)}")
+        if "choices" in fields and not 0 <= gold < len(row["choices"]):
+            raise EvalError(f"{where}: expected gold in [0, {len(row['choices'])}), got {gold}")
+
+
+def _shown(value: Any) -> str:
+    """A JSON value for a message: its type and (shortened) value."""
+    return f"{type(value).__name__} {value!r:.60}"
 
 
 def load_wikipedia(**_: Any) -> Any:

@@ -8,22 +8,25 @@ allocation into a failed request instead of the machine running out of memory.
 The child is long-lived: it serves one request per line on stdin and answers one line on
 stdout, so a benchmark compiling hundreds of grammars pays the interpreter start-up (~0.3 s,
 more on a loaded machine) once, not per grammar. A request is a JSON object
-{"vocab": PATH, "regex": PATH, "out": PATH}: VOCAB holds `outlines_core.Vocabulary`'s binary
-form, REGEX the pattern (UTF-8), OUT receives the Index's binary form (written beside it and
-renamed, so it never exists half-written). Answers: "ok", "rejected<TAB>message", "memory";
-the first line, once outlines-core is imported, is "ready".
+{"vocab": PATH, "vocab_key": KEY, "regex": PATH, "out": PATH, "key": KEY}: VOCAB is the cache
+entry (`cache_file`) of `outlines_core.Vocabulary`'s binary form, checked against its VOCAB_KEY,
+REGEX the pattern (UTF-8), OUT receives the cache entry of the Index's binary form for KEY
+(written beside it, synced and renamed, so it never exists half-written). Answers: "ok",
+"rejected<TAB>message", "memory", "error<TAB>message"; the first line, once outlines-core is
+imported, is "ready".
 
 Usage (internal): python -m quantkit.grammar.compile_worker [MEMORY_BYTES]
-Imports nothing heavy (no torch, nothing else from quantkit).
+Imports nothing heavy (no torch; from quantkit only `cache_file` and `errors`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
+
+from quantkit.grammar.cache_file import DamagedEntryError, read_entry, write_entry
 
 
 def _limit_memory(limit: int) -> None:
@@ -50,7 +53,7 @@ def _serve(request: dict[str, str], vocabularies: dict[str, Any]) -> str:
 
     vocab_path = request["vocab"]
     if vocab_path not in vocabularies:
-        data = Path(vocab_path).read_bytes()
+        data = read_entry(Path(vocab_path), kind="vocab", key=request["vocab_key"])
         vocabularies[vocab_path] = outlines_core.Vocabulary.from_binary(data)
     regex = Path(request["regex"]).read_text(encoding="utf-8")
     try:
@@ -62,10 +65,7 @@ def _serve(request: dict[str, str], vocabularies: dict[str, Any]) -> str:
         return "memory"
     _, (data,) = index.__reduce__()
     del index
-    out = Path(request["out"])
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, out)
+    write_entry(Path(request["out"]), data, kind="index", key=request["key"])
     return "ok"
 
 
@@ -85,6 +85,8 @@ def main(argv: list[str]) -> int:
             answer = _serve(json.loads(line), vocabularies)
         except MemoryError:
             answer = "memory"
+        except DamagedEntryError as e:  # the vocabulary file changed since the parent checked it
+            answer = f"error\t{e}"
         except (OSError, ValueError, KeyError) as e:  # a bad request: answer, keep serving
             answer = f"error\t{type(e).__name__}: {e}"
         sys.stdout.write(answer + "\n")

@@ -29,6 +29,9 @@ to minutes, and up to gigabytes (see `regex_parts`). So:
   fingerprint, outlines-core version), so a second run of the same schema loads it instead of
   compiling (the regex is derived from the schema deterministically, so it stands for both);
   the cache is trimmed to `QUANTKIT_GRAMMAR_CACHE_MB` (default 2048), oldest first;
+- every entry carries a header (`cache_file`: format, the full key, payload size and SHA-256),
+  so a truncated, emptied or overwritten entry, or one copied from another regex, is found
+  when read: one warning line on stderr, then it is rebuilt (atomically) within the same limit;
 - and kept in memory for the life of the process, so a batch or a benchmark that reuses a
   grammar pays nothing.
 """
@@ -48,6 +51,14 @@ from typing import Any
 
 from quantkit.errors import GrammarError
 from quantkit.grammar.budget import CompletionPlan, byte_vocabulary, completion_plan
+from quantkit.grammar.cache_file import (
+    DamagedEntryError,
+    cache_folder,
+    entry_key,
+    read_entry,
+    report_damage,
+    write_entry,
+)
 from quantkit.grammar.constraints import Grammar
 from quantkit.grammar.llg_engine import compile_llguidance, llg_tokenizer
 from quantkit.grammar.lowering import lower_schema
@@ -127,18 +138,10 @@ def grammar_cache_dir(home: Path | None = None) -> Path:
     return quantkit_home(home) / "grammar"
 
 
-def _outlines_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("outlines-core")
-    except PackageNotFoundError:
-        return "unknown"
-
-
 def _cache_key(regex: str, vocabulary: TokenVocabulary) -> str:
-    text = f"{_outlines_version()}\0{vocabulary.fingerprint}\0{regex}"
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+    """The full key of the index of `regex` over `vocabulary` (its first 32 characters name the
+    file; the whole is in the entry's header)."""
+    return entry_key(vocabulary.fingerprint, regex)
 
 
 # A `*.tmp-PID` file older than this is a leftover of a killed writer (writing one takes seconds).
@@ -285,27 +288,19 @@ def _index(
     """(index, cache key, source) from memory, disk, or compiled now."""
     started = time.perf_counter()
     oc = import_outlines_core()
-    key = _cache_key(grammar.regex, vocabulary)
+    full_key = _cache_key(grammar.regex, vocabulary)
+    key = full_key[:32]
     if key in _memory:
         _memory.move_to_end(key)
         return _memory[key], key, "memory"
     folder = grammar_cache_dir(home) if cache else Path(tempfile.mkdtemp(prefix="qk-grammar-"))
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{key}.index"
-    source = "disk"
+    cache_folder(folder)
+    entry = _Entry(
+        oc, grammar, vocabulary, folder / f"{key}.index", full_key, started, timeout_s, memory,
+        limit_s or timeout_s,
+    )  # fmt: skip
     try:
-        if not path.is_file():
-            source = "compiled"
-            if timeout_s is None:
-                _compile_here(oc, grammar, vocabulary, path)
-            else:
-                run_worker(
-                    grammar.regex, vocabulary, path, timeout_s=timeout_s, memory=memory,
-                    label=grammar.label, limit_s=limit_s or timeout_s,
-                )  # fmt: skip
-        left = None if timeout_s is None else timeout_s - (time.perf_counter() - started)
-        index = _load_index(oc, path, timeout_s=left, label=grammar.label)
-        path.touch()  # most recently used: trimmed last
+        index, source = _from_disk_or_built(entry)
     finally:
         if not cache:
             for leftover in folder.iterdir():
@@ -319,33 +314,111 @@ def _index(
     return index, key, source
 
 
-def _load_index(oc: Any, path: Path, *, timeout_s: float | None, label: str) -> Any:
-    """Read an index file within what is left of the limit (a 300 MB index takes seconds).
-    The read runs in a thread the caller stops waiting for at the limit; the wait returns on
-    time only as far as outlines-core's native load lets the interpreter run (not measured on
-    an index large enough to tell)."""
+@dataclass(frozen=True)
+class _Entry:
+    """One index to load from the disk cache or build: where, for what (`key`: the full cache
+    key, checked against the entry's header), and the time limit that started at `started`."""
+
+    oc: Any
+    grammar: Grammar
+    vocabulary: TokenVocabulary
+    path: Path
+    key: str
+    started: float
+    timeout_s: float | None
+    memory: int
+    limit_s: float | None
+
+    def left(self) -> float | None:
+        if self.timeout_s is None:
+            return None
+        return self.timeout_s - (time.perf_counter() - self.started)
+
+    def build(self) -> None:
+        """Compile the index into `path` (in this process without a limit, else in the worker)."""
+        left = self.left()
+        if left is None:
+            _compile_here(self.oc, self.grammar, self.vocabulary, self.path, key=self.key)
+            return
+        if left <= 0:  # reading a damaged entry used the rest of the limit
+            raise GrammarError(
+                f"{self.grammar.label}: no time left to rebuild its damaged cache entry within "
+                f"the limit of {self.limit_s or 0:g} s (--compile-timeout; phase: index build)"
+            )
+        run_worker(
+            self.grammar.regex, self.vocabulary, self.path, key=self.key, timeout_s=left,
+            memory=self.memory, label=self.grammar.label, limit_s=self.limit_s or left,
+        )  # fmt: skip
+
+    def load(self) -> Any:
+        return _load_index(
+            self.oc, self.path, key=self.key, timeout_s=self.left(), label=self.grammar.label
+        )
+
+
+def _from_disk_or_built(entry: _Entry) -> tuple[Any, str]:
+    """(index, source): the cached entry, or built now when there is none; a damaged entry is
+    reported in one line and rebuilt (its replacement goes in by rename, see `cache_file`)."""
+    source = "disk"
+    if not entry.path.is_file():
+        source = "compiled"
+        entry.build()
+    try:
+        index = entry.load()
+    except DamagedEntryError as damage:
+        if source == "compiled":  # unreadable as soon as built: rebuilding would not help
+            raise
+        report_damage(damage)
+        entry.path.unlink(missing_ok=True)
+        entry.build()
+        index, source = entry.load(), "compiled"
+    entry.path.touch()  # most recently used: trimmed last
+    return index, source
+
+
+def _load_index(oc: Any, path: Path, *, key: str, timeout_s: float | None, label: str) -> Any:
+    """Read and check an index file within what is left of the limit (a 300 MB index takes
+    seconds); DamagedEntryError if it is not the whole index for `key`. The read runs in a
+    thread the caller stops waiting for at the limit; the wait returns on time only as far as
+    outlines-core's native load lets the interpreter run (not measured on an index large
+    enough to tell)."""
     if timeout_s is None:
-        return oc.Index.from_binary(path.read_bytes())
-    loaded: list[Any] = []
-    reader = threading.Thread(
-        target=lambda: loaded.append(oc.Index.from_binary(path.read_bytes())), daemon=True
-    )
+        return _read_index(oc, path, key)
+    outcome: list[Any] = []
+
+    def read() -> None:
+        try:
+            outcome.append(_read_index(oc, path, key))
+        except Exception as e:  # noqa: BLE001 - raised again in the caller's thread
+            outcome.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
     reader.start()
     reader.join(max(timeout_s, 0.0))
-    if not loaded:
+    if not outcome:
         raise GrammarError(
             f"{label}: loading the cached index took longer than the limit (--compile-timeout; "
             f"phase: cache load)"
         )
-    return loaded[0]
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
 
 
-def _compile_here(oc: Any, grammar: Grammar, vocabulary: TokenVocabulary, path: Path) -> None:
+def _read_index(oc: Any, path: Path, key: str) -> Any:
+    payload = read_entry(path, kind="index", key=key)
+    try:
+        return oc.Index.from_binary(payload)
+    except ValueError as e:  # a whole payload outlines-core cannot read: rebuilt all the same
+        raise DamagedEntryError(path, f"outlines-core cannot read its payload: {e}") from None
+
+
+def _compile_here(
+    oc: Any, grammar: Grammar, vocabulary: TokenVocabulary, path: Path, *, key: str
+) -> None:
     try:
         index = oc.Index(grammar.regex, vocabulary.to_outlines())
     except ValueError as e:
         raise GrammarError(f"{grammar.label}: outlines-core cannot compile it: {e}") from None
     _, (data,) = index.__reduce__()
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    write_entry(path, data, kind="index", key=key)

@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from quantkit.errors import GrammarError
+from quantkit.grammar.cache_file import (
+    DamagedEntryError,
+    entry_key,
+    read_entry,
+    report_damage,
+    write_entry,
+)
 from quantkit.grammar.vocabulary import TokenVocabulary
 
 __all__ = ["run_worker"]
@@ -21,13 +27,36 @@ __all__ = ["run_worker"]
 _STARTUP_TIMEOUT_S = 300.0
 
 
-def _vocab_file(vocabulary: TokenVocabulary, folder: Path) -> Path:
-    path = folder / f"vocab-{vocabulary.fingerprint}.bin"
-    if not path.is_file():
-        _, (data,) = vocabulary.to_outlines().__reduce__()
-        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+def _vocab_key(vocabulary: TokenVocabulary) -> str:
+    return entry_key("vocab", vocabulary.fingerprint)
+
+
+# Vocabulary files checked whole in this process, by (path, size, mtime): checked once, not per
+# compile (a benchmark compiles hundreds of grammars over one vocabulary).
+_checked: set[tuple[str, int, int]] = set()
+
+
+def _vocab_file(vocabulary: TokenVocabulary, folder: Path, key: str) -> Path:
+    """The cached vocabulary file the worker reads, checked whole and for `key` (one warning
+    line and a rebuild when it is damaged), or written now."""
+    path = folder / f"vocab-{key[:32]}.bin"
+    if path.is_file():
+        try:
+            return _checked_vocab(path, key)
+        except DamagedEntryError as damage:
+            report_damage(damage)
+            path.unlink(missing_ok=True)
+    _, (data,) = vocabulary.to_outlines().__reduce__()
+    write_entry(path, data, kind="vocab", key=key)
+    return path
+
+
+def _checked_vocab(path: Path, key: str) -> Path:
+    stat = path.stat()
+    seen = (str(path), stat.st_size, stat.st_mtime_ns)
+    if seen not in _checked:
+        read_entry(path, kind="vocab", key=key)
+        _checked.add(seen)
     return path
 
 
@@ -91,20 +120,30 @@ def run_worker(
     vocabulary: TokenVocabulary,
     out: Path,
     *,
+    key: str,
     timeout_s: float,
     memory: int,
     label: str,
     limit_s: float,
 ) -> None:
+    """Build the index of `regex` over `vocabulary` into `out` (the cache entry for `key`) in
+    the worker process, killed past `timeout_s`; every failure a GrammarError naming `label`."""
     folder = out.parent
-    vocab_path = _vocab_file(vocabulary, folder)
+    vocab_key = _vocab_key(vocabulary)
+    vocab_path = _vocab_file(vocabulary, folder, vocab_key)
     with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".regex", delete=False) as fh:
         fh.write(regex)
         regex_path = Path(fh.name)
     worker = _workers.get(memory)
     if worker is None or not worker.alive():
         worker = _workers[memory] = _Worker(memory)
-    payload = {"vocab": str(vocab_path), "regex": str(regex_path), "out": str(out)}
+    payload = {
+        "vocab": str(vocab_path),
+        "vocab_key": vocab_key,
+        "regex": str(regex_path),
+        "out": str(out),
+        "key": key,
+    }
     try:
         answer = worker.request(payload, timeout_s)
     finally:

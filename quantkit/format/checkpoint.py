@@ -14,8 +14,10 @@ Facts checked against compressed-tensors 0.20.1: its `PackedQuantizationCompress
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Mapping
@@ -180,12 +182,28 @@ def _check_state_dict(
         check_module_tensors(_module_view(tensors, prefix), scheme=scheme, prefix=prefix)
 
 
+_OS_ERROR = re.compile(r"os error (\d+)")
+
+
+def _save_shard(shard: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, whose failed writes (a full disk, a file-size limit) come as
+    SafetensorError with the OS error inside its message: raised as the OSError it was, so the
+    CLI names the path and the cause like any other failed write."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(shard, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        match = _OS_ERROR.search(str(e))
+        code = int(match[1]) if match else errno.EIO
+        raise OSError(code, os.strerror(code), str(path)) from e
+
+
 def _write_tensors(
     directory: Path, tensors: Mapping[str, torch.Tensor], *, max_shard_bytes: int
 ) -> None:
     """safetensors shards of at most `max_shard_bytes` (a bigger single tensor gets its own)."""
-    from safetensors.torch import save_file
-
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     total = 0
@@ -204,12 +222,12 @@ def _write_tensors(
         size += nbytes
         total += nbytes
     if len(shards) == 1:
-        save_file(shards[0], str(directory / SINGLE_NAME), metadata={"format": "pt"})
+        _save_shard(shards[0], directory / SINGLE_NAME)
         return
     weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards, start=1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / fname), metadata={"format": "pt"})
+        _save_shard(shard, directory / fname)
         weight_map.update(dict.fromkeys(shard, fname))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
