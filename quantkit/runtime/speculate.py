@@ -252,11 +252,11 @@ class CallTimes:
     """Measured seconds of a decoder call of r rows (an EMA per r), for plain steps and for
     verification calls (row-invariant: slower per row) apart; at one row they are the same
     call. An unmeasured count is estimated from the largest measured smaller one plus, per
-    extra row, a share of a one-row call: 0.25 for plain steps, 0.4 for verification (on a
-    2-core AVX512-BF16 Xeon, SmolLM2 INT4: plain 8 rows 2.5x one row; row-invariant 2 rows
-    1.3x, 3 rows 1.6x, 4 rows 2.3x, 8 rows 4.0x). Measured counts replace the guesses."""
+    extra row, a share of a one-row call: 0.2 for plain steps, 0.3 for verification (on a
+    2-core AVX512-BF16 Xeon, SmolLM2 INT4: plain 8 rows 2.1x one row; row-invariant 2 rows
+    1.2x, 3 rows 1.4x, 4 rows 1.9x, 8 rows 3.0x). Measured counts replace the guesses."""
 
-    _SHARE = {False: 0.25, True: 0.4}
+    _SHARE = {False: 0.2, True: 0.3}
 
     def __init__(self) -> None:
         self._ema: dict[tuple[bool, int], float] = {}
