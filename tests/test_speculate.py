@@ -297,3 +297,23 @@ def test_embedded_model_engine_reuse_is_batch_invariant(embedded_int4: Path) -> 
     result = run_engine(model, requests, config, clock=VirtualClock(step_s=1.0))
     assert [r.tokens for r in result.requests] == alone
     assert result.speculation["accepted_tokens"] > 0
+
+
+@pytest.mark.parametrize("head", ["float32", "bfloat16"])
+def test_row_invariant_logits_equal_one_row_calls(tiny_int4: Path, head: str) -> None:
+    """The lm_head of a verification call: a BLAS GEMM picks its blocking by the row count,
+    so row-invariant logits take such a head one row at a time; the C bf16 GEMV (rows share
+    weight loads, never sums) takes up to 16 rows a call. Either way each row's logits are
+    bit-identical to a one-row call's, for 40 rows."""
+    from quantkit.cpu import has_bf16_dot
+    from quantkit.runtime.head import logits_of_rows
+
+    if head == "bfloat16" and not has_bf16_dot():
+        pytest.skip("the C bf16 head needs AVX512-BF16")
+    options = RuntimeOptions.cli(head_dtype=head)
+    model = load_model(tiny_int4, options=options, tokenizer=False).model
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(40, 1, model.config.hidden_size, generator=g)
+    with torch.no_grad():
+        one = torch.cat([model.logits(hidden[i : i + 1])[:, -1] for i in range(40)])
+        assert torch.equal(logits_of_rows(model, hidden, row_invariant=True), one)

@@ -57,6 +57,21 @@ class CastHead(nn.Module):
         return F.linear(x.to(self.weight.dtype), self.weight)
 
 
+def logits_of_rows(model: CausalLM, hidden: torch.Tensor, *, row_invariant: bool) -> torch.Tensor:
+    """fp32 logits [R, V] of hidden states [R, 1, H]. row_invariant: each row exactly as a
+    one-row call computes it. The C bf16 GEMV gives that for all the rows it takes (they share
+    weight loads, never sums), so it runs them `HEAD_GEMV_MAX_M` at a time; any other head (a
+    BLAS GEMM picks its blocking by the row count) runs one row at a time, as plain decoding
+    does."""
+    if not row_invariant:
+        return model.logits(hidden)[:, -1]
+    head = model.lm_head
+    step = HEAD_GEMV_MAX_M if isinstance(head, CastHead) and head._gemv else 1
+    if hidden.shape[0] <= step:
+        return model.logits(hidden)[:, -1]
+    return torch.cat([model.logits(part)[:, -1] for part in hidden.split(step)])
+
+
 def head_name(model: CausalLM) -> str:
     """How the lm_head is stored, for summaries: a dtype name, or the quantized format."""
     head = model.lm_head

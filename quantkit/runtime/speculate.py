@@ -40,6 +40,7 @@ import torch
 
 from quantkit.errors import GenerationError
 from quantkit.models.decoder import CausalLM
+from quantkit.runtime.head import logits_of_rows
 from quantkit.runtime.sampling import SamplingParams, logits_to_probs
 
 __all__ = [
@@ -339,7 +340,7 @@ def verify_logits(model: CausalLM, tokens: Sequence[int], start: int) -> torch.T
     if path is not None and path.is_current():
         positions = list(range(start, start + n))
         hidden = path.run_rows(model, list(tokens), positions, [0] * n, row_invariant=True)
-        return model.logits(hidden)[:, -1]
+        return logits_of_rows(model, hidden, row_invariant=True)
     device = model.device
     slots = model.model.layers[0].self_attn.cache.k.shape[2]
     ids = torch.tensor([list(tokens)], device=device)

@@ -33,6 +33,7 @@ import torch
 
 from quantkit.errors import GenerationError
 from quantkit.models.decoder import CausalLM, FastPath, KVCache
+from quantkit.runtime.head import logits_of_rows
 
 __all__ = ["WIDTH_ROUND", "PathRows", "RowRunner", "SlotKV", "WindowRows", "round_width"]
 
@@ -168,7 +169,7 @@ class PathRows:
         hidden = self.path.run_rows(
             self.model, tokens, positions, slots, row_invariant=row_invariant
         )
-        return self.model.logits(hidden)[:, -1], len(slots)
+        return logits_of_rows(self.model, hidden, row_invariant=row_invariant), len(slots)
 
     def run_chunk(self, slot: int, tokens: Sequence[int], start: int) -> torch.Tensor:
         n = len(tokens)
