@@ -28,6 +28,7 @@ from quantkit.runtime.loader import LoadedModel
 from quantkit.runtime.options import RuntimeOptions
 from quantkit.runtime.speculate import parse_speculate
 from quantkit.serving.metrics import SLO, parse_duration
+from quantkit.serving.types import check_prefix_cache_mb
 from quantkit.serving.workload import LengthDist, parse_rate
 
 
@@ -111,15 +112,9 @@ def _config(
         seed=seed,
         shared_prefix=_positive(shared_prefix, "--shared-prefix", zero_ok=True),
         speculate=parse_speculate(speculate),
-        prefix_cache_mb=_megabytes(prefix_cache_mb),
+        prefix_cache_mb=check_prefix_cache_mb(prefix_cache_mb, option="--prefix-cache-mb"),
         batch_invariant=batch_invariant,
     )
-
-
-def _megabytes(value: float) -> float:
-    if not (math.isfinite(value) and value >= 0):
-        raise GenerationError(f"--prefix-cache-mb: expected a size >= 0 MiB, got {value}")
-    return value
 
 
 def _prompt_tokens(tokenizer: object) -> list[int] | None:

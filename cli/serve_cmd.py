@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 import threading
 from collections.abc import Callable
@@ -20,6 +19,7 @@ from quantkit.runtime.fast_path import pytorch_path_reason
 from quantkit.runtime.generate import eos_token_ids
 from quantkit.runtime.options import RuntimeOptions
 from quantkit.runtime.speculate import parse_speculate
+from quantkit.serving.types import check_prefix_cache_mb
 
 # KV positions per slot when --context is not given: the model's window, at most this (the
 # cache holds batch_cap x context positions of every layer; 2048 keeps the embedded model's
@@ -174,8 +174,7 @@ def serve_cmd(
     if not drain_timeout >= 0:
         raise GenerationError(f"--drain-timeout: expected seconds >= 0, got {drain_timeout}")
     spec = parse_speculate(speculate)
-    if not (math.isfinite(prefix_cache_mb) and prefix_cache_mb >= 0):
-        raise GenerationError(f"--prefix-cache-mb: expected a size >= 0 MiB, got {prefix_cache_mb}")
+    check_prefix_cache_mb(prefix_cache_mb, option="--prefix-cache-mb")
     _set_threads(threads)
     sock = bind(host, port)  # a port in use fails now, not after the model loads
     dev = _device(device)

@@ -178,6 +178,13 @@ def test_sampled_speculation_runs_and_respects_limits(tiny_int4: Path) -> None:
     assert all(0 <= t < 512 for t in out.tokens[0])
     spec = out.stats.to_dict()["speculation"]
     assert spec["verify_steps"] > 0 and 0 <= spec["acceptance_rate"] <= 1
+    # With nothing ever drafted (no 15-gram repeats), `accept` draws what `sample` draws:
+    # the same tokens as plain sampling from the same seed.
+    hot = SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_new_tokens=40)
+    never = SpecConfig(k=1, min_n=15, max_n=15)
+    undrafted = generate(model, [[5, 6, 7, 8]], hot, speculate=never)
+    assert undrafted.stats.speculation.verify_steps == 0
+    assert undrafted.tokens == generate(model, [[5, 6, 7, 8]], hot).tokens
 
 
 def test_speculation_refuses_batches_and_processors(tiny_int4: Path) -> None:

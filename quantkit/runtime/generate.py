@@ -46,7 +46,6 @@ from quantkit.runtime.speculate import (
     NgramDrafter,
     SpecConfig,
     SpecStats,
-    accept,
     verify_logits,
 )
 from quantkit.runtime.stats import GenerationStats, Timer
@@ -508,13 +507,7 @@ def _speculative_decode(
             for i in range(len(fed)):
                 history[i, width - len(seq) - i :] = torch.tensor([*seq, *drafts[:i]])
             logits = apply_processors(chain, history.to(logits.device), logits)
-        if drafts:
-            out, n = accept(logits, drafts, params, generator=generator)
-            policy.observe(len(drafts), n)
-        else:
-            out, n = sample(logits, params, generator=generator).tolist(), 0
-            if proposal:  # a free check of the draft not taken
-                policy.observe(1, int(out[0] == proposal[0]))
+        out, n = policy.judge(logits, drafts, proposal, params, generator=generator)
         emitted = 0
         for t in out:
             event = row.add(t)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -144,7 +144,6 @@ class SpecStats:
     accepted: int = 0  # of those, accepted
     plain_steps: int = 0  # one-row steps (nothing drafted)
     emitted: int = 0  # tokens produced by all steps (accepted + one per step)
-    accepted_lengths: list[int] = field(default_factory=list)  # per verify step
 
     @property
     def acceptance_rate(self) -> float:
@@ -166,17 +165,8 @@ class SpecStats:
             self.verify_steps += 1
             self.drafted += drafted
             self.accepted += accepted
-            self.accepted_lengths.append(accepted)
         else:
             self.plain_steps += 1
-
-    def merge(self, other: SpecStats) -> None:
-        self.verify_steps += other.verify_steps
-        self.drafted += other.drafted
-        self.accepted += other.accepted
-        self.plain_steps += other.plain_steps
-        self.emitted += other.emitted
-        self.accepted_lengths.extend(other.accepted_lengths)
 
     def as_dict(self) -> dict[str, float | int]:
         return {
@@ -203,6 +193,26 @@ class DraftPolicy:
     def length(self, available: int) -> int:
         """Draft tokens to verify now, 0..available (<= k), for a sequence decoded alone."""
         return plan_drafts([self], [available], self.times)[0]
+
+    def judge(
+        self,
+        logits: torch.Tensor,
+        drafts: Sequence[int],
+        proposal: Sequence[int],
+        params: SamplingParams,
+        *,
+        generator: torch.Generator,
+    ) -> tuple[list[int], int]:
+        """`accept` the verified `drafts` (of `proposal`, what the drafter offered) and learn
+        from the outcome: each verified draft token, or, when none was verified, a free check
+        of the proposal's first token against the one decoded. With no drafts `accept` draws
+        exactly what `sample` would, from the same generator."""
+        out, n = accept(logits, drafts, params, generator=generator)
+        if drafts:
+            self.observe(len(drafts), n)
+        elif proposal:
+            self.observe(1, int(out[0] == proposal[0]))
+        return out, n
 
     def observe(self, verified: int, accepted: int) -> None:
         """`verified` draft tokens were checked (0 with a shadow check: pass 1 and whether

@@ -56,7 +56,6 @@ from quantkit.runtime.speculate import (
     DraftPolicy,
     NgramDrafter,
     SpecStats,
-    accept,
     plan_drafts,
 )
 from quantkit.serving.rows import PathRows, RowRunner, SlotKV, WindowRows, round_width
@@ -337,10 +336,11 @@ class SlotEngine:
         assert config is not None and stats is not None
         began = self.clock.now()
         policies, proposals, available = [], [], []
-        for a in rows:
+        samplings = [self._spec_sampling(a) for a in rows]
+        for a, sampling in zip(rows, samplings, strict=True):
             proposal: list[int] = []
             entry = self._drafters.get(a.request.id)
-            if self._spec_sampling(a) is not None:
+            if sampling is not None:
                 if entry is None:
                     tokens = [*a.request.prompt, *a.result.tokens]
                     entry = (NgramDrafter(tokens, config), DraftPolicy(config, self._times))
@@ -365,22 +365,16 @@ class SlotEngine:
         self._times.add(len(fed), time.perf_counter() - t0, verify=verify)
         outs: list[tuple[list[int], int]] = []
         at = 0
-        for a, j, proposal, policy in zip(rows, plan, proposals, policies, strict=True):
+        for a, j, proposal, policy, sampling in zip(
+            rows, plan, proposals, policies, samplings, strict=True
+        ):
             rows_of = logits[at : at + j + 1]
             at += j + 1
-            sampling = self._spec_sampling(a)
             if sampling is None:
                 outs.append((self._sample(rows_of, [a]), 0))
                 continue
             params, generator = sampling
-            if j:
-                out, n = accept(rows_of, proposal[:j], params, generator=generator)
-                policy.observe(j, n)
-            else:
-                out, n = sample(rows_of, params, generator=generator).tolist(), 0
-                if proposal:  # a free check of the draft not taken
-                    policy.observe(1, int(out[0] == proposal[0]))
-            outs.append((out, n))
+            outs.append(policy.judge(rows_of, proposal[:j], proposal, params, generator=generator))
         self.clock.forward_done()
         now = self.clock.now()
         context = sum(a.next_pos + 1 for a in rows)

@@ -16,6 +16,7 @@ from quantkit.runtime.speculate import SpecConfig
 
 __all__ = [
     "DecodeStep",
+    "check_prefix_cache_mb",
     "EngineConfig",
     "Mode",
     "PrefillChunk",
@@ -28,6 +29,15 @@ Mode = Literal["continuous", "static"]
 
 
 # --------------------------------------------------------------------------- config and results
+
+
+def check_prefix_cache_mb(value: float, *, option: str = "prefix cache") -> float:
+    """A prefix-cache budget in MiB: a finite number >= 0 (0 = off); `option` names it in the
+    error."""
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (number and math.isfinite(value) and value >= 0):
+        raise GenerationError(f"{option}: expected a size >= 0 MiB, got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -78,9 +88,7 @@ class EngineConfig:
                 f"prefill chunk: expected >= 8 tokens with batch invariance (chunks are cut at "
                 f"multiples of 8), got {self.chunk}"
             )
-        mb = self.prefix_cache_mb
-        if not (isinstance(mb, int | float) and math.isfinite(mb) and mb >= 0):
-            raise GenerationError(f"prefix cache: expected a size >= 0 MiB, got {mb!r}")
+        check_prefix_cache_mb(self.prefix_cache_mb)
         limit = self.admission_limit
         if limit is not None and not (isinstance(limit, int) and limit >= 1):
             raise GenerationError(
