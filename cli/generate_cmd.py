@@ -4,6 +4,7 @@ decode came to the machine's bandwidth ceiling. `--schema FILE.json | --regex PA
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -30,6 +31,7 @@ from quantkit.runtime.generate import (
     generate,
 )
 from quantkit.runtime.head import head_name
+from quantkit.runtime.layer_progress import layer_progress
 from quantkit.runtime.loader import LoadedModel, load_model
 from quantkit.runtime.options import ACT_DTYPE_NAMES, RuntimeOptions
 from quantkit.runtime.sampling import SamplingParams
@@ -82,6 +84,28 @@ def _backend(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> s
     return (
         f"{loaded.describe()}, {kind} activations{act_note}, kernel "
         f"{resolve_backend(device)}{head_note}"
+    )
+
+
+def _interpreter_progress(
+    loaded: LoadedModel, device: torch.device, max_new_tokens: int
+) -> contextlib.AbstractContextManager[None]:
+    """Under TRITON_INTERPRET=1 on CPU tensors every kernel runs as numpy calls: say so, and
+    show each forward's progress per layer on stderr (a forward can take a minute)."""
+    if loaded.scheme is None or device.type != "cpu":
+        return contextlib.nullcontext()
+    from quantkit.fused_kernels.kernel_registry import resolve_backend
+
+    if resolve_backend(device, kind=loaded.scheme.kind) != "triton":
+        return contextlib.nullcontext()
+    click.echo(
+        "note: the triton backend runs here under TRITON_INTERPRET=1 (every kernel as numpy "
+        "calls, meant for tests): a model of this size can take minutes per token; progress "
+        "per layer follows",
+        err=True,
+    )
+    return layer_progress(
+        loaded.model, new_tokens=max_new_tokens, label="triton interpreter", stream=sys.stderr
     )
 
 
@@ -348,19 +372,20 @@ def generate_cmd(
     if grammar is not None:
         processors = [grammar.processor(loaded, eos_ids=eos, max_new_tokens=max_new_tokens)]
     slots = _warm_compile(loaded, ids, max_new_tokens) if compile_step else None
-    result = generate(
-        loaded.model,
-        [ids],
-        params,
-        eos_ids=eos,
-        tokenizer=loaded.tokenizer,
-        on_token=None if as_json else _stream,
-        compile=compile_step,
-        cache_len=slots,
-        processors=processors,
-        fast_forward=fast_forward and grammar is not None,
-        speculate=spec,
-    )
+    with _interpreter_progress(loaded, dev, max_new_tokens):
+        result = generate(
+            loaded.model,
+            [ids],
+            params,
+            eos_ids=eos,
+            tokenizer=loaded.tokenizer,
+            on_token=None if as_json else _stream,
+            compile=compile_step,
+            cache_len=slots,
+            processors=processors,
+            fast_forward=fast_forward and grammar is not None,
+            speculate=spec,
+        )
     backend = _backend(loaded, dev, options.torch_dtype())
     if loaded.scheme is not None and (why := pytorch_path_reason(loaded.model)) is not None:
         backend += f"; PyTorch decode path, not the C step: {why}"
