@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 
 EXIT_USAGE, EXIT_DATA, EXIT_ENVIRONMENT, EXIT_BUG, EXIT_INTERRUPTED = 2, 3, 4, 70, 130
@@ -45,7 +46,11 @@ _OS_WORDS = {
 
 
 def main(argv: list[str] | None = None) -> None:
-    code, message = _run(argv)
+    shown, warnings.showwarning = warnings.showwarning, _show_warning
+    try:
+        code, message = _run(argv)
+    finally:
+        warnings.showwarning = shown  # in-process callers (tests) get theirs back
     if message:
         _say(message)
     if code:
@@ -99,6 +104,19 @@ def _run(argv: list[str] | None) -> tuple[int, str]:
             f"internal error: {type(e).__name__}: {e} ({where}; this is a bug in quantkit, "
             "please report it with that file)"
         )
+
+
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: object = None,
+    line: str | None = None,
+) -> None:
+    """A warning is one line, `warning: MESSAGE`, like every other line the CLI prints; Python's
+    default adds the warning's file, line number, class and source line on a second line."""
+    _say(f"warning: {message}")
 
 
 def _interrupted() -> str:

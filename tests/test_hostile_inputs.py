@@ -270,6 +270,11 @@ def seed_home(cli: WarmCli, ckpt: Path, tmp_path_factory: pytest.TempPathFactory
     home = tmp_path_factory.mktemp("seed") / "home"
     ran = cli.run("generate", ckpt, "--prompt", "hi", "--max-new-tokens", "2", home=home)
     assert ran.code == 0, ran.err
+    # Marked quiet: a figure probed while the suite loads the machine is probed again at the
+    # next use, and under a case's write limit that re-probe's cache write adds a warning line.
+    cache = home / "bandwidth.json"
+    entries = json.loads(cache.read_text())
+    cache.write_text(json.dumps({k: {**v, "others_load": 0.0} for k, v in entries.items()}))
     return home
 
 
@@ -657,6 +662,7 @@ def test_a_bad_benchmark_row_is_one_line(
         "--limit", "2", "--ppl-tokens", "0", "--no-progress", home=home,
     )  # fmt: skip
     _check(ran, DATA, needle)
+    assert "[1/2]" not in ran.err, ran.err  # refused before the reference model loads
 
 
 LIMITS = [
@@ -1082,7 +1088,10 @@ def test_a_killed_quantizes_leftovers_are_swept_by_the_next(
     ran = cli.run("quantize", tiny_model_dir, "--method", "rtn", "--eval-tokens", "0", "-o",
                   tmp_path / "out", home=home)  # fmt: skip
     assert ran.code == 0 and "Traceback" not in ran.err, ran.err
-    assert f"removed {half.name}, left by an interrupted write" in ran.err
+    swept = [ln for ln in ran.lines if half.name in ln]  # one line, not Python's two
+    assert swept == [ln for ln in ran.lines if "warning" in ln.lower()], ran.err
+    assert len(swept) == 1 and swept[0].startswith("warning: removed "), ran.err
+    assert f"removed {half.name}, left by an interrupted write" in swept[0]
     assert not half.exists() and (tmp_path / "out" / "config.json").is_file()
 
 
