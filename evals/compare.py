@@ -22,7 +22,7 @@ import torch
 
 from quantkit.errors import EvalError
 from quantkit.evals.perplexity import LogitAgreement, Perplexity, compare_logits, perplexity
-from quantkit.evals.task_data import LOCAL_TASKS, resolve_task_names
+from quantkit.evals.task_data import LOCAL_TASKS, check_task_data, resolve_task_names
 from quantkit.runtime.loader import LoadedModel, load_model
 from quantkit.sources.resolve import resolve_model
 from quantkit.sources.tokenizer import load_tokenizer
@@ -168,6 +168,7 @@ def compare_models(
     names = ["reference", *(_name(s, taken) for s in specs[1:])]
     for name, tok in zip(names[1:], tokenizers[1:], strict=True):
         _same_vocab(tokenizers[0], tok, name)
+    check_task_data(task_names, data_dir)  # a bad row: one line now, not after a model loads
     held = None
     if ppl_tokens:
         from quantkit.quantize.calibration import heldout_tokens

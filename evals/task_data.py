@@ -30,6 +30,7 @@ __all__ = [
     "LOCAL_TASKS",
     "TASKS_DIR",
     "benchmarks_dir",
+    "check_task_data",
     "load_benchmark",
     "load_wikipedia",
     "read_jsonl",
@@ -129,6 +130,39 @@ def _check_row(where: str, row: dict[str, Any], fields: list[str]) -> None:
             raise EvalError(f"{where}: expected gold as an integer index, got {_shown(gold)}")
         if "choices" in fields and not 0 <= gold < len(row["choices"]):
             raise EvalError(f"{where}: expected gold in [0, {len(row['choices'])}), got {gold}")
+
+
+def check_task_data(task_names: list[str], data_dir: str | Path | None = None) -> None:
+    """Read and check every row of the benchmark tasks among `task_names` (lm-eval names), as
+    `load_benchmark` will: a missing folder or file, or a bad row, is an EvalError now, before
+    any model loads, not after the first one has."""
+    for name in task_names:
+        kwargs = _dataset_kwargs(name)
+        if kwargs is None:
+            continue
+        file, fields = kwargs["file"], list(kwargs["fields"])
+        rows = read_jsonl(benchmarks_dir(data_dir) / file, fields=tuple(fields))
+        for i, row in enumerate(rows):
+            _check_row(f"{file} item {i}", row, fields)
+
+
+def _dataset_kwargs(task: str) -> dict[str, Any] | None:
+    """The `dataset_kwargs` of the task YAML in TASKS_DIR named `task`, if it is one read by
+    `load_benchmark`; None for other tasks (the perplexity task, the user's own)."""
+    import yaml
+
+    class _Loader(yaml.SafeLoader):
+        pass
+
+    # The YAMLs name their loader with lm-eval's `!function` tag; here it is only text.
+    _Loader.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
+    for path in TASKS_DIR.glob("*.yaml"):
+        config = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+        if config.get("task") == task and str(config.get("custom_dataset", "")).endswith(
+            "load_benchmark"
+        ):
+            return config["dataset_kwargs"]
+    return None
 
 
 def _shown(value: Any) -> str:
