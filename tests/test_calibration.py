@@ -292,3 +292,35 @@ def test_real_wikipedia_split_with_the_embedded_tokenizer() -> None:
     assert samples.shape == (128, 512)
     text = tok.decode(samples[0], skip_special_tokens=True)
     assert sum(c.isalpha() for c in text) > 0.6 * len(text)  # prose, not markup
+
+
+@pytest.mark.parametrize(
+    ("damage", "why"),
+    [
+        ("truncated", "unreadable JSON"),
+        ("emptied", "unreadable JSON"),
+        ("not-an-object", "expected an object"),
+        ("an-article-changed", "SHA-256 differs"),
+    ],
+)
+def test_a_damaged_calibration_cache_is_parsed_again_with_one_warning(
+    tiny_dump: Path, tmp_path: Path, damage: str, why: str
+) -> None:
+    home = tmp_path / "home"
+    first = wiki_articles(source=tiny_dump, home=home)
+    (cached,) = (home / "calibration").iterdir()
+    whole = cached.read_text()
+    spoiled = {
+        "truncated": whole[: len(whole) // 2],
+        "emptied": "",
+        "not-an-object": "[1, 2]",
+        "an-article-changed": whole.replace("river", "rivet", 1),
+    }[damage]
+    assert spoiled != whole
+    cached.write_text(spoiled)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = wiki_articles(source=tiny_dump, home=home)
+    lines = [str(w.message) for w in caught]
+    assert len(lines) == 1 and why in lines[0] and "parsing again" in lines[0], lines
+    assert again == first and cached.read_text() == whole  # rebuilt whole

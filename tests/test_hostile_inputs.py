@@ -1250,3 +1250,13 @@ def test_ctrl_c_while_the_old_checkpoint_is_deleted_finishes_the_deletion(
     assert (target / "new.bin").read_bytes() == b"new"
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no half-deleted .old- left
     assert paths.WRITTEN == [target]
+
+
+def test_a_checkpoint_gets_the_permissions_of_an_ordinary_file(ckpt: Path) -> None:
+    """safetensors writes 0600: the checkpoint's files get what open() would give (umask
+    applied), so the other users of a machine can read a checkpoint (it was 0600 before)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in ckpt.iterdir()}
+    assert modes and set(modes.values()) == {0o666 & ~umask}, modes
+    assert ckpt.stat().st_mode & 0o777 == 0o777 & ~umask

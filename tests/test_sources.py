@@ -272,7 +272,7 @@ def test_failed_conversion_leaves_no_directory(tiny_gguf, tmp_path: Path, monkey
     def crash(*args, **kwargs):
         raise KeyboardInterrupt  # Ctrl-C after the weights are written, before the rename
 
-    monkeypatch.setattr(gguf_convert, "_make_readable", crash)
+    monkeypatch.setattr(gguf_convert, "make_readable", crash)
     with pytest.raises(KeyboardInterrupt):
         resolve_model(path, home=tmp_path, progress=False)
     models = tmp_path / "models"

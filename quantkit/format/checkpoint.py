@@ -35,7 +35,7 @@ from quantkit.format.compressed_tensors import (
 from quantkit.format.formats import FORMATS
 from quantkit.format.scheme import QuantScheme
 from quantkit.format.tensors import check_module_tensors
-from quantkit.paths import replace_dir, sweep_leftovers, temp_sibling
+from quantkit.paths import make_readable, replace_dir, sweep_leftovers, temp_sibling
 
 __all__ = [
     "LoadedCheckpoint",
@@ -131,6 +131,7 @@ def save_checkpoint(
         (tmp / METADATA_NAME).write_text(metadata_text)
         # config.json last: a directory with a config.json looks like a model to every tool.
         (tmp / "config.json").write_text(config_text)
+        make_readable(tmp)  # safetensors writes 0600: others could not read the checkpoint
         replace_dir(tmp, out)
     except BaseException:
         # BaseException on purpose: KeyboardInterrupt must clean up too, then propagate.

@@ -52,6 +52,8 @@ WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz
 HELDOUT_EVERY = 5
 # Bump when the cleaning changes, so cached articles are parsed again.
 _PARSER_VERSION = 1
+# The cache file's layout: 2 added the articles' SHA-256 (a damaged entry is told from a whole one).
+_CACHE_FORMAT = 2
 # A kept line needs this many words and a sentence end: headings, list stubs, captions and
 # table remnants fail one or the other, prose paragraphs pass.
 _MIN_WORDS = 8
@@ -156,18 +158,45 @@ def parse_wiki_dump(path: Path) -> list[str]:
     return articles
 
 
+def _digest(articles: list[str]) -> str:
+    return hashlib.sha256(json.dumps(articles).encode()).hexdigest()
+
+
+def _read_cached_articles(cache: Path) -> tuple[list[str], str | None]:
+    """The cached articles, and why the entry is damaged (None: it is whole)."""
+    try:
+        payload = json.loads(cache.read_text(encoding="utf-8"))
+        articles, digest = payload["articles"], payload["articles_sha256"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return [], f"unreadable JSON ({type(e).__name__})"
+    except (KeyError, TypeError):
+        return [], "expected an object with articles and their SHA-256"
+    if not isinstance(articles, list) or not all(isinstance(a, str) for a in articles):
+        return [], "expected the articles as a list of texts"
+    if _digest(articles) != digest:
+        return [], "the articles' SHA-256 differs from the one recorded"
+    return articles, None
+
+
 def wiki_articles(*, source: Path | None = None, home: Path | None = None) -> list[str]:
     """The cleaned articles of `source` (default: gensim's dump), parsed once and cached."""
     source = Path(source) if source is not None else wiki_source_path()
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-    cache = quantkit_home(home) / "calibration" / f"{source.name}.{digest}.v{_PARSER_VERSION}.json"
-    try:
-        return json.loads(cache.read_text())["articles"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError):
-        pass  # absent or damaged: parse again
+    name = f"{source.name}.{digest}.v{_PARSER_VERSION}.f{_CACHE_FORMAT}.json"
+    cache = quantkit_home(home) / "calibration" / name
+    if cache.is_file():
+        articles, damage = _read_cached_articles(cache)
+        if damage is None:
+            return articles
+        warnings.warn(f"calibration cache {cache}: damaged ({damage}); parsing again", stacklevel=2)
     articles = parse_wiki_dump(source)
     cache.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"source": source.name, "parser_version": _PARSER_VERSION, "articles": articles}
+    payload = {
+        "source": source.name,
+        "parser_version": _PARSER_VERSION,
+        "articles_sha256": _digest(articles),
+        "articles": articles,
+    }
     # Atomic: a reader never sees half a file, and concurrent writers each replace it whole.
     fd, tmp = tempfile.mkstemp(prefix=f".{cache.name}.", dir=cache.parent)
     try:

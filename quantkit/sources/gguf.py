@@ -23,10 +23,11 @@ from typing import Any
 
 import torch
 
+from quantkit.cache_manifest import write_manifest
 from quantkit.errors import ModelSourceError
 from quantkit.models.families import gguf_architectures, gguf_family
 from quantkit.models.family import GgufNames
-from quantkit.paths import replace_dir
+from quantkit.paths import make_readable, replace_dir
 
 
 def source_key(gguf_path: Path) -> str:
@@ -276,7 +277,8 @@ def convert_gguf(
         (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2))
         marker = {"source": gguf_path.name, "key": key or source_key(gguf_path)}
         (tmp / SOURCE_MARKER).write_text(json.dumps(marker, indent=2))
-        _make_readable(tmp)
+        write_manifest(tmp)
+        make_readable(tmp)
         replace_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -299,13 +301,3 @@ def _save_gguf_tokenizer(gguf_path: Path, out: Path, *, max_length: int) -> None
     # The GGUF says nothing about it, and transformers' default (1e30) disables length warnings.
     tok.model_max_length = max_length
     tok.save_pretrained(str(out))
-
-
-def _make_readable(folder: Path) -> None:
-    # mkdtemp makes the folder 0700 and safetensors writes 0600; a cache shared by the users of
-    # a machine needs the permissions an ordinary mkdir/open would give (umask applied).
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
-    for f in folder.iterdir():
-        os.chmod(f, 0o666 & ~umask)
