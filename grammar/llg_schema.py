@@ -36,19 +36,27 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from itertools import combinations
+from itertools import combinations, permutations
+from math import perm
 from typing import Any
 
+from quantkit.grammar.schema_negation import negation
+
 __all__ = [
+    "llguidance_schema",
     "one_of_exclusive",
     "ref_siblings_dropped",
     "simplify_not",
     "unique_items_bounded",
     "without_dependencies",
+    "without_negation",
 ]
 
 _ALL_TYPES = frozenset({"object", "array", "string", "number", "integer", "boolean", "null"})
 _SKIP = ("enum", "const", "default", "examples")  # JSON values, not schemas
+# Maps of names to subschemas (or, in `dependencies`, to lists of names).
+_NAME_MAPS = frozenset({"properties", "patternProperties", "definitions", "$defs",
+                        "dependentSchemas", "dependencies"})  # fmt: skip
 
 
 def _resolve(root: Any, node: Any, depth: int = 0) -> Any:
@@ -125,6 +133,8 @@ def _disjoint(
     values_a, values_b = _values(a), _values(b)
     if values_a is not None and values_b is not None and not (values_a & values_b):
         return True
+    if _none_valid(a, b, root) or _none_valid(b, a, root):
+        return True
     if types_a | types_b != {"object"}:  # the object rules below separate objects only
         return False
     props_a, props_b = a.get("properties") or {}, b.get("properties") or {}
@@ -133,6 +143,23 @@ def _disjoint(
         if _disjoint(props_a[name], props_b[name], root, _ALL_TYPES, depth + 1):
             return True
     return _closed_without(a, b) or _closed_without(b, a)
+
+
+def _none_valid(a: dict[str, Any], b: Any, root: Any) -> bool:
+    """`a` is a const/enum none of whose values `b` accepts (checked with jsonschema, `$ref`s
+    resolved in `root`)."""
+    if "const" not in a and "enum" not in a:
+        return False
+    values = [a["const"]] if "const" in a else a["enum"]
+    if not isinstance(values, list) or len(values) > 1000:
+        return False
+    from jsonschema import Draft202012Validator, validators
+
+    try:
+        check = validators.validator_for(root, default=Draft202012Validator)(root).evolve(schema=b)
+        return not any(check.is_valid(v) for v in values)
+    except Exception:  # noqa: BLE001 - a schema jsonschema cannot read proves nothing
+        return False
 
 
 def _closed_without(a: Any, b: Any) -> bool:
@@ -211,8 +238,9 @@ def _rewrite_bottom_up(
     schema: Any, fix: Callable[[dict[str, Any], str, list[str]], dict[str, Any]]
 ) -> tuple[Any, list[str]] | None:
     """`schema` with `fix(node, where, notes)` applied to every subschema object, children
-    first (JSON values under `_SKIP` keys untouched), and the notes it made; None when `fix`
-    raised `_Unsound`."""
+    first (JSON values under `_SKIP` keys untouched; the maps of names to subschemas, such as
+    `properties`, are not subschemas themselves: a property named `not` stays a name), and the
+    notes it made; None when `fix` raised `_Unsound`."""
     notes: list[str] = []
 
     def walk(node: Any, where: str) -> Any:
@@ -220,8 +248,13 @@ def _rewrite_bottom_up(
             return [walk(v, f"{where}/{i}") for i, v in enumerate(node)]
         if not isinstance(node, dict):
             return node
-        out = {k: v if k in _SKIP else walk(v, f"{where}/{k}") for k, v in node.items()}
+        out = {k: v if k in _SKIP else child(k, v, f"{where}/{k}") for k, v in node.items()}
         return fix(out, where, notes)
+
+    def child(key: str, value: Any, where: str) -> Any:
+        if key in _NAME_MAPS and isinstance(value, dict):
+            return {n: walk(v, f"{where}/{n}") for n, v in value.items()}
+        return walk(value, where)
 
     try:
         return walk(schema, "#"), notes
@@ -229,20 +262,191 @@ def _rewrite_bottom_up(
         return None
 
 
+_MAX_ARRAYS = 400
+
+
+def _distinct_arrays(node: dict[str, Any], root: Any) -> list[Any] | None:
+    """Every array `node` accepts, when its items are a few constants (distinct items: at most
+    as many as constants, so finitely many arrays); None otherwise or past `_MAX_ARRAYS`."""
+    items = _resolve(root, node.get("items"))
+    if "prefixItems" in node or not isinstance(items, dict):
+        return None
+    if items.get("type") == "boolean" and set(items) <= {"type", "title", "description"}:
+        values: list[Any] = [True, False]
+    elif "enum" in items or "const" in items:
+        values = [items["const"]] if "const" in items else list(items["enum"])
+    else:
+        return None
+    low, high = node.get("minItems", 0), min(node.get("maxItems", len(values)), len(values))
+    if sum(perm(len(values), k) for k in range(low, high + 1)) > _MAX_ARRAYS:
+        return None
+    from jsonschema import Draft202012Validator, validators
+
+    check = validators.validator_for(root, default=Draft202012Validator)(root).evolve(schema=node)
+    arrays = [list(p) for k in range(low, high + 1) for p in permutations(values, k)]
+    return [a for a in arrays if check.is_valid(a)]
+
+
 class _Unsound(Exception):
     """A dependency rewrite that would not be sound."""
 
 
+def llguidance_schema(schema: Any) -> tuple[Any, list[str]]:
+    """`schema` as llguidance should get it, and where that is narrower (notes): the exact
+    rewrites (`ref_siblings_dropped`, `simplify_not`) first, then `without_negation`'s narrowed
+    ones (only what the exact ones left: a `not`, `if` or overlapping `oneOf` llguidance refuses
+    anyway)."""
+    return without_negation(simplify_not(ref_siblings_dropped(schema)))
+
+
 def simplify_not(node: Any) -> Any:
-    """`node` with every `{"not": {}}` / `{"not": true}` as false and `{"not": false}` as true
-    (exact rewrites: the subschema has no other keyword)."""
+    """`node` with the rewrites of `without_negation` that are exact (no value gained or lost),
+    and every `{"not": {}}` / `{"not": true}` as false and `{"not": false}` as true."""
+    return without_negation(_trivial_nots(node), exact_only=True)[0]
+
+
+def _trivial_nots(node: Any) -> Any:
     if isinstance(node, list):
-        return [simplify_not(v) for v in node]
+        return [_trivial_nots(v) for v in node]
     if not isinstance(node, dict):
         return node
     if set(node) == {"not"} and node["not"] in ({}, True, False):
         return node["not"] is False
-    return {k: v if k in _SKIP else simplify_not(v) for k, v in node.items()}
+    return {k: v if k in _SKIP else _trivial_nots(v) for k, v in node.items()}
+
+
+def without_negation(schema: Any, *, exact_only: bool = False) -> tuple[Any, list[str]]:
+    """`schema` with `not`, `if`/`then`/`else` and the `oneOf`s not proven exclusive written
+    with positive keywords (`schema_negation`), and a note for each one that is narrower than
+    the schema (exact_only: those are left as they are). A few passes, so a complement reached
+    through a `$ref` sees the rewritten definitions."""
+    notes: list[str] = []
+    for _ in range(3):
+        rewritten = _rewrite_bottom_up(schema, _positive_keywords(schema, exact_only))
+        assert rewritten is not None  # the fix never raises _Unsound
+        schema, more = rewritten
+        notes += more
+        if not _has_keys(schema, ("not", "if")):
+            break
+    return schema, list(dict.fromkeys(notes))
+
+
+def _positive_keywords(
+    root: Any, exact_only: bool
+) -> Callable[[dict[str, Any], str, list[str]], dict[str, Any]]:
+    """The fix of one `without_negation` pass, following `$ref`s into `root`."""
+
+    def fix(out: dict[str, Any], where: str, notes: list[str]) -> dict[str, Any]:
+        out = _dependencies_rewritten(out)
+        out = _negation_rewritten(out, root, where, notes, exact_only)
+        out = _conditional_rewritten(out, root, where, notes, exact_only)
+        return _one_of_rewritten(out, root, where, notes, exact_only)
+
+    return fix
+
+
+def _has_keys(node: Any, keys: tuple[str, ...]) -> bool:
+    if isinstance(node, list):
+        return any(_has_keys(v, keys) for v in node)
+    if not isinstance(node, dict):
+        return False
+    return any(k in node for k in keys) or any(
+        _has_keys(v, keys) for k, v in node.items() if k not in _SKIP
+    )
+
+
+def _conjoined(out: dict[str, Any], extra: Any) -> dict[str, Any]:
+    """`out` that must also satisfy `extra` (appended to its allOf)."""
+    if extra is True:
+        return out
+    return {**out, "allOf": [*(out.get("allOf") or []), extra]}
+
+
+# llguidance expands the anyOfs it intersects: past a few per object it refuses ("schema too
+# large", measured: JsonSchemaStore filespec, 6); those are left to `without_dependencies`.
+_MAX_DEPENDENCIES = 3
+
+
+def _dependencies_rewritten(out: dict[str, Any]) -> dict[str, Any]:
+    """`out` with each dependency as anyOf[name absent, name present and its companions /
+    schema] (exact; `without_dependencies` narrows instead, for what llguidance still refuses)."""
+    deps: dict[str, Any] = {}
+    for key in _DEPENDENCY_KEYS:
+        value = out.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict):
+            return out
+        deps.update(value)
+    if not deps or len(deps) > _MAX_DEPENDENCIES:
+        return out
+    out = {k: v for k, v in out.items() if k not in _DEPENDENCY_KEYS}
+    for name, dep in deps.items():
+        present: Any = {"required": [name, *dep]} if isinstance(dep, list) else {
+            "allOf": [{"required": [name]}, dep]}  # fmt: skip
+        out = _conjoined(out, {"anyOf": [{"properties": {name: False}}, present]})
+    return out
+
+
+def _negation_rewritten(
+    out: dict[str, Any], root: Any, where: str, notes: list[str], exact_only: bool
+) -> dict[str, Any]:
+    """`out` with its `not` replaced by the complement of the negated subschema."""
+    if "not" not in out:
+        return out
+    negated = negation(out["not"], root)
+    if not negated.exact:
+        if exact_only:
+            return out
+        notes.append(f"{where}: not: some values it allows are never produced (its complement "
+                     f"is written without the keywords that have no positive form)")  # fmt: skip
+    rest = {k: v for k, v in out.items() if k != "not"}
+    return _conjoined(rest, negated.schema)
+
+
+def _conditional_rewritten(
+    out: dict[str, Any], root: Any, where: str, notes: list[str], exact_only: bool
+) -> dict[str, Any]:
+    """`out` with `if`/`then`/`else` as anyOf[allOf[if, then], allOf[not if, else]]."""
+    if "if" not in out:
+        return out
+    rest = {k: v for k, v in out.items() if k not in ("if", "then", "else")}
+    if "then" not in out and "else" not in out:  # no assertion at all
+        return rest
+    condition, then, other = out["if"], out.get("then", True), out.get("else", True)
+    negated = negation(condition, root)
+    if not negated.exact:
+        if exact_only:
+            return out
+        notes.append(f"{where}: if/then/else: when the condition fails, only the values its "
+                     f"written complement allows are produced")  # fmt: skip
+    branches = [{"allOf": [condition, then]}, {"allOf": [negated.schema, other]}]
+    return _conjoined(rest, {"anyOf": branches})
+
+
+def _one_of_rewritten(
+    out: dict[str, Any], root: Any, where: str, notes: list[str], exact_only: bool
+) -> dict[str, Any]:
+    """`out` with a oneOf not proven exclusive as anyOf[allOf[branch i, not branch j, ...]]
+    (each branch joined by the complements of the branches it may overlap)."""
+    branches = out.get("oneOf")
+    if not isinstance(branches, list) or len(branches) < 2:
+        return out
+    context = _types({"type": out["type"]} if "type" in out else {})
+    overlaps = [[j for j in range(len(branches)) if j != i and not _disjoint(
+        branches[i], branches[j], root, context)] for i in range(len(branches))]  # fmt: skip
+    if not any(overlaps):
+        return out  # exclusive: read as anyOf (coerce_one_of)
+    complements = {j: negation(branches[j], root) for o in overlaps for j in o}
+    if not all(c.exact for c in complements.values()):
+        if exact_only:
+            return out
+        notes.append(f"{where}: oneOf: some values matching exactly one branch are never "
+                     f"produced (the others' complements are partly written)")  # fmt: skip
+    joined = [{"allOf": [b, *(complements[j].schema for j in o)]} if o else b
+              for b, o in zip(branches, overlaps, strict=True)]  # fmt: skip
+    rest = {k: v for k, v in out.items() if k != "oneOf"}
+    return _conjoined(rest, {"anyOf": joined})
 
 
 _OLD_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
@@ -269,15 +473,21 @@ def ref_siblings_dropped(schema: Any) -> Any:
 
 
 def unique_items_bounded(schema: Any) -> tuple[Any, list[str]] | None:
-    """`schema` with every `uniqueItems: true` array bounded to one item (noted); None when an
-    array needs more items."""
+    """`schema` with every `uniqueItems: true` array whose items are a few constants (enum,
+    const, boolean) as the enum of all its arrays (exact), and every other one bounded to one
+    item (noted); None when such an array needs more items."""
 
     def fix(out: dict[str, Any], where: str, notes: list[str]) -> dict[str, Any]:
-        if out.pop("uniqueItems", False) is True:
-            if out.get("minItems", 0) > 1:
-                raise _Unsound
-            out["maxItems"] = min(out.get("maxItems", 1), 1)
-            notes.append(f"{where}: uniqueItems: at most one item produced")
+        if out.get("uniqueItems") is not True:
+            return out
+        arrays = _distinct_arrays(out, schema)
+        if arrays is not None:  # exact: every array of distinct items, listed
+            return {k: v for k, v in out.items() if k != "uniqueItems"} | {"enum": arrays}
+        out.pop("uniqueItems")
+        if out.get("minItems", 0) > 1:
+            raise _Unsound
+        out["maxItems"] = min(out.get("maxItems", 1), 1)
+        notes.append(f"{where}: uniqueItems: at most one item produced")
         return out
 
     return _rewrite_bottom_up(schema, fix)

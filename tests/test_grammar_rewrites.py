@@ -1,0 +1,184 @@
+"""Schema rewrites before llguidance (`llg_schema`, `schema_negation`): each one, on small real
+schemas, compiled by llguidance and walked token by token: the valid instances are accepted,
+the invalid ones rejected; a narrowed rewrite says so in a note, an exact one never does."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from quantkit.grammar import compiler
+from quantkit.grammar.acceptance import accepts_tokens
+from quantkit.grammar.compiler import compile_grammar
+from quantkit.grammar.constraints import schema_grammar, validate_json
+from quantkit.grammar.llg_engine import _greedy_encoder
+from quantkit.grammar.llg_schema import (
+    llguidance_schema,
+    simplify_not,
+    unique_items_bounded,
+    without_negation,
+)
+from quantkit.grammar.schema_negation import negation
+from quantkit.grammar.vocabulary import TokenVocabulary
+
+EOS = [0]
+PIECES = [*'{}[]":, abcdefghijklmnopqrstuvwxyz0123456789.-_#\n', '{"', '":', '","', '"}',
+          "true", "false", "null", "ab"]  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QUANTKIT_HOME", str(tmp_path / "home"))
+    compiler.clear_memory_cache()
+
+
+@pytest.fixture(scope="module")
+def vocab() -> TokenVocabulary:
+    table = {i + 1: p.encode() for i, p in enumerate(PIECES)}
+    return TokenVocabulary.from_bytes(table, eos_token_ids=EOS, size=len(PIECES) + 9)
+
+
+def walk(compiled: compiler.CompiledGrammar, value: Any) -> bool:
+    text = json.dumps(value, separators=(",", ":")).encode()
+    return accepts_tokens(compiled, _greedy_encoder(compiled.vocabulary)(text))
+
+
+def llg(schema: Any, vocab: TokenVocabulary) -> compiler.CompiledGrammar:
+    """`schema` as llguidance gets it after the rewrites (exact ones: as the engine runs now)."""
+    rewritten, _ = llguidance_schema(schema)
+    return compile_grammar(schema_grammar(rewritten), vocab, engine="llguidance", timeout_s=10)
+
+
+def check(schema: Any, vocab: TokenVocabulary, valid: list[Any], invalid: list[Any]) -> None:
+    """The instances are what jsonschema says, and the compiled grammar agrees (valid accepted,
+    invalid rejected)."""
+    compiled = llg(schema, vocab)
+    for value in valid:
+        assert validate_json(json.dumps(value), schema) is None, value
+        assert walk(compiled, value), value
+    for value in invalid:
+        assert validate_json(json.dumps(value), schema) is not None, value
+        assert not walk(compiled, value), value
+
+
+def test_not_of_a_type_an_enum_and_required_is_exact(vocab) -> None:
+    schema = {"type": "object", "properties": {
+        "a": {"not": {"type": "string"}},
+        "b": {"type": "integer", "not": {"enum": [1, 2]}},
+        "c": {"type": "string", "not": {"const": "ab"}}},
+        "not": {"required": ["d"]}}  # fmt: skip
+    assert "not" not in json.dumps(simplify_not(schema))  # exact: done by the engine as it runs
+    check(schema, vocab,
+          valid=[{"a": 3}, {"a": None, "b": 0}, {"b": 3, "c": "a"}, {"c": "abc"}, {}],
+          invalid=[{"a": "x"}, {"b": 1}, {"b": 2}, {"c": "ab"}, {"d": 1}])  # fmt: skip
+    assert without_negation(schema)[1] == []  # exact: no note
+
+
+def test_not_of_a_class_pattern_and_bounds(vocab) -> None:
+    schema = {"type": "object", "properties": {
+        "s": {"type": "string", "not": {"pattern": "^[ab]+$"}},
+        "n": {"type": "integer", "not": {"minimum": 3, "maximum": 5}}}}  # fmt: skip
+    check(schema, vocab,
+          valid=[{"s": "abc"}, {"s": ""}, {"n": 2}, {"n": 6}],
+          invalid=[{"s": "ab"}, {"s": "a"}, {"n": 3}, {"n": 5}])  # fmt: skip
+
+
+def test_if_then_else_on_a_discriminator_is_exact(vocab) -> None:
+    schema = {"type": "object", "properties": {"k": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["k"], "if": {"properties": {"k": {"const": "a"}}},
+              "then": {"required": ["n"]}, "else": {"properties": {"n": False}}}  # fmt: skip
+    assert without_negation(schema)[1] == []
+    check(schema, vocab,
+          valid=[{"k": "a", "n": 1}, {"k": "b"}, {"k": "ab"}],
+          invalid=[{"k": "a"}, {"k": "b", "n": 1}, {"n": 1}])  # fmt: skip
+
+
+def test_overlapping_one_of_becomes_an_exact_any_of(vocab) -> None:
+    schema = {"type": "object", "oneOf": [{"required": ["a"]}, {"required": ["b"]}],
+              "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}  # fmt: skip
+    assert without_negation(schema)[1] == []
+    check(schema, vocab, valid=[{"a": 1}, {"b": 2}],
+          invalid=[{"a": 1, "b": 2}, {}])  # fmt: skip
+
+
+def test_one_of_an_enum_and_a_pattern_is_proven_exclusive(vocab) -> None:
+    schema = {"type": "string", "oneOf": [{"enum": ["red", "blue"]}, {"pattern": "^#[0-9a-f]{2}$"}]}
+    check(schema, vocab, valid=["red", "#0a"], invalid=["green", "#0", 3])
+
+
+def test_narrowed_rewrites_are_noted_and_sound(vocab) -> None:
+    # not of strings with a general pattern: only the other types are left of its complement
+    schema = {"type": ["string", "integer"], "not": {"type": "string", "pattern": "a"}}
+    rewritten, notes = without_negation(schema)
+    assert any("not:" in n for n in notes)
+    assert simplify_not(schema) == schema  # the exact pass leaves it
+    compiled = compile_grammar(schema_grammar(rewritten), vocab, engine="llguidance", timeout_s=10)
+    assert walk(compiled, 3) and not walk(compiled, "a") and not walk(compiled, "bab")
+    # if with a multipleOf condition: the else-branch is produced only where its complement is
+    schema = {"type": "integer", "if": {"multipleOf": 2}, "then": {"minimum": 10},
+              "else": {"maximum": 3}}  # fmt: skip
+    rewritten, notes = without_negation(schema)
+    assert any("if/then/else" in n for n in notes)
+    compiled = compile_grammar(schema_grammar(rewritten), vocab, engine="llguidance", timeout_s=10)
+    assert walk(compiled, 12) and not walk(compiled, 4) and not walk(compiled, 5)
+
+
+def test_dependencies_are_exact_conditionals(vocab) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"},
+              "c": {"type": "integer"}}, "dependentRequired": {"a": ["b"]},
+              "dependentSchemas": {"c": {"properties": {"b": {"maximum": 2}}}}}  # fmt: skip
+    assert without_negation(schema)[1] == []
+    check(schema, vocab,
+          valid=[{"a": 1, "b": 5}, {"b": 1}, {"b": 1, "c": 1}, {"c": 1}],
+          invalid=[{"a": 1}, {"b": 5, "c": 1}, {"a": 1, "b": 3, "c": 1}])  # fmt: skip
+
+
+def test_unique_items_over_a_few_constants_is_listed_exactly(vocab) -> None:
+    schema = {"type": "array", "items": {"enum": ["a", "b", 1]}, "uniqueItems": True}
+    rewritten, notes = unique_items_bounded(schema)
+    assert notes == [] and len(rewritten["enum"]) == 16  # 1 + 3 + 6 + 6 arrays
+    compiled = compile_grammar(schema_grammar(rewritten), vocab, engine="llguidance", timeout_s=10)
+    assert walk(compiled, ["a", 1, "b"]) and walk(compiled, [])
+    assert not walk(compiled, ["a", "a"]) and not walk(compiled, ["c"])
+    booleans = {"type": "array", "items": {"type": "boolean"}, "uniqueItems": True}
+    assert unique_items_bounded(booleans)[0]["enum"] == [[], [True], [False], [True, False],
+                                                        [False, True]]  # fmt: skip
+    strings = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+    assert "uniqueItems: at most one item" in unique_items_bounded(strings)[1][0]
+
+
+def test_a_property_named_like_a_keyword_is_a_name() -> None:
+    schema = {"properties": {"not": {"type": "string"}, "if": {"type": "integer"}}}
+    assert without_negation(schema) == (schema, [])
+
+
+VALUES = [None, True, False, 0, 1, 2.5, -3, "", "a", "ab", "b\n", [], [1], [1, "a"], {}, {"a": 1},
+          {"a": "x", "b": None}]  # fmt: skip
+SCHEMAS = [
+    {"type": "integer"}, {"type": ["string", "null"]}, {"enum": ["a", "ab", 1, True]},
+    {"const": {"a": 1}}, {"minimum": 1}, {"exclusiveMaximum": 0}, {"minLength": 2},
+    {"maxItems": 1}, {"minProperties": 1}, {"required": ["a", "b"]},
+    {"properties": {"a": {"type": "integer"}}}, {"anyOf": [{"type": "string"}, {"minimum": 2}]},
+    {"allOf": [{"type": "number"}, {"maximum": 1}]}, {"not": {"type": "string"}},
+    {"pattern": "^[a]*$"}, {"pattern": "b"}, {"multipleOf": 2}, {"items": {"type": "integer"}},
+    {"$ref": "#/$defs/s"}, {"$schema": "http://json-schema.org/draft-04/schema#", "minimum": 1,
+                            "exclusiveMinimum": True},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=range(len(SCHEMAS)))
+def test_negation_is_sound_and_exact_when_it_says_so(schema: dict[str, Any]) -> None:
+    from jsonschema import Draft202012Validator, validators
+
+    root = {"$defs": {"s": {"type": "string", "maxLength": 1}}, **schema}
+    found = negation(root, root)
+    cls = validators.validator_for(root, default=Draft202012Validator)
+    negated = cls({"$defs": root["$defs"], "allOf": [found.schema]})
+    for value in VALUES:
+        inside = cls(root).is_valid(value)
+        assert not (inside and negated.is_valid(value)), value  # never both
+        if found.exact:
+            assert inside or negated.is_valid(value), value  # exact: one of the two
