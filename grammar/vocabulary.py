@@ -19,7 +19,7 @@ import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, lru_cache
 from typing import Any
 
 from quantkit.errors import GrammarError, MissingExtraError
@@ -173,9 +173,20 @@ class TokenVocabulary:
             if data:
                 table[token_id] = data
 
+        # llguidance calls this while it computes masks (the text a grammar forces: 6572
+        # calls over 14907 mask steps of 60 benchmark schemas, 2287 distinct), so it is the
+        # fast tokenizer's own encode (what tokenizer.encode runs, without its 16 us of Python
+        # around it: 24.7 -> 8.3 us a call), and repeated texts are remembered.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+
+        @lru_cache(maxsize=8192)
+        def encode_text(text: str) -> tuple[int, ...]:
+            if backend is not None:
+                return tuple(backend.encode(text, add_special_tokens=False).ids)
+            return tuple(int(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
         def encode(data: bytes) -> list[int]:
-            text = data.decode("utf-8", errors="replace")
-            return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+            return list(encode_text(data.decode("utf-8", errors="replace")))
 
         return cls(size=size, token_bytes=table, eos_token_ids=frozenset(eos), encode=encode)
 
