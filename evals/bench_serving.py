@@ -277,7 +277,7 @@ def run_bench(
         record = _record(setting, run, config, cost=cost, bandwidth=machine.get("bandwidth"))
         records.append(record)
         if setting.mode == "continuous" and not setting.long_prompts:
-            roof_steps.extend(run.decode_steps)
+            roof_steps.extend(s for s in run.decode_steps if not s.prefill_tokens)
         if on_record is not None:
             on_record(setting, record)
     return {

@@ -231,16 +231,23 @@ def test_decode_steps_take_the_models_one_call_path(
         "__call__",
         lambda self, x, *a, **k: rows.append(x.shape[0]) or original(self, x, *a, **k),
     )
-    for mode in ("continuous", "static"):
+    # chunk 4: prompts of 5-12 tokens span steps, some calls carry only unfinished chunks.
+    for mode, chunk in (("continuous", None), ("continuous", 4), ("static", None)):
         rows.clear()
-        config = EngineConfig(batch_cap=3, mode=mode)
+        config = EngineConfig(batch_cap=3, mode=mode, chunk=chunk)
         result = run_engine(model, requests, config, clock=VirtualClock(step_s=1))
         assert [r.tokens for r in result.requests] == alone, mode
-        # Every decode step and prefill is one call of the C step over exactly its rows.
+        # Every call of the C step runs exactly its rows: a decode step's (with the prompt
+        # rows it carried, continuous batching), and each prefill chunk that ran alone.
         prefilled = sum(c.tokens for c in result.prefill_chunks)
-        assert len(rows) == len(result.decode_steps) + len(result.prefill_chunks), mode
-        assert sum(rows) == sum(s.window for s in result.decode_steps) + prefilled, mode
+        carried = sum(s.prefill_tokens for s in result.decode_steps)
+        windows = sum(s.window for s in result.decode_steps)
+        assert sum(rows) == windows + prefilled - carried, mode
+        assert len(rows) <= len(result.decode_steps) + len(result.prefill_chunks), mode
         if mode == "continuous":
-            assert {1, 2, 3} <= {s.window for s in result.decode_steps}  # alone, shared, full
+            assert {1, 2} <= {s.rows for s in result.decode_steps}  # alone, shared
+            # The later arrivals' prompts rode in the decode calls of the running requests.
+            assert carried > 0 and all(s.window == s.rows + s.prefill_tokens
+                                       for s in result.decode_steps)  # fmt: skip
         else:  # a static batch computes its finished rows until the last one is done
-            assert any(s.window > s.rows for s in result.decode_steps)
+            assert carried == 0 and any(s.window > s.rows for s in result.decode_steps)

@@ -164,6 +164,9 @@ class SlotEngine:
         self.spec_off: str | None = None  # why speculation was asked for but is off
         self._times = CallTimes()
         self._drafters: dict[int, tuple[NgramDrafter, DraftPolicy]] = {}
+        # Prefill chunks this step's decode call takes along (see `_mixes`): (request, start,
+        # end) of its prompt.
+        self._chunks: list[tuple[ActiveRequest, int, int]] = []
 
     # -- cache
     def install(self) -> None:
@@ -254,8 +257,24 @@ class SlotEngine:
         self.slots = [None if a is not None and a.done else a for a in self.slots]
 
     # -- forwards
+    def _mixes(self) -> bool:
+        """Whether this step's prefill chunks ride in its decode call instead of calls of their
+        own: on the one-call C path, which takes rows of any slots at any positions in one call
+        (a chunk is rows of one slot at consecutive positions), so the weights are read once
+        for both; as llama.cpp's server batches prompts with decode tokens. Not with batch
+        invariance (a chunk's rows must group as a whole prefill's do), static batching, nor
+        while speculating (a verification call has its own rows)."""
+        speculating = self.config.speculate is not None and self.spec_off is None
+        return (
+            isinstance(self.rows, PathRows)
+            and self.config.mode == "continuous"
+            and not self.config.batch_invariant
+            and not speculating
+        )
+
     def prefill(self) -> None:
         budget = self.config.chunk or math.inf
+        mixes = self._mixes()
         for active in sorted((a for a in self.occupied() if a.prefilling), key=lambda a: a.order):
             if budget <= 0:
                 break
@@ -272,8 +291,11 @@ class SlotEngine:
                 if n == 0:
                     break
             budget -= n
-            began = self.clock.now()
             end = start + n
+            if mixes and n <= self.rows.max_rows:
+                self._chunks.append((active, start, end))  # run by `decode`, with its rows
+                continue
+            began = self.clock.now()
             logits = self.rows.run_chunk(active.slot, prompt[start:end], start)
             active.prefilled = end
             if end == len(prompt):
@@ -305,6 +327,9 @@ class SlotEngine:
 
     def decode(self) -> None:
         rows = [a for a in self.occupied() if a.decoding]
+        if self._chunks:
+            self._decode_mixed(rows)
+            return
         if not rows:
             return
         if self.config.speculate is not None and self.spec_off is None:
@@ -326,6 +351,46 @@ class SlotEngine:
             a.next_pos += 1
             self._emit(a, sampled[a.slot], now)
         self.decode_steps.append(DecodeStep(len(rows), window, context, now - began))
+
+    def _decode_mixed(self, rows: list[ActiveRequest]) -> None:
+        """One call for the decode rows and the prefill chunks `prefill` left (`_mixes`): each
+        decode row gets its next token; a chunk that ends its prompt gets the request's first
+        token (the request decodes from the next step on)."""
+        assert isinstance(self.rows, PathRows)
+        chunks, self._chunks = self._chunks, []
+        began = self.clock.now()
+        fed = [self._fed(a) for a in rows]
+        tokens, positions = [t for t, _ in fed], [p for _, p in fed]
+        slots = [a.slot for a in rows]
+        logit_rows = list(range(len(rows)))
+        first: list[ActiveRequest] = []  # prompts that end in this call
+        for active, start, end in chunks:
+            prompt = active.request.prompt
+            tokens += prompt[start:end]
+            positions += range(start, end)
+            slots += [active.slot] * (end - start)
+            if end == len(prompt):
+                first.append(active)
+                logit_rows.append(len(tokens) - 1)
+        logits = self.rows.run_mixed(tokens, positions, slots, logit_rows)
+        sampled = self._sample(logits, rows + first) if logit_rows else []
+        self.clock.forward_done()
+        now = self.clock.now()
+        for active, start, end in chunks:
+            active.prefilled = end
+            self.prefill_chunks.append(PrefillChunk(end - start, end, now - began))
+        context = sum(a.next_pos + 1 for a in rows)
+        for active, token in zip(rows + first, sampled, strict=True):
+            if active in first:
+                if self.prefix_cache is not None:
+                    self.prefix_cache.store(active.request.prompt, *self._kv(), active.slot)
+                active.next_pos = active.prefilled
+            else:
+                active.next_pos += 1
+            self._emit(active, token, now)
+        if rows:
+            step = DecodeStep(len(rows), len(slots), context, now - began, len(tokens) - len(rows))
+            self.decode_steps.append(step)
 
     def _decode_speculative(self, rows: list[ActiveRequest]) -> None:
         """A decode step where each request may feed drafted tokens after its last one

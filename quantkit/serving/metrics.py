@@ -168,11 +168,14 @@ def summarize(
     good = sum(slo.met(r.ttft_s, t) for r, t in zip(done, req_tpot, strict=True) if r.token_times_s)
     output = sum(len(r.tokens) for r in done)
     steps = run.decode_steps
-    step_s = math.fsum(s.seconds for s in steps)
-    rows = sum(s.rows for s in steps)
+    # Decode speed and MBU from the steps that only decoded: a step that carried prefill
+    # chunks spent its time on both.
+    pure = [s for s in steps if not s.prefill_tokens]
+    step_s = math.fsum(s.seconds for s in pure)
+    rows = sum(s.rows for s in pure)
     mbu = None
     if cost is not None and bandwidth and step_s > 0:
-        mbu = math.fsum(cost.step_bytes(s) for s in steps) / step_s / bandwidth
+        mbu = math.fsum(cost.step_bytes(s) for s in pure) / step_s / bandwidth
     per_s = (lambda n: n / duration) if duration > 0 else (lambda n: math.nan)
     finite_req_tpot = [t for t in req_tpot if not math.isnan(t)]
     return ServingMetrics(
@@ -195,7 +198,7 @@ def summarize(
         goodput_req_s=per_s(good),
         slo_attainment=good / len(run.requests),
         decode_steps=len(steps),
-        mean_batch=rows / len(steps) if steps else math.nan,
+        mean_batch=sum(s.rows for s in steps) / len(steps) if steps else math.nan,
         decode_tok_s=rows / step_s if step_s > 0 else math.nan,
         mbu=mbu,
     )

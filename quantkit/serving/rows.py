@@ -171,6 +171,17 @@ class PathRows:
         )
         return logits_of_rows(self.model, hidden, row_invariant=row_invariant), len(slots)
 
+    def run_mixed(
+        self, tokens: list[int], positions: list[int], slots: list[int], logit_rows: list[int]
+    ) -> torch.Tensor:
+        """One call over decode rows and prefill-chunk rows together (a chunk: rows of one slot
+        at consecutive positions, as `run_chunk` feeds them): fp32 logits [len(logit_rows), V]
+        of the rows at those indices only (a chunk's last row where its prompt ends)."""
+        hidden = self.path.run_rows(self.model, tokens, positions, slots)
+        if not logit_rows:  # only chunks that do not end their prompts: nothing to sample
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        return logits_of_rows(self.model, hidden[logit_rows], row_invariant=False)
+
     def run_chunk(self, slot: int, tokens: Sequence[int], start: int) -> torch.Tensor:
         n = len(tokens)
         if n > self.max_rows:

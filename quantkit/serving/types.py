@@ -128,13 +128,16 @@ class RequestResult:
 @dataclass(frozen=True)
 class DecodeStep:
     """One batched decode forward: `rows` requests got a token; the forward ran `window` rows
-    (>= rows: free, prefilling or riding-along slots below the highest decoded one);
-    `context_tokens` = the cache positions the decoded rows attended to, summed."""
+    (>= rows: free, prefilling or riding-along slots below the highest decoded one, or the
+    prompt rows it carried); `context_tokens` = the cache positions the decoded rows attended
+    to, summed; `prefill_tokens`: prompt tokens of prefill chunks that rode in the same call
+    (its seconds are then both's: decode-only figures leave such steps out)."""
 
     rows: int
     window: int
     context_tokens: int
     seconds: float
+    prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)
