@@ -77,9 +77,10 @@ def _off_main_thread(fn: Callable[[], T]) -> T:
 @click.option(
     "--chunk",
     type=int,
-    default=64,
+    default=32,
     show_default=True,
-    help="Chunked prefill: prompt tokens per step; 0 = whole prompts.",
+    help="Chunked prefill: prompt tokens per step (they ride in the step's decode call, so "
+    "this bounds the gap between a running request's tokens); 0 = whole prompts.",
 )
 @click.option(
     "--max-queue",

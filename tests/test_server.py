@@ -421,7 +421,7 @@ def test_bench_over_http_reports_the_table(
     )  # fmt: skip
     assert code == 0, err
     row = next(line for line in out.splitlines() if line.startswith("http"))
-    assert row.split()[1:5] == ["4", "inf", "64", "6/6"], out
+    assert row.split()[1:5] == ["4", "inf", "32", "6/6"], out
 
 
 # --------------------------------------------------------------------------- fewer forwards
