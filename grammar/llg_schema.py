@@ -24,9 +24,12 @@
   one item (zero or one items are always unique), with a note, as outlines-core's lowering
   does; None when minItems > 1 (then nothing sound is left).
 
-Not done, on purpose: dropping a `format` llguidance does not know ("Unknown format: byte").
-JSON Schema 2020-12 makes `format` an annotation, but the benchmark's invalid instances include
-ones invalid only by format (MCPspec CompleteRequest, uri-template): dropping it accepted one.
+- a `format` llguidance does not know ("Unknown format"): `formats_written` writes the ones a
+  pattern can hold as that pattern: `byte` (OpenAPI's base64 text) exactly, `regex` as the
+  regexes without special characters (every such string is a valid regex; noted, narrower).
+  Any other unknown format stays a refusal: JSON Schema 2020-12 makes `format` an annotation,
+  but the benchmark's invalid instances include ones invalid only by format (MCPspec
+  CompleteRequest, uri-template), and dropping it accepted one.
 
 Measured on JSONSchemaBench (225 schemas): 14 of llguidance's refusals were oneOf; 7 of them
 are proven exclusive here.
@@ -43,6 +46,7 @@ from typing import Any
 from quantkit.grammar.schema_negation import negation
 
 __all__ = [
+    "formats_written",
     "llguidance_schema",
     "one_of_exclusive",
     "ref_siblings_dropped",
@@ -295,8 +299,37 @@ def llguidance_schema(schema: Any) -> tuple[Any, list[str]]:
     """`schema` as llguidance should get it, and where that is narrower (notes): the exact
     rewrites (`ref_siblings_dropped`, `simplify_not`) first, then `without_negation`'s narrowed
     ones (only what the exact ones left: a `not`, `if` or overlapping `oneOf` llguidance refuses
-    anyway)."""
-    return without_negation(simplify_not(ref_siblings_dropped(schema)))
+    anyway), and the formats it does not know (`formats_written`)."""
+    schema, notes = without_negation(simplify_not(ref_siblings_dropped(schema)))
+    schema, more = formats_written(schema)
+    return schema, notes + more
+
+
+# Formats llguidance does not know, as the pattern that holds them. byte: OpenAPI's base64
+# (RFC 4648, padded). regex: no character with a special meaning in a regex, so the string
+# matches itself literally and is a valid regex (narrower than every valid regex: noted).
+_BASE64 = "^(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
+_LITERAL_REGEX = r"^[^\\^$.|?*+()\[\]{}]*$"
+_FORMAT_PATTERNS = {"byte": (_BASE64, None), "regex": (_LITERAL_REGEX, "regexes without "
+                    "special characters (literal text) are produced")}  # fmt: skip
+
+
+def formats_written(schema: Any) -> tuple[Any, list[str]]:
+    """`schema` with each `format` of `_FORMAT_PATTERNS` (on a schema without a `pattern` of its
+    own) as its pattern, and a note for each narrowed one."""
+
+    def fix(out: dict[str, Any], where: str, notes: list[str]) -> dict[str, Any]:
+        written = _FORMAT_PATTERNS.get(out.get("format")) if "pattern" not in out else None
+        if written is None:
+            return out
+        pattern, narrowed = written
+        if narrowed is not None:
+            notes.append(f"{where}: format {out['format']}: only {narrowed}")
+        return {k: v for k, v in out.items() if k != "format"} | {"pattern": pattern}
+
+    rewritten = _rewrite_bottom_up(schema, fix)
+    assert rewritten is not None  # the fix never raises _Unsound
+    return rewritten
 
 
 def simplify_not(node: Any) -> Any:

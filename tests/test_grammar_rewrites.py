@@ -182,3 +182,41 @@ def test_negation_is_sound_and_exact_when_it_says_so(schema: dict[str, Any]) -> 
         assert not (inside and negated.is_valid(value)), value  # never both
         if found.exact:
             assert inside or negated.is_valid(value), value  # exact: one of the two
+
+
+@pytest.fixture(scope="module")
+def ascii_vocab() -> TokenVocabulary:
+    """Every printable ASCII character a token (base64 and regex text need more than PIECES)."""
+    table = {i + 1: bytes([c]) for i, c in enumerate(range(32, 127))}
+    return TokenVocabulary.from_bytes(table, eos_token_ids=EOS, size=len(table) + 9)
+
+
+def test_format_byte_is_base64_exactly(ascii_vocab: TokenVocabulary) -> None:
+    schema = {"type": "string", "format": "byte"}
+    compiled = llg(schema, ascii_vocab)
+    assert compiled.notes == ()  # OpenAPI's meaning, written exactly: nothing to warn about
+    for text in ("", "TWFu", "TWE=", "TQ==", "aGVsbG8gd29ybGQ="):
+        assert walk(compiled, text), text
+    for text in ("TWF", "TW=u", "TQ=", "hello world", "TWFu===="):
+        assert not walk(compiled, text), text
+
+
+def test_format_regex_is_narrowed_to_literal_text_with_a_note(
+    ascii_vocab: TokenVocabulary,
+) -> None:
+    import re
+
+    schema = {"type": "object", "properties": {"match": {"type": "string", "format": "regex"}},
+              "required": ["match"], "additionalProperties": False}  # fmt: skip
+    compiled = llg(schema, ascii_vocab)
+    notes = llguidance_schema(schema)[1]
+    assert notes == ["#/properties/match: format regex: only regexes without special characters "
+                     "(literal text) are produced"]  # fmt: skip
+    for text in ("error", "a-b c/d", ""):
+        re.compile(text)  # every produced string is a valid regex
+        assert walk(compiled, {"match": text}), text
+    for text in ("a.b", "x*", "(ab", "[0-9]+"):
+        assert not walk(compiled, {"match": text}), text  # valid regexes too: the narrowing
+    # A pattern of its own beside the format: left as it was (llguidance refuses the format).
+    kept = {"type": "string", "format": "regex", "pattern": "^a"}
+    assert llguidance_schema(kept)[0] == kept
