@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 
 MANIFEST_NAME = "quantkit_manifest.json"
@@ -79,3 +80,21 @@ def manifest_damage(folder: Path) -> str | None:
         if st.st_mtime_ns != want.get("mtime_ns") and _sha256(path) != want.get("sha256"):
             return f"{name}: its SHA-256 differs from the one recorded when it was written"
     return None
+
+
+def is_whole(folder: Path) -> bool:
+    """The fast check before the entry's lock: a manifest, and nothing in it damaged."""
+    return has_manifest(folder) and manifest_damage(folder) is None
+
+
+def whole_or_warned(folder: Path, *, what: str, redo: str) -> bool:
+    """For an entry that exists, checked under its lock: True if it is whole (one without a
+    manifest is adopted); else one warning line, `WHAT FOLDER: damaged (WHY); REDO`, and False
+    (the caller makes it again)."""
+    damage = manifest_damage(folder)
+    if damage is None:
+        if not has_manifest(folder):
+            adopt_manifest(folder)  # made by an older quantkit
+        return True
+    warnings.warn(f"{what} {folder}: damaged ({damage}); {redo}", stacklevel=3)
+    return False

@@ -13,15 +13,13 @@ import torch
 
 from quantkit.errors import GrammarError
 from quantkit.grammar import compiler
-from quantkit.grammar.acceptance import accepts_tokens
 from quantkit.grammar.compiler import compile_grammar
 from quantkit.grammar.constraints import regex_grammar, schema_grammar, validate_json
-from quantkit.grammar.llg_engine import _greedy_encoder
 from quantkit.grammar.processor import GrammarLogitsProcessor
 from quantkit.grammar.vocabulary import TokenVocabulary
 from tests.conftest import run_cli as run
+from tests.hand_vocab import EOS, accepts, vocab_of
 
-EOS = (0,)
 PIECES = [*'{}[]":, abcdefghijklmnopqrstuvwxyz0123456789.-_', '{"', '":', '","', '"}', "true",
           "false", "null", '"name', "name", '"tags', "ab"]  # fmt: skip
 
@@ -34,13 +32,7 @@ def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def vocab() -> TokenVocabulary:
-    table = {i + 1: p.encode() for i, p in enumerate(PIECES)}
-    return TokenVocabulary.from_bytes(table, eos_token_ids=EOS, size=len(PIECES) + 9)
-
-
-def accepts(compiled: compiler.CompiledGrammar, value: object) -> bool:
-    text = json.dumps(value, separators=(",", ":")).encode()
-    return accepts_tokens(compiled, _greedy_encoder(compiled.vocabulary)(text))
+    return vocab_of(PIECES)
 
 
 def sample_loop(processor: GrammarLogitsProcessor, batch: int, width: int, seed: int = 0):

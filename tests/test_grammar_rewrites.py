@@ -11,10 +11,8 @@ from typing import Any
 import pytest
 
 from quantkit.grammar import compiler
-from quantkit.grammar.acceptance import accepts_tokens
 from quantkit.grammar.compiler import compile_grammar
 from quantkit.grammar.constraints import schema_grammar, validate_json
-from quantkit.grammar.llg_engine import _greedy_encoder
 from quantkit.grammar.llg_schema import (
     llguidance_schema,
     simplify_not,
@@ -23,8 +21,8 @@ from quantkit.grammar.llg_schema import (
 )
 from quantkit.grammar.schema_negation import negation
 from quantkit.grammar.vocabulary import TokenVocabulary
+from tests.hand_vocab import accepts, vocab_of
 
-EOS = [0]
 PIECES = [*'{}[]":, abcdefghijklmnopqrstuvwxyz0123456789.-_#\n', '{"', '":', '","', '"}',
           "true", "false", "null", "ab"]  # fmt: skip
 
@@ -37,13 +35,10 @@ def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def vocab() -> TokenVocabulary:
-    table = {i + 1: p.encode() for i, p in enumerate(PIECES)}
-    return TokenVocabulary.from_bytes(table, eos_token_ids=EOS, size=len(PIECES) + 9)
+    return vocab_of(PIECES)
 
 
-def walk(compiled: compiler.CompiledGrammar, value: Any) -> bool:
-    text = json.dumps(value, separators=(",", ":")).encode()
-    return accepts_tokens(compiled, _greedy_encoder(compiled.vocabulary)(text))
+walk = accepts  # a value through the compiled grammar, token by token
 
 
 def llg(schema: Any, vocab: TokenVocabulary) -> compiler.CompiledGrammar:
@@ -187,8 +182,7 @@ def test_negation_is_sound_and_exact_when_it_says_so(schema: dict[str, Any]) -> 
 @pytest.fixture(scope="module")
 def ascii_vocab() -> TokenVocabulary:
     """Every printable ASCII character a token (base64 and regex text need more than PIECES)."""
-    table = {i + 1: bytes([c]) for i, c in enumerate(range(32, 127))}
-    return TokenVocabulary.from_bytes(table, eos_token_ids=EOS, size=len(table) + 9)
+    return vocab_of([bytes([c]) for c in range(32, 127)])
 
 
 def test_format_byte_is_base64_exactly(ascii_vocab: TokenVocabulary) -> None:

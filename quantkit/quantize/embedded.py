@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from quantkit.cache_manifest import adopt_manifest, has_manifest, manifest_damage, write_manifest
+from quantkit.cache_manifest import is_whole, whole_or_warned, write_manifest
 from quantkit.paths import file_lock, quantkit_home
 from quantkit.sources.resolve import DEFAULT_MODEL
 
@@ -43,24 +42,16 @@ def ensure_embedded_int4(
     so a `--json` stdout stays machine-readable).
     """
     target = embedded_int4_dir(home=home)
-    made = (target / "config.json").is_file()
-    if made and has_manifest(target) and manifest_damage(target) is None:
+    if (target / "config.json").is_file() and is_whole(target):
         return target
     with file_lock(target.parent / f"{target.name}.lock"):
-        if (target / "config.json").is_file():  # made, perhaps by another process meanwhile
-            damage = manifest_damage(target)
-            if damage is None:
-                if not has_manifest(target):
-                    adopt_manifest(target)  # made by an older quantkit
-                return target
-            warnings.warn(
-                f"checkpoint cache {target}: damaged ({damage}); quantizing again", stacklevel=2
-            )
-        else:
+        if not (target / "config.json").is_file():
             log(
                 f"first use: quantizing {DEFAULT_MODEL} to INT4 with AWQ (as `quantkit "
                 f"quantize {DEFAULT_MODEL}`), once; cached at {target}"
             )
+        elif whole_or_warned(target, what="checkpoint cache", redo="quantizing again"):
+            return target  # made, perhaps by another process meanwhile
         started = time.perf_counter()
         _quantize_embedded(target, home=home, progress=progress)
         write_manifest(target)

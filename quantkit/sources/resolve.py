@@ -20,13 +20,12 @@ import hashlib
 import json
 import re
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from quantkit.cache_manifest import adopt_manifest, has_manifest, manifest_damage
+from quantkit.cache_manifest import is_whole, whole_or_warned
 from quantkit.errors import CheckpointError, ModelSourceError
 from quantkit.paths import file_lock, quantkit_home
 from quantkit.sources.gguf import (
@@ -167,21 +166,16 @@ def _is_current(target: Path, key: str) -> bool:
 def _cached_conversion(gguf_path: Path, target: Path, *, progress: bool) -> Path:
     """`target` holding the conversion of `gguf_path`, converting (once) when absent or stale."""
     key = source_key(gguf_path)
-    if _is_current(target, key) and has_manifest(target) and manifest_damage(target) is None:
+    if _is_current(target, key) and is_whole(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Two processes asking for the same model (tests, a second CLI) convert it once: the
     # second waits on the lock, then finds the finished directory.
     with file_lock(target.with_name(target.name + ".lock")):
-        if _is_current(target, key):
-            damage = manifest_damage(target)
-            if damage is None:
-                if not has_manifest(target):
-                    adopt_manifest(target)  # converted by an older quantkit
-                return target
-            warnings.warn(
-                f"model cache {target}: damaged ({damage}); converting again", stacklevel=3
-            )
+        if _is_current(target, key) and whole_or_warned(
+            target, what="model cache", redo="converting again"
+        ):
+            return target
         print(
             f"quantkit: converting {gguf_path.name} to a bfloat16 safetensors model "
             f"(once); caching it in {target}",

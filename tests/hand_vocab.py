@@ -1,0 +1,26 @@
+"""Hand-made vocabularies for grammar tests: each piece one token, and a JSON value walked
+through a compiled grammar as the greedy longest-match encoding of its compact text."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from quantkit.grammar.acceptance import accepts_tokens
+from quantkit.grammar.compiler import CompiledGrammar
+from quantkit.grammar.llg_engine import _greedy_encoder
+from quantkit.grammar.vocabulary import TokenVocabulary
+
+EOS = (0,)
+
+
+def vocab_of(pieces: Sequence[str | bytes]) -> TokenVocabulary:
+    """Token i + 1 is pieces[i]; token 0 is EOS; a few ids past the pieces hold nothing."""
+    table = {i + 1: p if isinstance(p, bytes) else p.encode() for i, p in enumerate(pieces)}
+    return TokenVocabulary.from_bytes(table, eos_token_ids=EOS, size=len(pieces) + 9)
+
+
+def accepts(compiled: CompiledGrammar, value: object) -> bool:
+    """Whether the grammar accepts `value`'s compact JSON, walked token by token."""
+    text = json.dumps(value, separators=(",", ":")).encode()
+    return accepts_tokens(compiled, _greedy_encoder(compiled.vocabulary)(text))
