@@ -2,6 +2,8 @@
 
     cli -> server -> grammar; cli -> evals; grammar, evals -> serving, perf -> quantize
         -> runtime -> fused_kernels -> sources -> models -> format -> paths, cpu -> errors
+    (cache_manifest, beside paths: the damage check of cached model directories; it imports
+    nothing of quantkit, and sources and everything above it may import it)
 
 Read an arrow as "may import". A package may import itself and everything its rule lists;
 anything else, in particular anything above it, fails this test with the offending line.
@@ -25,16 +27,17 @@ FOLDERS = {
     "cli": "quantkit.cli",
 }
 
-_CORE = ("errors", "paths", "cpu", "format", "models", "sources")
+_CORE = ("errors", "paths", "cache_manifest", "cpu", "format", "models", "sources")
 # package (under quantkit.) -> the packages it may import besides itself.
 RULES: dict[str, frozenset[str]] = {
     "": frozenset(),  # quantkit/__init__.py: the version, nothing else
     "errors": frozenset(),
     "paths": frozenset({"errors"}),
+    "cache_manifest": frozenset(),
     "cpu": frozenset(),
     "format": frozenset({"errors", "paths"}),
     "models": frozenset({"errors", "paths", "format"}),
-    "sources": frozenset({"errors", "paths", "format", "models"}),
+    "sources": frozenset({"errors", "paths", "cache_manifest", "format", "models"}),
     "fused_kernels": frozenset({"errors", "paths", "cpu", "format"}),
     "runtime": frozenset({*_CORE, "fused_kernels"}),
     "quantize": frozenset({*_CORE, "fused_kernels", "runtime"}),
