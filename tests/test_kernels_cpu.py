@@ -72,7 +72,10 @@ CASES = [
     (7, 1, 9000, -1, False, torch.float32, torch.float32, False),
     (33, 50, 256, 64, True, torch.bfloat16, torch.bfloat16, True),
     (64, 9, 96, 32, False, torch.float32, torch.float32, False),
-    # row chunks of 8 (AVX-512) then of <= 4: 8, 8 + 3, 8 + 4 + 1
+    # row chunks of 8 (AVX-512), then the 5-7 left as one chunk, else chunks of <= 4:
+    # 8, 8 + 3, 8 + 5, 6, 8 + 7
+    (6, 70, 384, 64, False, torch.float32, torch.float32, True),
+    (15, 33, 640, 128, True, torch.float32, torch.bfloat16, False),
     (8, 576, 1536, 64, False, torch.float32, torch.bfloat16, False),
     (11, 70, 384, -1, True, torch.float32, torch.float32, True),
     (13, 33, 640, 128, False, torch.bfloat16, torch.bfloat16, False),
@@ -232,8 +235,12 @@ def _bf16_weights(wp, scale, zp, *, n: int, k: int, g: int) -> torch.Tensor:
 
 
 BF16_CASES = [
-    # m, n, k, group, symmetric: row chunks 8, 8 + 3, 8 + 4 + 1, 32 + 8; an odd last weight row
+    # m, n, k, group, symmetric: row chunks 8, 8 + 3, 8 + 5, 32 + 8, 5, 6, 8 + 7; an odd last
+    # weight row
     (1, 64, 128, 32, False),
+    (5, 64, 256, 64, False),
+    (6, 77, 384, 128, True),
+    (15, 70, 384, 64, False),
     (3, 77, 384, 128, True),
     (8, 576, 1536, 64, False),
     (11, 70, 384, 64, False),
