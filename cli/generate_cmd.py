@@ -262,8 +262,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
     default="auto",
     show_default=True,
     help="dtype of the activations inside the INT4 GEMVs of the CPU decode step; auto = "
-    "bfloat16 on a CPU with AVX512-BF16 (prefill and batched steps 1.3-1.45x faster), else "
-    "float32.",
+    "bfloat16 where it was measured faster (AMD CPUs with AVX512-BF16: prefill and batched "
+    "steps 1.3-1.45x on Zen 5), else float32 (an Intel Xeon with AVX512-BF16 ran 1.26-1.40x "
+    "slower with bfloat16).",
 )
 @click.option("--compile", "compile_step", is_flag=True, help="torch.compile the decode step.")
 @click.option(

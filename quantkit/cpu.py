@@ -31,6 +31,14 @@ def has_bf16_dot() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...); "" where there is none."""
+    for line in _cpuinfo().splitlines():
+        if line.startswith("vendor_id"):
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
 def cpu_name() -> str:
     for line in _cpuinfo().splitlines():
         if line.startswith("model name"):

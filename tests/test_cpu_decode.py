@@ -235,7 +235,12 @@ def test_act_dtype_is_checked_and_rebinds(llama_ckpt: Path, tiny_llama_dir: Path
     """set_act_dtype: only fp32/bf16; bf16 only where the C step runs the model (INT4) on an
     AVX512-BF16 CPU; a change rebinds the bound step; auto picks bf16 only for such a model."""
     from quantkit.errors import GenerationError
-    from quantkit.runtime.fast_path import auto_act_dtype, bf16_activations_available, set_act_dtype
+    from quantkit.runtime.fast_path import (
+        auto_act_dtype,
+        bf16_activations_available,
+        bf16_activations_faster,
+        set_act_dtype,
+    )
 
     model = load_model(llama_ckpt, tokenizer=False).model
     dense = load_model(tiny_llama_dir, tokenizer=False).model
@@ -249,7 +254,9 @@ def test_act_dtype_is_checked_and_rebinds(llama_ckpt: Path, tiny_llama_dir: Path
             set_act_dtype(model, torch.bfloat16)
         assert auto_act_dtype(model, quantized=True) == torch.float32
         return
-    assert auto_act_dtype(model, quantized=True) == torch.bfloat16
+    # auto: bf16 only where it was measured faster (AMD); the Intel Xeon measured slower.
+    want = torch.bfloat16 if bf16_activations_faster() else torch.float32
+    assert auto_act_dtype(model, quantized=True) == want
     model.setup_cache(batch=1, max_len=16)
     x = torch.tensor([PROMPTS[0]])
     pos = torch.arange(x.shape[1]).unsqueeze(0)

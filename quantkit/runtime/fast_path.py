@@ -14,10 +14,9 @@ threads: see ARCHITECTURE.md / the decode benchmark.
 Activations. The GEMVs take fp32 activations by default, which the tests hold to the PyTorch
 path within 1e-5. `set_act_dtype(model, torch.bfloat16)` rounds them to bf16 inside the GEMVs
 (W4A16 in the strict sense; vdpbf16ps on AVX512-BF16 CPUs, sums in fp32, the rest of each
-layer fp32): the batched steps and prefills that are bound by multiply-adds run 1.3-1.45x
-faster, batch 1 (bound by weight bytes) the same. `auto_act_dtype` picks it for quantized
-models where the CPU has the instructions, as the CLI does; what it costs in perplexity is
-measured by `quantkit.evals.act_precision`.
+layer fp32). Whether that is faster depends on the CPU, so `auto_act_dtype` (the CLI's `auto`)
+picks it only where it was measured faster (`bf16_activations_faster`); what it costs in
+perplexity is measured by `quantkit.evals.act_precision`.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ __all__ = [
     "CpuDecodePath",
     "auto_act_dtype",
     "bf16_activations_available",
+    "bf16_activations_faster",
     "enable_cpu_decode",
     "set_act_dtype",
 ]
@@ -197,12 +197,27 @@ class CpuDecodePath:
         return CpuDecodePath(self.act_dtype)
 
 
+def bf16_activations_faster() -> bool:
+    """Whether bf16 activations make this CPU's C step faster than fp32 ones: on AMD CPUs with
+    AVX512-BF16, where they were measured faster, not on Intel ones, where they were measured
+    slower. SmolLM2 INT4, 2 threads, alternating in one session:
+    - Zen 5: prefills and batched steps 1.3-1.45x faster with bf16, batch 1 the same.
+    - Intel Xeon (family 6 model 207, AVX512-BF16): the C step took 1.26x (1 row), 1.37x (4),
+      1.40x (8) and 1.33x (32 rows) as long with bf16; `generate` decoded 65-77 tok/s against
+      81-90 with fp32, and `quantkit bench` cap 8 served 181-236 tok/s against 313-321. The
+      bf16 tile dequantizes by vpermw lookups, which that core runs far slower than Zen 5."""
+    from quantkit.cpu import cpu_vendor
+
+    return bf16_activations_available() and cpu_vendor() == "AuthenticAMD"
+
+
 def auto_act_dtype(model: CausalLM, *, quantized: bool) -> torch.dtype:
-    """bf16 for a quantized model whose layers run the C step on a CPU with AVX512-BF16, else
-    fp32. Dense models keep fp32, the activations transformers computes with."""
+    """bf16 for a quantized model whose layers run the C step on a CPU where bf16 activations
+    are faster (`bf16_activations_faster`), else fp32. Dense models keep fp32, the activations
+    transformers computes with."""
     path = model.decode_path
     if quantized and path is not None and path.unsupported(model) is None:
-        return torch.bfloat16 if bf16_activations_available() else torch.float32
+        return torch.bfloat16 if bf16_activations_faster() else torch.float32
     return torch.float32
 
 
