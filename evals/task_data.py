@@ -18,6 +18,7 @@ The perplexity task reads the held-out split of the Wikipedia sample used for ca
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,13 @@ def check_task_data(task_names: list[str], data_dir: str | Path | None = None) -
 def _dataset_kwargs(task: str) -> dict[str, Any] | None:
     """The `dataset_kwargs` of the task YAML in TASKS_DIR named `task`, if it is one read by
     `load_benchmark`; None for other tasks (the perplexity task, the user's own)."""
+    return _benchmark_tasks().get(task)
+
+
+@functools.cache
+def _benchmark_tasks() -> dict[str, dict[str, Any]]:
+    """task name -> `dataset_kwargs` of every YAML in TASKS_DIR whose loader is
+    `load_benchmark` (read once)."""
     import yaml
 
     class _Loader(yaml.SafeLoader):
@@ -156,13 +164,12 @@ def _dataset_kwargs(task: str) -> dict[str, Any] | None:
 
     # The YAMLs name their loader with lm-eval's `!function` tag; here it is only text.
     _Loader.add_constructor("!function", lambda loader, node: loader.construct_scalar(node))
+    tasks = {}
     for path in TASKS_DIR.glob("*.yaml"):
         config = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
-        if config.get("task") == task and str(config.get("custom_dataset", "")).endswith(
-            "load_benchmark"
-        ):
-            return config["dataset_kwargs"]
-    return None
+        if str(config.get("custom_dataset", "")).endswith("load_benchmark"):
+            tasks[config["task"]] = config["dataset_kwargs"]
+    return tasks
 
 
 def _shown(value: Any) -> str:

@@ -31,16 +31,18 @@ def has_bf16_dot() -> bool:
     return bool(cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...); "" where there is none."""
+def _field(key: str) -> str:
+    """The first /proc/cpuinfo value of `key`; "" where there is none."""
     for line in _cpuinfo().splitlines():
-        if line.startswith("vendor_id"):
+        if line.startswith(key):
             return line.split(":", 1)[1].strip()
     return ""
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD, ...); "" where there is none."""
+    return _field("vendor_id")
+
+
 def cpu_name() -> str:
-    for line in _cpuinfo().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or "unknown CPU"
+    return _field("model name") or platform.processor() or platform.machine() or "unknown CPU"

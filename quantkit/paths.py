@@ -63,16 +63,21 @@ def file_lock(lock_path: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def make_readable(folder: Path) -> None:
-    """The permissions an ordinary mkdir/open would give (umask applied) to `folder` and its
-    files: mkdtemp makes folders 0700 and safetensors writes 0600, so without this a checkpoint
+def ordinary_mode(path: Path) -> None:
+    """Give `path` the permissions an ordinary mkdir/open would (umask applied): mkdtemp makes
+    folders 0700, mkstemp files 0600 and safetensors writes 0600, so without this a checkpoint
     or cache made by one user could not be read by the others on the machine."""
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(folder, 0o777 & ~umask)
+    os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
+
+
+def make_readable(folder: Path) -> None:
+    """`ordinary_mode` for `folder` and every file in it."""
+    ordinary_mode(folder)
     for f in folder.iterdir():
         if f.is_file():
-            os.chmod(f, 0o666 & ~umask)
+            ordinary_mode(f)
 
 
 # Targets `replace_dir` has put in place in this process: an interruption after one of them

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import CalibrationError
-from quantkit.paths import quantkit_home
+from quantkit.paths import ordinary_mode, quantkit_home
 
 __all__ = [
     "HELDOUT_EVERY",
@@ -202,10 +202,7 @@ def wiki_articles(*, source: Path | None = None, home: Path | None = None) -> li
     try:
         with os.fdopen(fd, "w") as fh:
             json.dump(payload, fh)
-        # mkstemp creates 0600; give the cache the mode an ordinary open() would (umask applied).
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        ordinary_mode(Path(tmp))  # mkstemp creates 0600
         os.replace(tmp, cache)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -205,7 +205,7 @@ def bf16_activations_faster() -> bool:
     - Intel Xeon (family 6 model 207, AVX512-BF16): the C step took 1.26x (1 row), 1.37x (4),
       1.40x (8) and 1.33x (32 rows) as long with bf16; `generate` decoded 65-77 tok/s against
       81-90 with fp32, and `quantkit bench` cap 8 served 181-236 tok/s against 313-321. The
-      bf16 tile dequantizes by vpermw lookups, which that core runs far slower than Zen 5."""
+      likely cause (not profiled): the bf16 tile dequantizes by vpermw lookups."""
     from quantkit.cpu import cpu_vendor
 
     return bf16_activations_available() and cpu_vendor() == "AuthenticAMD"

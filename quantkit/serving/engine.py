@@ -299,15 +299,21 @@ class SlotEngine:
             logits = self.rows.run_chunk(active.slot, prompt[start:end], start)
             active.prefilled = end
             if end == len(prompt):
-                if self.prefix_cache is not None:
-                    self.prefix_cache.store(prompt, *self._kv(), active.slot)
+                self._prompt_in(active)
                 token = self._sample(logits, [active])[0]
                 self.clock.forward_done()
-                active.next_pos = end
                 self._emit(active, token, self.clock.now())
             else:
                 self.clock.forward_done()
             self.prefill_chunks.append(PrefillChunk(n, end, self.clock.now() - began))
+
+    def _prompt_in(self, active: ActiveRequest) -> None:
+        """A request's whole prompt is in its slot: keep its prefix blocks (with a prefix
+        cache) and feed its next token after the prompt."""
+        prompt = active.request.prompt
+        if self.prefix_cache is not None:
+            self.prefix_cache.store(prompt, *self._kv(), active.slot)
+        active.next_pos = len(prompt)
 
     def _fed(self, active: ActiveRequest | None) -> tuple[int, int]:
         """(token, position) a slot feeds to a decode step. A slot with nothing to decode (free
@@ -380,13 +386,11 @@ class SlotEngine:
             active.prefilled = end
             self.prefill_chunks.append(PrefillChunk(end - start, end, now - began))
         context = sum(a.next_pos + 1 for a in rows)
+        for active in rows:
+            active.next_pos += 1
+        for active in first:
+            self._prompt_in(active)
         for active, token in zip(rows + first, sampled, strict=True):
-            if active in first:
-                if self.prefix_cache is not None:
-                    self.prefix_cache.store(active.request.prompt, *self._kv(), active.slot)
-                active.next_pos = active.prefilled
-            else:
-                active.next_pos += 1
             self._emit(active, token, now)
         if rows:
             step = DecodeStep(len(rows), len(slots), context, now - began, len(tokens) - len(rows))
