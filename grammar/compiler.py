@@ -116,8 +116,8 @@ class CompiledGrammar:
         notes = [*self.grammar.notes]
         if self.engine == "llguidance":
             notes += self.index.notes
-        if self.grammar.kind == "json_schema":
-            order = property_order_note(self.grammar.schema)
+        if self.grammar.kind == "json_schema" and self.engine != "llguidance":
+            order = property_order_note(self.grammar.schema)  # llguidance's index says its own
             notes += [order] if order else []
         return tuple(notes)
 

@@ -36,6 +36,8 @@ from quantkit.grammar.llg_schema import (
     unique_items_bounded,
     without_dependencies,
 )
+from quantkit.grammar.narrowing import order_note, ordered_objects
+from quantkit.grammar.schema_order import any_order
 from quantkit.grammar.vocabulary import TokenVocabulary
 
 __all__ = ["LlgIndex", "LlgRow", "compile_llguidance", "import_llguidance", "llg_tokenizer"]
@@ -171,21 +173,31 @@ def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list
     """(is_error, llguidance's messages, grammar text, notes), settling what `llg_schema` can:
     `not`, `if`/`then`/`else` and overlapping `oneOf`s in positive keywords (exact, or narrower
     and noted); a oneOf proven exclusive is read as anyOf (exact); dependency keywords and
-    uniqueItems are rewritten into a narrower schema (noted)."""
+    uniqueItems are rewritten into a narrower schema (noted); objects take their keys in any
+    order where `schema_order.any_order` can afford it (exact), and the rest are noted."""
     llg = import_llguidance()
     # Exact rewrites, then the narrowed ones for `not`, `if` and overlapping `oneOf` (noted).
     schema, notes = llguidance_schema(grammar.schema)
     options = dict(JSON_OPTIONS)
     done: set[Any] = set()  # the narrowing rewrites applied (each once)
+    ordered: list[str] = []
+    reorder = grammar.kind == "json_schema"  # off again if the copies make it too large
     for _ in range(16):  # each retry settles one refusal
-        text = _grammar_text(grammar, schema, options)
+        if reorder:  # keys in any order (exact), where it can afford the copies
+            unordered, ordered = any_order(schema)
+            text = _grammar_text(grammar, unordered, options)
+        else:
+            ordered = ordered_objects(schema) if grammar.kind == "json_schema" else []
+            text = _grammar_text(grammar, schema, options)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
         if not is_error or grammar.kind != "json_schema":
             break
         # An unknown format stays a refusal: dropping it accepted a benchmark instance that is
         # invalid by its format (measured: MCPspec CompleteRequest, uri-template).
         reason = messages[0] if messages else ""
-        if "oneOf" in reason and not options["coerce_one_of"] and one_of_exclusive(schema):
+        if reorder and "too large" in reason:
+            reorder = False  # the schema as written, in declaration order (noted)
+        elif "oneOf" in reason and not options["coerce_one_of"] and one_of_exclusive(schema):
             options["coerce_one_of"] = True  # exact: the branches are pairwise disjoint
         elif "Unimplemented keys" in reason and ("ependen" in reason or "uniqueItems" in reason):
             fix = without_dependencies if "ependen" in reason else unique_items_bounded
@@ -199,7 +211,8 @@ def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list
             notes += more
         else:
             break
-    return is_error, messages, text, notes
+    order = order_note(ordered)
+    return is_error, messages, text, notes + ([order] if order else [])
 
 
 def compile_llguidance(

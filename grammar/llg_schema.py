@@ -50,6 +50,7 @@ __all__ = [
     "llguidance_schema",
     "one_of_exclusive",
     "ref_siblings_dropped",
+    "rewrite_bottom_up",
     "simplify_not",
     "unique_items_bounded",
     "without_dependencies",
@@ -235,10 +236,10 @@ def without_dependencies(schema: Any) -> tuple[Any, list[str]] | None:
             out["properties"] = props
         return out
 
-    return _rewrite_bottom_up(schema, fix)
+    return rewrite_bottom_up(schema, fix)
 
 
-def _rewrite_bottom_up(
+def rewrite_bottom_up(
     schema: Any, fix: Callable[[dict[str, Any], str, list[str]], dict[str, Any]]
 ) -> tuple[Any, list[str]] | None:
     """`schema` with `fix(node, where, notes)` applied to every subschema object, children
@@ -327,7 +328,7 @@ def formats_written(schema: Any) -> tuple[Any, list[str]]:
             notes.append(f"{where}: format {out['format']}: only {narrowed}")
         return {k: v for k, v in out.items() if k != "format"} | {"pattern": pattern}
 
-    rewritten = _rewrite_bottom_up(schema, fix)
+    rewritten = rewrite_bottom_up(schema, fix)
     assert rewritten is not None  # the fix never raises _Unsound
     return rewritten
 
@@ -355,7 +356,7 @@ def without_negation(schema: Any, *, exact_only: bool = False) -> tuple[Any, lis
     through a `$ref` sees the rewritten definitions."""
     notes: list[str] = []
     for _ in range(3):
-        rewritten = _rewrite_bottom_up(schema, _positive_keywords(schema, exact_only))
+        rewritten = rewrite_bottom_up(schema, _positive_keywords(schema, exact_only))
         assert rewritten is not None  # the fix never raises _Unsound
         schema, more = rewritten
         notes += more
@@ -523,4 +524,4 @@ def unique_items_bounded(schema: Any) -> tuple[Any, list[str]] | None:
         notes.append(f"{where}: uniqueItems: at most one item produced")
         return out
 
-    return _rewrite_bottom_up(schema, fix)
+    return rewrite_bottom_up(schema, fix)

@@ -1,17 +1,19 @@
-"""Narrowings both engines share, found by reading the schema itself.
+"""Narrowings found by reading the schema itself.
 
 Each engine reports its own narrowings (outlines-core's lowering in `SchemaRegex.notes`;
-llguidance refuses instead of narrowing), except one they have in common: an object's declared
-properties are produced in declaration order only (JSON Schema allows any order; both engines'
-grammars fix it, measured: `{"age":3,"name":"B"}` is rejected by both when `name` is declared
-first). This module finds where that applies, so it is reported as a warning like the others.
+llguidance refuses instead of narrowing), except one: an object's declared properties are
+produced in declaration order only (JSON Schema allows any order; both engines' grammars fix
+it, measured: `{"age":3,"name":"B"}` is rejected when `name` is declared first). For
+outlines-core this module finds where that applies, so it is reported as a warning like the
+others; llguidance gets small objects in every order (`schema_order`) and reports the rest
+with the same note (`order_note`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["property_order_note"]
+__all__ = ["order_note", "ordered_objects", "property_order_note"]
 
 
 def _ordered_objects(node: Any, where: str, found: list[str]) -> None:
@@ -27,10 +29,20 @@ def _ordered_objects(node: Any, where: str, found: list[str]) -> None:
             _ordered_objects(value, f"{where}/{i}", found)
 
 
-def property_order_note(schema: Any) -> str | None:
-    """One note when some object declares two or more properties, else None."""
+def ordered_objects(schema: Any) -> list[str]:
+    """Where (JSON pointers) an object declares two or more properties."""
     found: list[str] = []
     _ordered_objects(schema, "#", found)
+    return found
+
+
+def property_order_note(schema: Any) -> str | None:
+    """One note when some object declares two or more properties, else None."""
+    return order_note(ordered_objects(schema))
+
+
+def order_note(found: list[str]) -> str | None:
+    """The note for objects at `found` whose properties come in declaration order only."""
     if not found:
         return None
     more = f" and {len(found) - 1} more objects" if len(found) > 1 else ""
