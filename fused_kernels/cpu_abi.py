@@ -174,6 +174,7 @@ FUNCTIONS: dict[str, Fn] = {
         n_threads=c_int,
     ),
     # decode.c
+    "qk_decode_phases": fn(c_int, on=c_int, out=c_void_p),
     "qk_decode_work": fn(
         c_int64,
         layers=POINTER(DecoderLayer),
@@ -301,6 +302,7 @@ LIBRARIES: dict[str, Library] = {
             "qk_w4a16_gemv_layer",
             "qk_w4a16_gemv",
             "qk_w4_dequant",
+            "qk_decode_phases",
             "qk_decode_work",
             "qk_decode_step",
         ),

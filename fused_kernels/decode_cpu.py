@@ -24,7 +24,19 @@ from quantkit.fused_kernels.cpu_build import DTYPE_CODES
 from quantkit.fused_kernels.cpu_launch import check_status
 from quantkit.fused_kernels.w4a16_cpu import CpuInt4Layer, _library
 
-__all__ = ["CpuDecodeStep", "DecoderLayerParts", "DecoderDims", "bf16_activations_available"]
+__all__ = [
+    "PHASES",
+    "CpuDecodeStep",
+    "DecoderDims",
+    "DecoderLayerParts",
+    "bf16_activations_available",
+    "decode_phases",
+]
+
+# The phases of a layer that `decode_phases` times (csrc/quantkit_kernels.h, enum PH_*):
+# "norm" holds the RMSNorms and residual adds, "permute" the activations' rearrangement (and
+# bf16 rounding) before each GEMV, "rope_kv" the rotary embedding and the K/V cache write.
+PHASES = ("norm", "permute", "qkv", "rope_kv", "attention", "o", "gate_up", "silu", "down")
 
 
 def bf16_activations_available() -> bool:
@@ -34,6 +46,17 @@ def bf16_activations_available() -> bool:
         return bool(_library().qk_has_bf16_dot())
     except KernelUnavailableError:
         return False
+
+
+def decode_phases(on: bool) -> tuple[dict[str, float], int]:
+    """({phase: seconds}, steps) that the decode steps spent in each phase since the last call,
+    summed over layers (zeroed by this call); `on` turns the timers on (or off) from now.
+    One thread reads the clock at each phase's end, so a phase includes its barrier wait."""
+    import ctypes
+
+    out = (ctypes.c_double * len(PHASES))()
+    steps = int(_library().qk_decode_phases(int(on), ctypes.addressof(out)))
+    return dict(zip(PHASES, list(out), strict=True)), steps
 
 
 @dataclass(frozen=True)

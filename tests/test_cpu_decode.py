@@ -318,3 +318,28 @@ def test_row_invariant_rows_equal_one_row_calls_bit_for_bit(llama_ckpt: Path, ac
                 row_invariant=True,
             )  # fmt: skip
             assert torch.equal(one, many), f"{rows} rows"
+
+
+def test_phase_timers_count_timed_steps_and_change_nothing(llama_ckpt: Path) -> None:
+    from quantkit.evals.decode_phases import measure, weight_bytes_by_phase
+    from quantkit.fused_kernels.decode_cpu import PHASES, decode_phases
+
+    model = load_model(llama_ckpt, tokenizer=False).model
+    plain = _greedy(model, PROMPTS[0]).tokens
+    decode_phases(True)
+    timed = _greedy(model, PROMPTS[0]).tokens
+    phases, steps = decode_phases(False)
+    assert timed == plain  # the timers read a clock, nothing else
+    assert steps == 12 and set(phases) == set(PHASES)  # the prefill and 11 decode steps
+    assert all(s > 0 for s in phases.values()), phases
+    _greedy(model, PROMPTS[0])
+    assert decode_phases(False) == (dict.fromkeys(PHASES, 0.0), 0)  # off: nothing counted
+
+    split = measure(model, PROMPTS[1], batch=2, new_tokens=6)
+    assert split.steps == 5 and split.batch == 2  # decode steps only, not the prefill
+    assert 0 < sum(split.phases.values()) <= split.step_call <= split.total
+    assert 0 < split.head < split.total
+    assert "run_rows" not in vars(model.decode_path) and "logits" not in vars(model)
+    gemv = weight_bytes_by_phase(model)
+    assert set(gemv) == {"qkv", "o", "gate_up", "down"} and all(b > 0 for b in gemv.values())
+    assert gemv["gate_up"] == 2 * gemv["down"]  # gate and up: each the size of down

@@ -33,6 +33,35 @@
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 
+/* Phase timers (`qk_decode_phases`): when on, thread 0 adds the wall time of each phase of each
+   layer to phase_s, read at the phase's end, which every thread reaches together (each phase
+   is an `omp for` and ends at its implicit barrier), so a phase's time includes the wait for
+   its slowest thread. Off, the cost is one predictable branch per phase. */
+enum { PH_NORM, PH_PERMUTE, PH_QKV, PH_ROPE_KV, PH_ATTENTION, PH_O, PH_GATE_UP, PH_SILU, PH_DOWN,
+       QK_PHASES };  /* out[] of qk_decode_phases, in this order (decode_cpu.PHASES) */
+static double phase_s[QK_PHASES];
+static int64_t phase_calls;
+static int phases_on;
+
+int qk_decode_phases(int on, double *out) {
+    if (out)
+        for (int p = 0; p < QK_PHASES; p++) out[p] = phase_s[p];
+    int64_t calls = phase_calls;
+    for (int p = 0; p < QK_PHASES; p++) phase_s[p] = 0.0;
+    phase_calls = 0;
+    phases_on = on;
+    return (int)calls;
+}
+
+#define PHASE_END(p) \
+    do { \
+        if (timed) { \
+            double now_ = omp_get_wtime(); \
+            phase_s[p] += now_ - mark; \
+            mark = now_; \
+        } \
+    } while (0)
+
 static int64_t decode_gemv_scratch(const qk_decoder_layer *layers, int64_t n_layers, int64_t R) {
     int64_t gemv = 0;
     for (int64_t l = 0; l < n_layers; l++) {
@@ -242,15 +271,22 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
        prefill 32.3 -> 31.7 ms, R=1 unchanged. */
     const int64_t per_unit = R * Hkv >= 4 * n_threads ? group : 1;
 
+    if (phases_on) phase_calls++;
     #pragma omp parallel num_threads(n_threads)
+    {
+    const int timed = phases_on && omp_get_thread_num() == 0;
+    double mark = timed ? omp_get_wtime() : 0.0;
     for (int64_t l = 0; l < n_layers; l++) {
         const qk_decoder_layer *L = layers + l;
         const int xq = gemv_x_dt(&L->qkv, act_dt), xo = gemv_x_dt(&L->o, act_dt);
         const int xg = gemv_x_dt(&L->gate_up, act_dt), xd = gemv_x_dt(&L->down, act_dt);
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) rmsnorm(x + r * H, L->in_norm, H, eps, h + r * H);
+        PHASE_END(PH_NORM);
         permute_x(h, DT_F32, R, H, H, xp, xq, row_invariant);
+        PHASE_END(PH_PERMUTE);
         gemv_rows(&L->qkv, xp, xq, R, qkv, DT_F32, QKV, row_invariant);
+        PHASE_END(PH_QKV);
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) {
             float *q = qkv + r * QKV, *k = q + Hq * D, *v = k + Hkv * D;
@@ -263,6 +299,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
                 memcpy(vc + (i * S + pos[r]) * D, v + i * D, (size_t)D * sizeof(float));
             }
         }
+        PHASE_END(PH_ROPE_KV);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < R * Hq / per_unit; u++) {
             const int64_t r = u * per_unit / Hq, i0 = u * per_unit % Hq, npos = pos[r] + 1;
@@ -271,25 +308,36 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
                 attend(qkv + r * QKV + i * D, L->k_cache + off, L->v_cache + off, npos, D, scale,
                        scores + omp_get_thread_num() * S, att + (r * Hq + i) * D);
         }
+        PHASE_END(PH_ATTENTION);
         permute_x(att, DT_F32, R, Hq * D, Hq * D, xp, xo, row_invariant);
+        PHASE_END(PH_PERMUTE);
         gemv_rows(&L->o, xp, xo, R, t, DT_F32, H, row_invariant);
+        PHASE_END(PH_O);
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) {
             for (int64_t i = r * H; i < (r + 1) * H; i++) x[i] += t[i];
             rmsnorm(x + r * H, L->post_norm, H, eps, h + r * H);
         }
+        PHASE_END(PH_NORM);
         permute_x(h, DT_F32, R, H, H, xp, xg, row_invariant);
+        PHASE_END(PH_PERMUTE);
         gemv_rows(&L->gate_up, xp, xg, R, gu, DT_F32, 2 * I, row_invariant);
+        PHASE_END(PH_GATE_UP);
         #pragma omp for schedule(static)
         for (int64_t rc = 0; rc < R * n_chunks; rc++) {  /* 256-wide chunks: a vector loop */
             float *g = gu + (rc / n_chunks) * 2 * I;
             int64_t i0 = (rc % n_chunks) * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
             silu_mul(g + i0, g + I + i0, i1 - i0);
         }
+        PHASE_END(PH_SILU);
         permute_x(gu, DT_F32, R, I, 2 * I, xp, xd, row_invariant);
+        PHASE_END(PH_PERMUTE);
         gemv_rows(&L->down, xp, xd, R, t, DT_F32, H, row_invariant);
+        PHASE_END(PH_DOWN);
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < R * H; i++) x[i] += t[i];
+        PHASE_END(PH_NORM);
+    }
     }
     return 0;
 }

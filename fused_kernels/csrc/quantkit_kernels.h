@@ -85,6 +85,12 @@ int qk_w4_dequant(const int32_t *wq, int64_t n0, int64_t n1, int64_t K, int64_t 
 int64_t qk_decode_work(const qk_decoder_layer *layers, int64_t n_layers,
                        const qk_decoder_dims *d, int64_t R, int n_threads);
 
+/* Seconds spent in each phase by the steps since the last call into out[9] (unless NULL), in
+   the order of a layer: norms and residual adds, the activations' rearrangement before each
+   GEMV, qkv, rope + K/V write, attention, o, gate_up, silu, down (enum PH_* in decode.c);
+   then zeroes them and turns the timers on or off. Returns how many steps ran timed. */
+int qk_decode_phases(int on, double *out);
+
 /* Every layer on x [R][H] in place; row_invariant: each row bit-identical to a one-row call.
    Return value: 0, 1 = unsupported group layout, 2 = the work
    buffer is too small, 3 = a slot or position outside the cache. */
