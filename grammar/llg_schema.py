@@ -27,9 +27,12 @@
 - a `format` llguidance does not know ("Unknown format"): `formats_written` writes the ones a
   pattern can hold as that pattern: `byte` (OpenAPI's base64 text) exactly, `regex` as the
   regexes without special characters (every such string is a valid regex; noted, narrower).
-  Any other unknown format stays a refusal: JSON Schema 2020-12 makes `format` an annotation,
-  but the benchmark's invalid instances include ones invalid only by format (MCPspec
-  CompleteRequest, uri-template), and dropping it accepted one.
+  A format no JSON Schema draft defines (`topic`, `url`, `int64`, ...) is an annotation that
+  no validator checks (2020-12: unknown formats are ignored), so it is dropped, with a note, as
+  outlines-core's lowering does. A defined one llguidance does not implement (`uri-template`,
+  `iri`, ...) stays a refusal: validators check those, and the benchmark's invalid instances
+  include ones invalid only by such a format (MCPspec CompleteRequest, uri-template), which
+  dropping it accepted.
 
 Measured on JSONSchemaBench (225 schemas): 14 of llguidance's refusals were oneOf; 7 of them
 are proven exclusive here.
@@ -315,11 +318,27 @@ _FORMAT_PATTERNS = {"byte": (_BASE64, None), "regex": (_LITERAL_REGEX, "regexes 
                     "special characters (literal text) are produced")}  # fmt: skip
 
 
+# The formats llguidance implements, and every format a JSON Schema draft (3 to 2020-12)
+# defines; any other is an annotation (see the module docstring).
+_LLG_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4",
+                          "ipv6", "uri", "uuid"})  # fmt: skip
+_DEFINED_FORMATS = _LLG_FORMATS | {
+    "idn-email", "idn-hostname", "uri-reference", "iri", "iri-reference", "uri-template",
+    "json-pointer", "relative-json-pointer", "regex", "host-name", "ip-address", "color",
+    "style", "phone", "utc-millisec",
+}  # fmt: skip
+
+
 def formats_written(schema: Any) -> tuple[Any, list[str]]:
     """`schema` with each `format` of `_FORMAT_PATTERNS` (on a schema without a `pattern` of its
-    own) as its pattern, and a note for each narrowed one."""
+    own) as its pattern, a note for each narrowed one, and every format no draft defines
+    dropped (an annotation: noted, not enforced)."""
 
     def fix(out: dict[str, Any], where: str, notes: list[str]) -> dict[str, Any]:
+        fmt = out.get("format")
+        if isinstance(fmt, str) and fmt not in _DEFINED_FORMATS and fmt not in _FORMAT_PATTERNS:
+            notes.append(f"{where}: format {fmt!r} is not enforced (an annotation, as in 2020-12)")
+            return {k: v for k, v in out.items() if k != "format"}
         written = _FORMAT_PATTERNS.get(out.get("format")) if "pattern" not in out else None
         if written is None:
             return out

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from quantkit.errors import GrammarError
 from quantkit.grammar import compiler
 from quantkit.grammar.compiler import compile_grammar
 from quantkit.grammar.constraints import schema_grammar, validate_json
@@ -214,3 +215,26 @@ def test_format_regex_is_narrowed_to_literal_text_with_a_note(
     # A pattern of its own beside the format: left as it was (llguidance refuses the format).
     kept = {"type": "string", "format": "regex", "pattern": "^a"}
     assert llguidance_schema(kept)[0] == kept
+
+
+def test_a_format_no_draft_defines_is_an_annotation_a_defined_one_a_refusal(
+    ascii_vocab: TokenVocabulary,
+) -> None:
+    props = {"topic": {"type": "string", "format": "topic"},
+             "id": {"type": "integer", "format": "int64"}}  # fmt: skip
+    schema = {"type": "object", "properties": props, "required": ["topic", "id"]}
+    rewritten, notes = llguidance_schema(schema)
+    assert "format" not in rewritten["properties"]["topic"]
+    assert notes == [
+        "#/properties/topic: format 'topic' is not enforced (an annotation, as in 2020-12)",
+        "#/properties/id: format 'int64' is not enforced (an annotation, as in 2020-12)",
+    ]
+    compiled = compile_grammar(schema_grammar(schema), ascii_vocab, engine="llguidance",
+                               timeout_s=10)  # fmt: skip
+    assert any("format 'topic' is not enforced" in n for n in compiled.notes)
+    assert walk(compiled, {"topic": "news/a", "id": 7}) and not walk(compiled, {"topic": 1})
+    # A format a draft defines, which validators check: llguidance's refusal stands.
+    template = {"type": "string", "format": "uri-template"}
+    assert llguidance_schema(template)[0] == template
+    with pytest.raises(GrammarError, match="uri-template"):
+        compile_grammar(schema_grammar(template), ascii_vocab, engine="llguidance", timeout_s=10)
