@@ -30,10 +30,11 @@ import numpy as np
 
 from quantkit.errors import GrammarError, MissingExtraError
 from quantkit.grammar.constraints import Grammar
+from quantkit.grammar.distinct_items import DistinctRow, EndingTokens
 from quantkit.grammar.llg_schema import (
     llguidance_schema,
     one_of_exclusive,
-    unique_items_bounded,
+    unique_items_listed,
     without_dependencies,
 )
 from quantkit.grammar.narrowing import order_note, ordered_objects
@@ -126,15 +127,17 @@ class LlgIndex:
     grammar_text: str
     notes: tuple[str, ...] = ()
     template: Any = field(default=None, compare=False, repr=False)
+    distinct: EndingTokens | None = None  # set: rows check distinct array items (uniqueItems)
 
-    def new_row(self) -> LlgRow:
+    def new_row(self) -> LlgRow | DistinctRow:
         if self.template is None:  # built on first use, then shared by every row
             llg = import_llguidance()
             matcher = llg.LLMatcher(self.tokenizer, self.grammar_text, log_level=0)
             if matcher.is_error():
                 return LlgRow(matcher)  # raises, naming llguidance's error
             object.__setattr__(self, "template", matcher)
-        return LlgRow(self.template.deep_copy())
+        row = LlgRow(self.template.deep_copy())
+        return row if self.distinct is None else DistinctRow(row, self.distinct)
 
 
 class LlgRow:
@@ -169,19 +172,23 @@ def _grammar_text(grammar: Grammar, schema: Any, options: dict[str, Any]) -> str
     return llg.LLMatcher.grammar_from_regex(grammar.regex)
 
 
-def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list[str]]:
-    """(is_error, llguidance's messages, grammar text, notes), settling what `llg_schema` can:
+def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list[str], Any]:
+    """(is_error, llguidance's messages, grammar text, notes, the template matcher and whether
+    rows must check distinct array items), settling what `llg_schema` can:
     `not`, `if`/`then`/`else` and overlapping `oneOf`s in positive keywords (exact, or narrower
-    and noted); a oneOf proven exclusive is read as anyOf (exact); dependency keywords and
-    uniqueItems are rewritten into a narrower schema (noted); objects take their keys in any
+    and noted); a oneOf proven exclusive is read as anyOf (exact); dependency keywords are
+    rewritten into a narrower schema (noted); uniqueItems is listed exactly or left to the
+    rows' check (`distinct_items`); objects take their keys in any
     order where `schema_order.any_order` can afford it (exact), and the rest are noted."""
     llg = import_llguidance()
     # Exact rewrites, then the narrowed ones for `not`, `if` and overlapping `oneOf` (noted).
     schema, notes = llguidance_schema(grammar.schema)
     options = dict(JSON_OPTIONS)
     done: set[Any] = set()  # the narrowing rewrites applied (each once)
+    distinct = False  # uniqueItems dropped: the rows check distinct items
     ordered: list[str] = []
     reorder = grammar.kind == "json_schema"  # off again if the copies make it too large
+    template = None
     for _ in range(16):  # each retry settles one refusal
         if reorder:  # keys in any order (exact), where it can afford the copies
             unordered, ordered = any_order(schema)
@@ -190,21 +197,30 @@ def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list
             ordered = ordered_objects(schema) if grammar.kind == "json_schema" else []
             text = _grammar_text(grammar, schema, options)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
+        if not is_error:  # built once here: some limits only the build finds (symbol count)
+            template = llg.LLMatcher(tokenizer, text, log_level=0)
+            if template.is_error():
+                is_error, messages = True, [template.get_error()]
         if not is_error or grammar.kind != "json_schema":
             break
         # An unknown format stays a refusal: dropping it accepted a benchmark instance that is
         # invalid by its format (measured: MCPspec CompleteRequest, uri-template).
         reason = messages[0] if messages else ""
-        if reorder and "too large" in reason:
+        if reorder and ("too large" in reason or "symbols" in reason):
             reorder = False  # the schema as written, in declaration order (noted)
         elif "oneOf" in reason and not options["coerce_one_of"] and one_of_exclusive(schema):
             options["coerce_one_of"] = True  # exact: the branches are pairwise disjoint
-        elif "Unimplemented keys" in reason and ("ependen" in reason or "uniqueItems" in reason):
-            fix = without_dependencies if "ependen" in reason else unique_items_bounded
-            if fix in done:
+        elif "Unimplemented keys" in reason and "uniqueItems" in reason:
+            if unique_items_listed in done:
                 break
-            done.add(fix)
-            rewritten = fix(schema)
+            done.add(unique_items_listed)
+            schema, more, distinct = unique_items_listed(schema)
+            notes += more
+        elif "Unimplemented keys" in reason and "ependen" in reason:
+            if without_dependencies in done:
+                break
+            done.add(without_dependencies)
+            rewritten = without_dependencies(schema)
             if rewritten is None:
                 break
             schema, more = rewritten
@@ -212,7 +228,7 @@ def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list
         else:
             break
     order = order_note(ordered)
-    return is_error, messages, text, notes + ([order] if order else [])
+    return is_error, messages, text, notes + ([order] if order else []), (template, distinct)
 
 
 def compile_llguidance(
@@ -235,9 +251,10 @@ def compile_llguidance(
             f"{grammar.label}: llguidance grammar build took longer than the limit of "
             f"{limit_s or timeout_s:g} s (--compile-timeout; phase: llguidance build)"
         )
-    is_error, messages, text, notes = answer[0]
+    is_error, messages, text, notes, (template, distinct) = answer[0]
     if is_error:
         reason = (messages[0] if messages else "unknown error").splitlines()[0]
         raise GrammarError(f"{grammar.label}: llguidance cannot compile it: {reason}")
     notes += [f"llguidance: {m}" for m in messages]
-    return LlgIndex(tokenizer, text, tuple(notes))
+    ending = EndingTokens.of(vocabulary) if distinct else None
+    return LlgIndex(tokenizer, text, tuple(notes), template=template, distinct=ending)

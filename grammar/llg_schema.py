@@ -20,9 +20,9 @@
   sibling keys are not supported"): those drafts ignore them, so `ref_siblings_dropped`
   removes them (exact; definitions kept, as references may point into them).
 
-- `uniqueItems: true` (llguidance: "Unimplemented keys"): `unique_items_bounded` allows at most
-  one item (zero or one items are always unique), with a note, as outlines-core's lowering
-  does; None when minItems > 1 (then nothing sound is left).
+- `uniqueItems: true` (llguidance: "Unimplemented keys"): `unique_items_listed` lists the
+  arrays of a few constants exactly (an enum of arrays) and drops the keyword elsewhere; the
+  rows then check distinct items on the document's text (`distinct_items`).
 
 - a `format` llguidance does not know ("Unknown format"): `formats_written` writes the ones a
   pattern can hold as that pattern: `byte` (OpenAPI's base64 text) exactly, `regex` as the
@@ -46,6 +46,7 @@ from itertools import combinations, permutations
 from math import perm
 from typing import Any
 
+from quantkit.grammar.distinct_items import all_arrays_unique
 from quantkit.grammar.schema_negation import negation
 
 __all__ = [
@@ -55,7 +56,7 @@ __all__ = [
     "ref_siblings_dropped",
     "rewrite_bottom_up",
     "simplify_not",
-    "unique_items_bounded",
+    "unique_items_listed",
     "without_dependencies",
     "without_negation",
 ]
@@ -133,7 +134,9 @@ def _disjoint(
     two schemas are disjoint (recursively), or one closed object lacking the other's required
     property. False when none of these is proven."""
     a, b = _resolve(root, a), _resolve(root, b)
-    if a is None or b is None or depth > 6:
+    if a is False or b is False:  # matches nothing: disjoint from anything
+        return True
+    if not isinstance(a, dict) or not isinstance(b, dict) or depth > 6:
         return False
     types_a, types_b = _types(a) & context, _types(b) & context
     if not (types_a & types_b):
@@ -525,22 +528,28 @@ def ref_siblings_dropped(schema: Any) -> Any:
     return walk(schema)
 
 
-def unique_items_bounded(schema: Any) -> tuple[Any, list[str]] | None:
+def unique_items_listed(schema: Any) -> tuple[Any, list[str], bool]:
     """`schema` with every `uniqueItems: true` array whose items are a few constants (enum,
-    const, boolean) as the enum of all its arrays (exact), and every other one bounded to one
-    item (noted); None when such an array needs more items."""
+    const, boolean) as the enum of all its arrays (exact), and the keyword dropped from every
+    other one; True when one was dropped: the rows then check distinct items on the text
+    (`distinct_items`), noted where that reaches arrays the schema lets repeat items."""
+    dropped: list[str] = []
 
     def fix(out: dict[str, Any], where: str, notes: list[str]) -> dict[str, Any]:
-        if out.get("uniqueItems") is not True:
+        if "uniqueItems" not in out:
             return out
+        if out["uniqueItems"] is not True:  # false: no constraint (exact without it)
+            return {k: v for k, v in out.items() if k != "uniqueItems"}
         arrays = _distinct_arrays(out, schema)
         if arrays is not None:  # exact: every array of distinct items, listed
             return {k: v for k, v in out.items() if k != "uniqueItems"} | {"enum": arrays}
-        out.pop("uniqueItems")
-        if out.get("minItems", 0) > 1:
-            raise _Unsound
-        out["maxItems"] = min(out.get("maxItems", 1), 1)
-        notes.append(f"{where}: uniqueItems: at most one item produced")
-        return out
+        dropped.append(where)
+        return {k: v for k, v in out.items() if k != "uniqueItems"}
 
-    return rewrite_bottom_up(schema, fix)
+    rewritten = rewrite_bottom_up(schema, fix)
+    assert rewritten is not None  # the fix never raises _Unsound
+    out, notes = rewritten
+    if dropped and not all_arrays_unique(schema):
+        notes.append(f"{dropped[0]}: uniqueItems is checked on every array of the document, so "
+                     "arrays the schema lets repeat items hold distinct items too")  # fmt: skip
+    return out, notes, bool(dropped)

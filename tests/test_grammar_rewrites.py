@@ -17,7 +17,7 @@ from quantkit.grammar.constraints import schema_grammar, validate_json
 from quantkit.grammar.llg_schema import (
     llguidance_schema,
     simplify_not,
-    unique_items_bounded,
+    unique_items_listed,
     without_negation,
 )
 from quantkit.grammar.schema_negation import negation
@@ -134,16 +134,20 @@ def test_dependencies_are_exact_conditionals(vocab) -> None:
 
 def test_unique_items_over_a_few_constants_is_listed_exactly(vocab) -> None:
     schema = {"type": "array", "items": {"enum": ["a", "b", 1]}, "uniqueItems": True}
-    rewritten, notes = unique_items_bounded(schema)
-    assert notes == [] and len(rewritten["enum"]) == 16  # 1 + 3 + 6 + 6 arrays
+    rewritten, notes, checked = unique_items_listed(schema)
+    assert notes == [] and not checked and len(rewritten["enum"]) == 16  # 1 + 3 + 6 + 6 arrays
     compiled = compile_grammar(schema_grammar(rewritten), vocab, engine="llguidance", timeout_s=10)
     assert walk(compiled, ["a", 1, "b"]) and walk(compiled, [])
     assert not walk(compiled, ["a", "a"]) and not walk(compiled, ["c"])
     booleans = {"type": "array", "items": {"type": "boolean"}, "uniqueItems": True}
-    assert unique_items_bounded(booleans)[0]["enum"] == [[], [True], [False], [True, False],
-                                                        [False, True]]  # fmt: skip
+    assert unique_items_listed(booleans)[0]["enum"] == [[], [True], [False], [True, False],
+                                                       [False, True]]  # fmt: skip
     strings = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
-    assert "uniqueItems: at most one item" in unique_items_bounded(strings)[1][0]
+    assert unique_items_listed(strings) == (
+        {"type": "array", "items": {"type": "string"}},
+        [],
+        True,
+    )  # the rows check it (`distinct_items`)
 
 
 def test_a_property_named_like_a_keyword_is_a_name() -> None:

@@ -1,0 +1,252 @@
+"""`uniqueItems` beside llguidance: distinct array items, checked on the document's text.
+
+llguidance has no `uniqueItems` (a context-free grammar cannot say "no item twice"). Before
+this, such an array was bounded to one item, so a user asking for a list of distinct tags got
+at most one. Now the schema goes to llguidance without the keyword and each row checks the
+JSON text it produces: when an array item's value is whole (see `DistinctItems`), its value, read
+with `json.loads` and written canonically (object keys sorted; 1 and 1.0 the same number, as
+JSON Schema compares them), must not equal an earlier item of the same array. A token that
+would end a duplicate is refused by `advance` and cleared from the row's mask by `fill`, so
+sampling never picks it.
+
+The check applies to every array of the document, as the text does not say which schema node
+an array belongs to (through anyOf, $ref, ...). Where the schema also allows arrays without
+`uniqueItems`, those lose their duplicates too: `all_arrays_unique` says when, and the engine
+notes it.
+
+Cost: `fill` tests only the tokens the grammar allows that could end an item here (inside a
+string, those holding a `"`; elsewhere, those holding `,`, `]` or `}`), and only while some
+open array already has an item, so documents without arrays of two or more items pay nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from quantkit.grammar.vocabulary import TokenVocabulary
+
+__all__ = ["DistinctItems", "DistinctRow", "EndingTokens", "all_arrays_unique", "canonical"]
+
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_OPEN, _CLOSE = frozenset(b"[{"), frozenset(b"]}")
+_QUIET = frozenset(b": \t\r\n")
+
+
+def _normal(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_normal(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _normal(v) for k, v in value.items()}
+    return value
+
+
+def canonical(text: bytes) -> str:
+    """The JSON value of `text`, written so that values JSON Schema calls equal are equal."""
+    return json.dumps(_normal(json.loads(text)), sort_keys=True)
+
+
+@dataclass
+class _Frame:
+    """An open container: where it began in the text; for an array, the items it has ended
+    and where the item in progress began (None between items)."""
+
+    start: int
+    array: bool
+    seen: set[str] = field(default_factory=set)
+    item: int | None = None
+
+
+@dataclass
+class DistinctItems:
+    """The JSON text so far and its open containers: what a duplicate check needs.
+
+    An item ends as soon as its value is whole: a string at its closing quote, an object or
+    array at its closing bracket, a number or literal at the `,` or `]` after it (before that
+    more digits could follow). So the token that would complete a duplicate is the one
+    refused, while the value can still become another."""
+
+    text: bytearray = field(default_factory=bytearray)
+    stack: list[_Frame] = field(default_factory=list)
+    in_string: bool = False
+    escaped: bool = False
+    string_start: int = 0
+
+    def copy(self) -> DistinctItems:
+        frames = [_Frame(f.start, f.array, f.seen, f.item) for f in self.stack]
+        return DistinctItems(bytearray(self.text), frames, self.in_string, self.escaped,
+                             self.string_start)  # fmt: skip
+
+    @property
+    def has_items(self) -> bool:
+        """Whether some open array holds an ended item (only then can a duplicate end)."""
+        return any(f.seen for f in self.stack)
+
+    def _top_array(self) -> _Frame | None:
+        top = self.stack[-1] if self.stack else None
+        return top if top is not None and top.array else None
+
+    def _begin_item(self, at: int) -> None:
+        top = self._top_array()
+        if top is not None and top.item is None:
+            top.item = at
+
+    def _end_item(self, top: _Frame, end: int, *, shared: bool) -> bool:
+        """End `top`'s item in progress at text[:end]; False when it repeats an earlier one."""
+        if top.item is None:
+            return True
+        value = canonical(bytes(self.text[top.item : end]))
+        if value in top.seen:
+            return False
+        if shared:
+            top.seen = top.seen | {value}
+        else:
+            top.seen.add(value)
+        top.item = None
+        return True
+
+    def _ends_item(self, began: int) -> _Frame | None:
+        """The array whose item in progress is the value that began at `began`, if one is."""
+        top = self._top_array()
+        return top if top is not None and top.item == began else None
+
+    def feed(self, data: bytes, *, shared: bool = False) -> bool:
+        """Take `data`; False at the first byte that ends a duplicate item. shared: the sets of
+        seen items belong to another state (a copy), so they are replaced, not added to."""
+        for byte in data:
+            self.text.append(byte)
+            end = len(self.text)
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif byte == _BACKSLASH:
+                    self.escaped = True
+                elif byte == _QUOTE:
+                    self.in_string = False
+                    top = self._ends_item(self.string_start)
+                    if top is not None and not self._end_item(top, end, shared=shared):
+                        return False
+            elif byte == _QUOTE:
+                self._begin_item(end - 1)
+                self.in_string, self.string_start = True, end - 1
+            elif byte in _OPEN:
+                self._begin_item(end - 1)
+                self.stack.append(_Frame(end - 1, byte == ord("[")))
+            elif byte in _CLOSE or byte == ord(","):
+                top = self._top_array()
+                if top is not None and not self._end_item(top, end - 1, shared=shared):
+                    return False
+                if byte in _CLOSE and self.stack:
+                    closed = self.stack.pop()
+                    outer = self._ends_item(closed.start)
+                    if outer is not None and not self._end_item(outer, end, shared=shared):
+                        return False
+            elif byte not in _QUIET:
+                self._begin_item(end - 1)
+        return True
+
+
+class EndingTokens:
+    """Per vocabulary, the tokens that could end an array item: as bitmask lines (the engines'
+    layout, token i at bit i % 32 of word i // 32) of those holding a `"`, those holding a `,`,
+    `]` or `}`."""
+
+    _cache: dict[str, EndingTokens] = {}
+
+    def __init__(self, vocabulary: TokenVocabulary) -> None:
+        words = (vocabulary.size + 31) // 32
+        self.quote = np.zeros(words, dtype=np.uint32)
+        self.close = np.zeros(words, dtype=np.uint32)
+        for token, data in vocabulary.token_bytes.items():
+            bit = np.uint32(1 << (token & 31))
+            if b'"' in data:
+                self.quote[token >> 5] |= bit
+            if b"," in data or b"]" in data or b"}" in data:
+                self.close[token >> 5] |= bit
+        self.token_bytes = vocabulary.token_bytes
+
+    @classmethod
+    def of(cls, vocabulary: TokenVocabulary) -> EndingTokens:
+        found = cls._cache.get(vocabulary.fingerprint)
+        if found is None:
+            found = cls._cache[vocabulary.fingerprint] = cls(vocabulary)
+        return found
+
+
+def _set_bits(words: np.ndarray) -> np.ndarray:
+    """The token ids whose bits are set in `words` (uint32 bitmask words)."""
+    at = np.flatnonzero(words)
+    if not at.size:
+        return at
+    bits = np.unpackbits(words[at].view(np.uint8), bitorder="little").reshape(-1, 32)
+    rows, cols = np.nonzero(bits)
+    return at[rows] * 32 + cols
+
+
+class DistinctRow:
+    """An llguidance row (`llg_engine.LlgRow`) whose arrays hold distinct items."""
+
+    engine = "llguidance"
+
+    def __init__(self, row: Any, ending: EndingTokens) -> None:
+        self.row, self.ending, self.state = row, ending, DistinctItems()
+
+    def advance(self, token: int) -> bool:
+        data = self.ending.token_bytes.get(int(token), b"")
+        return self.state.feed(data) and self.row.advance(token)
+
+    def fill(self, line: np.ndarray) -> None:
+        self.row.fill(line)
+        if not self.state.has_items:
+            return
+        words = line.view(np.uint32)
+        ends = self.ending.quote if self.state.in_string else self.ending.close
+        for token in _set_bits(words & ends).tolist():
+            if not self.state.copy().feed(self.ending.token_bytes[token], shared=True):
+                words[token >> 5] &= ~np.uint32(1 << (token & 31))
+
+    def is_finished(self) -> bool:
+        return bool(self.row.is_finished())
+
+    def forced_tokens(self) -> list[int]:
+        """The grammar's forced tokens, up to the first that would end a duplicate item."""
+        forced, probe = [], self.state.copy()
+        for token in self.row.forced_tokens():
+            if not probe.feed(self.ending.token_bytes.get(token, b""), shared=True):
+                break
+            forced.append(token)
+        return forced
+
+
+def _may_hold_arrays(node: dict[str, Any]) -> bool:
+    kind = node.get("type")
+    kinds = {kind} if isinstance(kind, str) else set(kind) if isinstance(kind, list) else None
+    if kinds is not None:
+        return "array" in kinds
+    return any(k in node for k in ("items", "prefixItems", "minItems", "maxItems", "contains"))
+
+
+def all_arrays_unique(schema: Any) -> bool:
+    """Whether every array the schema allows must hold distinct items anyway, so checking all
+    of them narrows nothing: each node that may hold arrays says `uniqueItems: true`, and no
+    object leaves its other properties' values free (additionalProperties absent or true)."""
+
+    def walk(node: Any, key: str | None) -> bool:
+        if isinstance(node, list):
+            return all(walk(v, None) for v in node)
+        if not isinstance(node, dict):
+            return node is not True or key not in ("additionalProperties", "items")
+        if _may_hold_arrays(node) and node.get("uniqueItems") is not True:
+            return False
+        declares = node.get("type") == "object" or "properties" in node
+        if declares and node.get("additionalProperties", True) is True:
+            return False
+        return all(walk(v, k) for k, v in node.items()
+                   if k not in ("enum", "const", "default", "examples"))  # fmt: skip
+
+    return walk(schema, None)

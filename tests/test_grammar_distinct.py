@@ -1,0 +1,123 @@
+"""`uniqueItems` beside llguidance (`distinct_items`): the rows refuse the token that would
+complete a repeated array item, equal as JSON Schema compares values (1 and 1.0, objects in any
+key order), clear it from the mask so sampling never picks it, and say when the check reaches
+arrays the schema lets repeat items."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from quantkit.grammar import compiler
+from quantkit.grammar.compiler import compile_grammar
+from quantkit.grammar.constraints import schema_grammar, validate_json
+from quantkit.grammar.distinct_items import DistinctItems, all_arrays_unique, canonical
+from quantkit.grammar.vocabulary import TokenVocabulary
+from tests.hand_vocab import accepts, vocab_of
+
+PIECES = [*'{}[]":,abcdefghijklmnopqrstuvwxyz0123456789.-\\', '",', '"]', '["', 'ab"', "ab",
+          "1,", "1]", "1.0"]  # fmt: skip
+TAGS = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
+
+
+@pytest.fixture(autouse=True)
+def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QUANTKIT_HOME", str(tmp_path / "home"))
+    compiler.clear_memory_cache()
+
+
+@pytest.fixture(scope="module")
+def vocab() -> TokenVocabulary:
+    return vocab_of(PIECES)
+
+
+def llg(schema: Any, vocab: TokenVocabulary) -> compiler.CompiledGrammar:
+    return compile_grammar(schema_grammar(schema), vocab, engine="llguidance", timeout_s=10)
+
+
+@pytest.mark.parametrize(
+    ("schema", "valid", "invalid"),
+    [
+        (TAGS, [[], ["a"], ["a", "b", "ab"], ['a"', "a"]], [["a", "a"], ["ab", "a", "ab"],
+                                                           ['a"', 'a"']]),
+        ({"type": "array", "items": {"type": "number"}, "uniqueItems": True},
+         [[1, 2, 12], [1, 1.5]], [[1, 1.0], [2, 1, 2]]),
+        ({"type": "array", "items": {"type": "object"}, "uniqueItems": True},
+         [[{"a": 1}, {"a": 2}], [{"a": 1}, {"b": 1}]], [[{"a": 1, "b": 2}, {"b": 2, "a": 1}]]),
+        ({"type": "array", "items": {"type": "array", "uniqueItems": True}, "uniqueItems": True},
+         [[[1], [2], [1, 2]], [[]]], [[[1], [1]], [[1, 1]]]),
+    ],
+)  # fmt: skip
+def test_repeated_items_are_refused_as_json_schema_compares_them(
+    vocab, schema: Any, valid: list[Any], invalid: list[Any]
+) -> None:
+    compiled = llg(schema, vocab)
+    # Noted only where the schema allows some array that may repeat items (free object values).
+    assert (compiled.notes == ()) == all_arrays_unique(schema) == ("object" not in str(schema))
+    for value in valid:
+        assert validate_json(json.dumps(value), schema) is None, value
+        assert accepts(compiled, value), value
+    for value in invalid:
+        assert validate_json(json.dumps(value), schema) is not None, value
+        assert not accepts(compiled, value), value
+
+
+def test_the_token_completing_a_repeat_is_cleared_from_the_mask(vocab) -> None:
+    compiled = llg(TAGS, vocab)
+    row = compiled.new_row()
+    by_piece = {p: i + 1 for i, p in enumerate(PIECES)}
+    for piece in ('["', "ab", '",', '"', "ab"):  # ["ab","ab
+        assert row.advance(by_piece[piece])
+    line = np.zeros((vocab.size + 31) // 32, dtype=np.int32)
+    row.fill(line)
+    allowed = {t for t in range(vocab.size) if (int(line[t >> 5]) >> (t & 31)) & 1}
+    for piece in ('"', '",', '"]'):  # each would complete "ab" a second time
+        assert by_piece[piece] not in allowed, piece
+    assert by_piece["c"] in allowed and by_piece["ab"] in allowed  # "abc", "abab": new items
+
+
+def test_greedy_decoding_that_prefers_a_repeat_still_ends_valid(vocab) -> None:
+    """A 'model' that writes "ab" as every item: the mask steers it to distinct ones."""
+    compiled = llg({**TAGS, "minItems": 3, "maxItems": 3}, vocab)
+    by_piece = {p: i + 1 for i, p in enumerate(PIECES)}
+    row, text = compiled.new_row(), b'["'
+    assert row.advance(by_piece['["'])
+    line = np.zeros((vocab.size + 31) // 32, dtype=np.int32)
+    for _ in range(40):
+        if row.is_finished():
+            break
+        wish = ['",', '"]'] if text.endswith(b"ab") else ["ab"]
+        row.fill(line)
+        allowed = [p for p in [*wish, '"', "c", "]"]
+                   if (int(line[by_piece[p] >> 5]) >> (by_piece[p] & 31)) & 1]  # fmt: skip
+        assert allowed, text
+        assert row.advance(by_piece[allowed[0]])
+        text += allowed[0].encode()
+    value = json.loads(text)
+    assert row.is_finished() and len(value) == 3 and len(set(value)) == 3, text
+    assert value[0] == "ab"  # the first one it wished for was free
+
+
+def test_the_check_on_the_text_itself() -> None:
+    state = DistinctItems()
+    assert state.feed(b'{"t":[1,"x",[1,2],{"a":[1,1]}') is False  # the inner [1,1] repeats 1
+    state = DistinctItems()
+    assert state.feed(b'[1,"1",true,null,1.5,') and not state.copy().feed(b"1.50]", shared=True)
+    assert state.feed(b"2]")  # the copy's look-ahead left this state as it was
+    assert canonical(b'{"b":1.0,"a":[2.0]}') == canonical(b'{"a":[2],"b":1}')
+
+
+def test_narrowing_is_noted_where_other_arrays_could_repeat_items(vocab) -> None:
+    mixed = {"type": "object", "properties": {"tags": TAGS, "scores": {"type": "array"}},
+             "additionalProperties": False}  # fmt: skip
+    assert not all_arrays_unique(mixed) and all_arrays_unique(TAGS)
+    open_object = {"type": "object", "properties": {"tags": TAGS}}  # other values are free
+    assert not all_arrays_unique(open_object)
+    compiled = llg(mixed, vocab)
+    assert any("uniqueItems is checked on every array" in n for n in compiled.notes)
+    assert accepts(compiled, {"tags": ["a", "b"], "scores": [1]})
+    assert not accepts(compiled, {"tags": ["a", "a"]})
