@@ -59,6 +59,17 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def grammar_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh $QUANTKIT_HOME for one test and an empty grammar memory cache: no compiled
+    grammar leaks from one test into the next (grammar modules use it for every test)."""
+    from quantkit.grammar import compiler
+
+    monkeypatch.setenv("QUANTKIT_HOME", str(tmp_path / "home"))
+    compiler.clear_memory_cache()
+    return tmp_path / "home"
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_hf_model(tmp_path_factory.mktemp("tiny-llama"))

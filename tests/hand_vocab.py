@@ -7,7 +7,8 @@ import json
 from collections.abc import Sequence
 
 from quantkit.grammar.acceptance import accepts_tokens
-from quantkit.grammar.compiler import CompiledGrammar
+from quantkit.grammar.compiler import CompiledGrammar, compile_grammar
+from quantkit.grammar.constraints import schema_grammar, validate_json
 from quantkit.grammar.llg_engine import _greedy_encoder
 from quantkit.grammar.vocabulary import TokenVocabulary
 
@@ -24,3 +25,20 @@ def accepts(compiled: CompiledGrammar, value: object) -> bool:
     """Whether the grammar accepts `value`'s compact JSON, walked token by token."""
     text = json.dumps(value, separators=(",", ":")).encode()
     return accepts_tokens(compiled, _greedy_encoder(compiled.vocabulary)(text))
+
+
+def llguidance(schema: object, vocab: TokenVocabulary) -> CompiledGrammar:
+    """`schema` compiled by llguidance (with every rewrite the engine makes) for `vocab`."""
+    return compile_grammar(schema_grammar(schema), vocab, engine="llguidance", timeout_s=10)
+
+
+def agrees(compiled: CompiledGrammar, schema: object, valid: Sequence[object],
+           invalid: Sequence[object]) -> None:  # fmt: skip
+    """The instances are what jsonschema says they are, and the compiled grammar agrees: every
+    valid one accepted, every invalid one rejected."""
+    for value in valid:
+        assert validate_json(json.dumps(value), schema) is None, value
+        assert accepts(compiled, value), value
+    for value in invalid:
+        assert validate_json(json.dumps(value), schema) is not None, value
+        assert not accepts(compiled, value), value

@@ -21,12 +21,7 @@ from quantkit.grammar.constraints import (
 )
 from quantkit.grammar.vocabulary import TokenVocabulary
 
-
-@pytest.fixture(autouse=True)
-def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("QUANTKIT_HOME", str(tmp_path / "home"))
-    compiler.clear_memory_cache()
-    return tmp_path / "home"
+pytestmark = pytest.mark.usefixtures("grammar_home")
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +35,14 @@ def vocab() -> TokenVocabulary:
     return TokenVocabulary.from_bytes(table, eos_token_ids=[0], size=len(pieces) + 1)
 
 
-def test_second_compile_comes_from_disk_then_memory(vocab: TokenVocabulary, _home: Path) -> None:
+def test_second_compile_comes_from_disk_then_memory(
+    vocab: TokenVocabulary, grammar_home: Path
+) -> None:
     grammar = json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}}})
     first = compile_grammar(grammar, vocab, engine="outlines", timeout_s=60)
     assert first.source == "compiled" and not first.from_cache
     assert (grammar_cache_dir() / f"{first.key}.index").is_file()
-    assert grammar_cache_dir() == _home / "grammar"
+    assert grammar_cache_dir() == grammar_home / "grammar"
     compiler.clear_memory_cache()
     started = time.perf_counter()
     second = compile_grammar(grammar, vocab, engine="outlines", timeout_s=60)

@@ -6,37 +6,27 @@ arrays the schema lets repeat items."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from quantkit.grammar import compiler
-from quantkit.grammar.compiler import compile_grammar
-from quantkit.grammar.constraints import schema_grammar, validate_json
 from quantkit.grammar.distinct_items import DistinctItems, all_arrays_unique, canonical
 from quantkit.grammar.vocabulary import TokenVocabulary
-from tests.hand_vocab import accepts, vocab_of
+from tests.hand_vocab import accepts, agrees, vocab_of
+from tests.hand_vocab import llguidance as llg
 
 PIECES = [*'{}[]":,abcdefghijklmnopqrstuvwxyz0123456789.-\\', '",', '"]', '["', 'ab"', "ab",
           "1,", "1]", "1.0"]  # fmt: skip
 TAGS = {"type": "array", "items": {"type": "string"}, "uniqueItems": True}
 
 
-@pytest.fixture(autouse=True)
-def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("QUANTKIT_HOME", str(tmp_path / "home"))
-    compiler.clear_memory_cache()
+pytestmark = pytest.mark.usefixtures("grammar_home")
 
 
 @pytest.fixture(scope="module")
 def vocab() -> TokenVocabulary:
     return vocab_of(PIECES)
-
-
-def llg(schema: Any, vocab: TokenVocabulary) -> compiler.CompiledGrammar:
-    return compile_grammar(schema_grammar(schema), vocab, engine="llguidance", timeout_s=10)
 
 
 @pytest.mark.parametrize(
@@ -58,12 +48,7 @@ def test_repeated_items_are_refused_as_json_schema_compares_them(
     compiled = llg(schema, vocab)
     # Noted only where the schema allows some array that may repeat items (free object values).
     assert (compiled.notes == ()) == all_arrays_unique(schema) == ("object" not in str(schema))
-    for value in valid:
-        assert validate_json(json.dumps(value), schema) is None, value
-        assert accepts(compiled, value), value
-    for value in invalid:
-        assert validate_json(json.dumps(value), schema) is not None, value
-        assert not accepts(compiled, value), value
+    agrees(compiled, schema, valid, invalid)
 
 
 def test_the_token_completing_a_repeat_is_cleared_from_the_mask(vocab) -> None:

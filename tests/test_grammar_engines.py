@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from quantkit.errors import GrammarError
-from quantkit.grammar import compiler
 from quantkit.grammar.compiler import compile_grammar
 from quantkit.grammar.constraints import regex_grammar, schema_grammar, validate_json
 from quantkit.grammar.processor import GrammarLogitsProcessor
@@ -24,10 +23,7 @@ PIECES = [*'{}[]":, abcdefghijklmnopqrstuvwxyz0123456789.-_', '{"', '":', '","',
           "false", "null", '"name', "name", '"tags', "ab"]  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("QUANTKIT_HOME", str(tmp_path / "home"))
-    compiler.clear_memory_cache()
+pytestmark = pytest.mark.usefixtures("grammar_home")
 
 
 @pytest.fixture(scope="module")

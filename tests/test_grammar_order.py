@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import json
 from itertools import permutations
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from quantkit.grammar import compiler, schema_order
-from quantkit.grammar.compiler import compile_grammar
-from quantkit.grammar.constraints import schema_grammar, validate_json
+from quantkit.grammar import schema_order
+from quantkit.grammar.constraints import validate_json
 from quantkit.grammar.schema_order import any_order
 from quantkit.grammar.vocabulary import TokenVocabulary
 from tests.hand_vocab import accepts, vocab_of
+from tests.hand_vocab import llguidance as llg
 
 PIECES = [*'{}[]":, abcdefghijklmnopqrstuvwxyz0123456789.-_#', '{"', '":', '","', "true",
           "false", "null"]  # fmt: skip
@@ -32,19 +31,12 @@ CALL = {
 }  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("QUANTKIT_HOME", str(tmp_path / "home"))
-    compiler.clear_memory_cache()
+pytestmark = pytest.mark.usefixtures("grammar_home")
 
 
 @pytest.fixture(scope="module")
 def vocab() -> TokenVocabulary:
     return vocab_of(PIECES)
-
-
-def llg(schema: Any, vocab: TokenVocabulary) -> compiler.CompiledGrammar:
-    return compile_grammar(schema_grammar(schema), vocab, engine="llguidance", timeout_s=10)
 
 
 def _reordered(value: dict[str, Any], order: tuple[str, ...]) -> dict[str, Any]:

@@ -5,7 +5,6 @@ the invalid ones rejected; a narrowed rewrite says so in a note, an exact one ne
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from quantkit.errors import GrammarError
 from quantkit.grammar import compiler
 from quantkit.grammar.compiler import compile_grammar
-from quantkit.grammar.constraints import schema_grammar, validate_json
+from quantkit.grammar.constraints import schema_grammar
 from quantkit.grammar.llg_schema import (
     llguidance_schema,
     simplify_not,
@@ -22,16 +21,13 @@ from quantkit.grammar.llg_schema import (
 )
 from quantkit.grammar.schema_negation import negation
 from quantkit.grammar.vocabulary import TokenVocabulary
-from tests.hand_vocab import accepts, vocab_of
+from tests.hand_vocab import accepts, agrees, vocab_of
 
 PIECES = [*'{}[]":, abcdefghijklmnopqrstuvwxyz0123456789.-_#\n', '{"', '":', '","', '"}',
           "true", "false", "null", "ab"]  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def _home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("QUANTKIT_HOME", str(tmp_path / "home"))
-    compiler.clear_memory_cache()
+pytestmark = pytest.mark.usefixtures("grammar_home")
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +47,7 @@ def llg(schema: Any, vocab: TokenVocabulary) -> compiler.CompiledGrammar:
 def check(schema: Any, vocab: TokenVocabulary, valid: list[Any], invalid: list[Any]) -> None:
     """The instances are what jsonschema says, and the compiled grammar agrees (valid accepted,
     invalid rejected)."""
-    compiled = llg(schema, vocab)
-    for value in valid:
-        assert validate_json(json.dumps(value), schema) is None, value
-        assert walk(compiled, value), value
-    for value in invalid:
-        assert validate_json(json.dumps(value), schema) is not None, value
-        assert not walk(compiled, value), value
+    agrees(llg(schema, vocab), schema, valid, invalid)
 
 
 def test_not_of_a_type_an_enum_and_required_is_exact(vocab) -> None:
