@@ -13,6 +13,7 @@ Kept apart from `bench_jsonschema` (which runs the benchmark) so both stay small
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -87,7 +88,8 @@ def _rate(part: int, whole: int) -> str:
 
 
 def _cell(part: int, whole: int) -> str:
-    return f"{part}/{whole} {100 * part / whole:3.0f}%" if whole else "-"
+    """part/whole and the share, rounded down to 0.1%: 97.96% reads 97.9, never a target met."""
+    return f"{part}/{whole} {math.floor(1000 * part / whole) / 10:5.1f}%" if whole else "-"
 
 
 def _category_table(by_cat: dict[str, list[dict[str, Any]]], results: list[dict[str, Any]]) -> None:

@@ -175,3 +175,11 @@ def test_generation_on_the_embedded_model(monkeypatch: pytest.MonkeyPatch, bench
             assert r.output_ok, (r.name, r.output_error, r.output)
         assert r.invalid_rejected == r.invalid_tests, r.name
     assert report["mask"]["steps"] > 0 and report["mask"]["mean_us"] > 0
+
+
+def test_table_shares_round_down_so_a_target_is_never_shown_met() -> None:
+    from quantkit.grammar.bench_report import _cell
+
+    assert _cell(5804, 5951) == "5804/5951  97.5%"
+    assert _cell(4999, 5000).endswith(" 99.9%") and _cell(49, 50).endswith(" 98.0%")
+    assert _cell(3, 3).endswith("100.0%") and _cell(0, 0) == "-"
