@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -34,6 +32,7 @@ import torch
 from quantkit.errors import GenerationError, HardwareError
 from quantkit.fused_kernels.bench import git_commit
 from quantkit.models.decoder import CausalLM
+from quantkit.paths import atomic_file
 from quantkit.perf.hardware import local_hardware
 from quantkit.runtime.speculate import SpecConfig
 from quantkit.serving.engine import EngineConfig, RunResult, run_engine
@@ -374,11 +373,5 @@ def write_json_atomic(path: Path, data: Any) -> None:
     """Write `data` as JSON to `path` through a temporary file beside it and a rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=1))

@@ -19,12 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from quantkit.errors import EvalError, MissingExtraError
+from quantkit.paths import atomic_file
 
 __all__ = [
     "plot_chunked_cdf",
@@ -52,14 +51,8 @@ def _figure(width: float = 7.0, height: float = 5.0) -> Any:
 
 def _save(fig: Any, path: Path) -> Path:
     """savefig to a temporary file beside `path`, then rename: never half a PNG."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    try:
+    with atomic_file(path, suffix=".png") as tmp:
         fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return path
 
 

@@ -17,10 +17,8 @@ before the model loads where possible.
 
 from __future__ import annotations
 
-import os
 import re
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +43,7 @@ from quantkit.grammar.constraints import (
 from quantkit.grammar.processor import GrammarLogitsProcessor
 from quantkit.grammar.prompting import default_schema_prompt
 from quantkit.grammar.vocabulary import TokenVocabulary
+from quantkit.paths import atomic_file
 
 # A day: longer is a typo (or `inf`, which no timer takes), not a wish.
 MAX_TIMEOUT_S = 86400.0
@@ -63,16 +62,8 @@ def write_atomic(path: Path, text: str) -> None:
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise GrammarError(f"--output {path}: expected an existing folder, got {folder}")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            if not text.endswith("\n"):
-                fh.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as tmp:
+        tmp.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
 
 
 @dataclass

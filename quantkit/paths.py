@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -70,6 +71,24 @@ def ordinary_mode(path: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, (0o777 if Path(path).is_dir() else 0o666) & ~umask)
+
+
+@contextmanager
+def atomic_file(path: Path, *, suffix: str = ".tmp") -> Iterator[Path]:
+    """A temporary file beside `path` to write, renamed onto `path` when the block ends
+    normally (with ordinary permissions, not mkstemp's 0600) and removed when it raises: a
+    reader sees the old file or the whole new one, never half of it."""
+    path = Path(path)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        ordinary_mode(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def make_readable(folder: Path) -> None:

@@ -1260,3 +1260,26 @@ def test_a_checkpoint_gets_the_permissions_of_an_ordinary_file(ckpt: Path) -> No
     modes = {p.name: p.stat().st_mode & 0o777 for p in ckpt.iterdir()}
     assert modes and set(modes.values()) == {0o666 & ~umask}, modes
     assert ckpt.stat().st_mode & 0o777 == 0o777 & ~umask
+
+
+def test_atomic_files_are_whole_or_absent_with_ordinary_permissions(tmp_path: Path) -> None:
+    """Every single-file writer (generate --output, bench --json and --plot, the calibration
+    cache) goes through `paths.atomic_file`: the result has what open() would give (mkstemp's
+    0600 before), and a failure leaves the old file and no temporary one."""
+    from quantkit import paths
+    from quantkit.evals.bench_serving import write_json_atomic
+    from quantkit.grammar.cli_support import write_atomic
+
+    umask = os.umask(0)
+    os.umask(umask)
+    answer, report = tmp_path / "answer.json", tmp_path / "report.json"
+    write_atomic(answer, '{"a": 1}')
+    write_json_atomic(report, {"rows": [1, 2]})
+    assert answer.read_text() == '{"a": 1}\n' and json.loads(report.read_text()) == {"rows": [1, 2]}
+    for path in (answer, report):
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
+    with pytest.raises(RuntimeError), paths.atomic_file(answer) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("the disk went away")
+    assert answer.read_text() == '{"a": 1}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["answer.json", "report.json"]

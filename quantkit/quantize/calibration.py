@@ -17,9 +17,7 @@ from __future__ import annotations
 import bz2
 import hashlib
 import json
-import os
 import re
-import tempfile
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,7 +27,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import CalibrationError
-from quantkit.paths import ordinary_mode, quantkit_home
+from quantkit.paths import atomic_file, quantkit_home
 
 __all__ = [
     "HELDOUT_EVERY",
@@ -198,15 +196,8 @@ def wiki_articles(*, source: Path | None = None, home: Path | None = None) -> li
         "articles": articles,
     }
     # Atomic: a reader never sees half a file, and concurrent writers each replace it whole.
-    fd, tmp = tempfile.mkstemp(prefix=f".{cache.name}.", dir=cache.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(payload, fh)
-        ordinary_mode(Path(tmp))  # mkstemp creates 0600
-        os.replace(tmp, cache)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(cache) as tmp:
+        tmp.write_text(json.dumps(payload))
     return articles
 
 
