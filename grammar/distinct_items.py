@@ -15,8 +15,11 @@ an array belongs to (through anyOf, $ref, ...). Where the schema also allows arr
 notes it.
 
 Cost: `fill` tests only the tokens the grammar allows that could end an item here (inside a
-string, those holding a `"`; elsewhere, those holding `,`, `]` or `}`), and only while some
-open array already has an item, so documents without arrays of two or more items pay nothing.
+string, those holding a `"`; elsewhere, those holding a `"`, `,`, `]` or `}`: `"ab"` opens and
+ends a string at once), only inside an array, and while no open array has an ended item yet,
+only those holding two such bytes (a repeat then needs two items ended by one token). A
+probe shares the text with the row's state and cuts it back, so testing a token costs its own
+bytes, not the document's.
 """
 
 from __future__ import annotations
@@ -77,14 +80,29 @@ class DistinctItems:
     escaped: bool = False
     string_start: int = 0
 
-    def copy(self) -> DistinctItems:
+    def first_repeat(self, pieces: list[bytes]) -> int | None:
+        """The index of the first of `pieces` that, fed after the ones before it, would end a
+        repeated item; None when none would. This state is left as it was: the probe shares
+        its text (cut back afterwards) and copies only the open containers."""
         frames = [_Frame(f.start, f.array, f.seen, f.item) for f in self.stack]
-        return DistinctItems(bytearray(self.text), frames, self.in_string, self.escaped,
-                             self.string_start)  # fmt: skip
+        probe = DistinctItems(self.text, frames, self.in_string, self.escaped, self.string_start)
+        size = len(self.text)
+        try:
+            for i, data in enumerate(pieces):
+                if not probe.feed(data, shared=True):
+                    return i
+            return None
+        finally:
+            del self.text[size:]
+
+    @property
+    def in_array(self) -> bool:
+        """Whether an array is open (only then can an item end)."""
+        return any(f.array for f in self.stack)
 
     @property
     def has_items(self) -> bool:
-        """Whether some open array holds an ended item (only then can a duplicate end)."""
+        """Whether some open array holds an ended item (else a repeat needs two items ended)."""
         return any(f.seen for f in self.stack)
 
     def _top_array(self) -> _Frame | None:
@@ -117,7 +135,8 @@ class DistinctItems:
 
     def feed(self, data: bytes, *, shared: bool = False) -> bool:
         """Take `data`; False at the first byte that ends a duplicate item. shared: the sets of
-        seen items belong to another state (a copy), so they are replaced, not added to."""
+        seen items belong to another state (`first_repeat`'s probe), so they are replaced, not
+        added to."""
         for byte in data:
             self.text.append(byte)
             end = len(self.text)
@@ -152,22 +171,26 @@ class DistinctItems:
 
 
 class EndingTokens:
-    """Per vocabulary, the tokens that could end an array item: as bitmask lines (the engines'
-    layout, token i at bit i % 32 of word i // 32) of those holding a `"`, those holding a `,`,
-    `]` or `}`."""
+    """Per vocabulary, the tokens that could end an array item, as bitmask lines (the engines'
+    layout, token i at bit i % 32 of word i // 32): `quote` those holding a `"` (inside a
+    string), `any_end` those holding a `"`, `,`, `]` or `}` (outside one), `two_ends` those
+    holding two or more of these bytes (able to end two items)."""
 
     _cache: dict[str, EndingTokens] = {}
 
     def __init__(self, vocabulary: TokenVocabulary) -> None:
         words = (vocabulary.size + 31) // 32
-        self.quote = np.zeros(words, dtype=np.uint32)
-        self.close = np.zeros(words, dtype=np.uint32)
+        self.quote, self.any_end, self.two_ends = (np.zeros(words, dtype=np.uint32)
+                                                   for _ in range(3))  # fmt: skip
         for token, data in vocabulary.token_bytes.items():
-            bit = np.uint32(1 << (token & 31))
+            at, bit = token >> 5, np.uint32(1 << (token & 31))
+            ends = sum(data.count(c) for c in b'",]}')
             if b'"' in data:
-                self.quote[token >> 5] |= bit
-            if b"," in data or b"]" in data or b"}" in data:
-                self.close[token >> 5] |= bit
+                self.quote[at] |= bit
+            if ends:
+                self.any_end[at] |= bit
+            if ends >= 2:
+                self.two_ends[at] |= bit
         self.token_bytes = vocabulary.token_bytes
 
     @classmethod
@@ -202,12 +225,15 @@ class DistinctRow:
 
     def fill(self, line: np.ndarray) -> None:
         self.row.fill(line)
-        if not self.state.has_items:
+        state = self.state
+        if not state.in_array:
             return
         words = line.view(np.uint32)
-        ends = self.ending.quote if self.state.in_string else self.ending.close
+        ends = self.ending.quote if state.in_string else self.ending.any_end
+        if not state.has_items:
+            ends = ends & self.ending.two_ends
         for token in _set_bits(words & ends).tolist():
-            if not self.state.copy().feed(self.ending.token_bytes[token], shared=True):
+            if state.first_repeat([self.ending.token_bytes[token]]) == 0:
                 words[token >> 5] &= ~np.uint32(1 << (token & 31))
 
     def is_finished(self) -> bool:
@@ -215,12 +241,9 @@ class DistinctRow:
 
     def forced_tokens(self) -> list[int]:
         """The grammar's forced tokens, up to the first that would end a duplicate item."""
-        forced, probe = [], self.state.copy()
-        for token in self.row.forced_tokens():
-            if not probe.feed(self.ending.token_bytes.get(token, b""), shared=True):
-                break
-            forced.append(token)
-        return forced
+        forced = self.row.forced_tokens()
+        stop = self.state.first_repeat([self.ending.token_bytes.get(t, b"") for t in forced])
+        return forced if stop is None else forced[:stop]
 
 
 def _may_hold_arrays(node: dict[str, Any]) -> bool:

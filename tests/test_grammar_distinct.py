@@ -91,8 +91,9 @@ def test_the_check_on_the_text_itself() -> None:
     state = DistinctItems()
     assert state.feed(b'{"t":[1,"x",[1,2],{"a":[1,1]}') is False  # the inner [1,1] repeats 1
     state = DistinctItems()
-    assert state.feed(b'[1,"1",true,null,1.5,') and not state.copy().feed(b"1.50]", shared=True)
-    assert state.feed(b"2]")  # the copy's look-ahead left this state as it was
+    assert state.feed(b'[1,"1",true,null,1.5,') and state.first_repeat([b"2,", b"1.50]"]) == 1
+    assert state.first_repeat([b"2,", b"3]"]) is None
+    assert state.feed(b"2]")  # the probes' look-ahead left this state as it was
     assert canonical(b'{"b":1.0,"a":[2.0]}') == canonical(b'{"a":[2],"b":1}')
 
 
@@ -106,3 +107,25 @@ def test_narrowing_is_noted_where_other_arrays_could_repeat_items(vocab) -> None
     assert any("uniqueItems is checked on every array" in n for n in compiled.notes)
     assert accepts(compiled, {"tags": ["a", "b"], "scores": [1]})
     assert not accepts(compiled, {"tags": ["a", "a"]})
+
+
+def test_tokens_that_open_and_end_a_repeat_in_one_piece_are_masked_too() -> None:
+    """Outside a string, `"ab"` both opens and ends an item; in an array with no item yet,
+    `"a","a"` ends two equal ones: neither may stay allowed (sampling would pick a token that
+    `advance` then refuses)."""
+    pieces = [*'[]",abc', '"ab"', '"a","a"', '"a","b"']
+    vocab = vocab_of(pieces)
+    compiled = llg(TAGS, vocab)
+    by_piece = {p: i + 1 for i, p in enumerate(pieces)}
+
+    def allowed_after(prefix: list[str]) -> set[str]:
+        row = compiled.new_row()
+        for piece in prefix:
+            assert row.advance(by_piece[piece]), piece
+        line = np.zeros((vocab.size + 31) // 32, dtype=np.int32)
+        row.fill(line)
+        return {p for p, t in by_piece.items() if (int(line[t >> 5]) >> (t & 31)) & 1}
+
+    assert {'"a","b"', '"ab"'} <= allowed_after(["["]) and '"a","a"' not in allowed_after(["["])
+    after_ab = allowed_after(["[", '"ab"', ","])
+    assert '"ab"' not in after_ab and '"a","b"' in after_ab
