@@ -125,17 +125,11 @@ class LlgIndex:
 
     tokenizer: Any
     grammar_text: str
+    template: Any = field(compare=False, repr=False)  # built by the compile, never advanced
     notes: tuple[str, ...] = ()
-    template: Any = field(default=None, compare=False, repr=False)
     distinct: EndingTokens | None = None  # set: rows check distinct array items (uniqueItems)
 
     def new_row(self) -> LlgRow | DistinctRow:
-        if self.template is None:  # built on first use, then shared by every row
-            llg = import_llguidance()
-            matcher = llg.LLMatcher(self.tokenizer, self.grammar_text, log_level=0)
-            if matcher.is_error():
-                return LlgRow(matcher)  # raises, naming llguidance's error
-            object.__setattr__(self, "template", matcher)
         row = LlgRow(self.template.deep_copy())
         return row if self.distinct is None else DistinctRow(row, self.distinct)
 
@@ -189,10 +183,13 @@ def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list
     ordered: list[str] = []
     reorder = grammar.kind == "json_schema"  # off again if the copies make it too large
     template = None
+    reordered: tuple[Any, Any] = (None, None)  # (schema, any_order of it): once per schema
     for _ in range(16):  # each retry settles one refusal
         if reorder:  # keys in any order (exact), where it can afford the copies
-            unordered, ordered = any_order(schema)
-            text = _grammar_text(grammar, unordered, options)
+            if reordered[0] is not schema:
+                reordered = (schema, any_order(schema))
+            written, ordered = reordered[1]
+            text = _grammar_text(grammar, written, options)
         else:
             ordered = ordered_objects(schema) if grammar.kind == "json_schema" else []
             text = _grammar_text(grammar, schema, options)
@@ -203,8 +200,8 @@ def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list
                 is_error, messages = True, [template.get_error()]
         if not is_error or grammar.kind != "json_schema":
             break
-        # An unknown format stays a refusal: dropping it accepted a benchmark instance that is
-        # invalid by its format (measured: MCPspec CompleteRequest, uri-template).
+        # A format a draft defines but llguidance lacks stays a refusal (`formats_written`):
+        # dropping one accepted an instance invalid by it (MCPspec CompleteRequest).
         reason = messages[0] if messages else ""
         if reorder and ("too large" in reason or "symbols" in reason):
             reorder = False  # the schema as written, in declaration order (noted)
@@ -257,4 +254,4 @@ def compile_llguidance(
         raise GrammarError(f"{grammar.label}: llguidance cannot compile it: {reason}")
     notes += [f"llguidance: {m}" for m in messages]
     ending = EndingTokens.of(vocabulary) if distinct else None
-    return LlgIndex(tokenizer, text, tuple(notes), template=template, distinct=ending)
+    return LlgIndex(tokenizer, text, template, tuple(notes), distinct=ending)

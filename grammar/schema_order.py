@@ -82,13 +82,15 @@ def any_order(schema: Any) -> tuple[Any, list[str]]:
         if not isinstance(props, dict) or len(props) < 2:
             return out
         inside = f"{where}/properties/"
-        cost = (factorial(len(props)) - 1) * len(json.dumps(props)) if len(props) <= 8 else 0
         if (
             pointers is None
             or len(props) > MAX_PROPERTIES
-            or cost > budget
             or any(p.startswith(inside) for p in pointers)
         ):
+            ordered.append(where)
+            return out
+        cost = (factorial(len(props)) - 1) * len(json.dumps(props))  # only for those it could copy
+        if cost > budget:
             ordered.append(where)
             return out
         budget -= cost
