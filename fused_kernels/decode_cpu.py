@@ -12,6 +12,7 @@ everything else.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ __all__ = [
     "decode_phases",
 ]
 
-# The phases of a layer that `decode_phases` times (csrc/quantkit_kernels.h, enum PH_*):
+# The phases of a layer that `decode_phases` times (csrc/decode.c, enum PH_*, in its order):
 # "norm" holds the RMSNorms and residual adds, "permute" the activations' rearrangement (and
 # bf16 rounding) before each GEMV, "rope_kv" the rotary embedding and the K/V cache write.
 PHASES = ("norm", "permute", "qkv", "rope_kv", "attention", "o", "gate_up", "silu", "down")
@@ -52,8 +53,6 @@ def decode_phases(on: bool) -> tuple[dict[str, float], int]:
     """({phase: seconds}, steps) that the decode steps spent in each phase since the last call,
     summed over layers (zeroed by this call); `on` turns the timers on (or off) from now.
     One thread reads the clock at each phase's end, so a phase includes its barrier wait."""
-    import ctypes
-
     out = (ctypes.c_double * len(PHASES))()
     steps = int(_library().qk_decode_phases(int(on), ctypes.addressof(out)))
     return dict(zip(PHASES, list(out), strict=True)), steps
