@@ -24,7 +24,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager, suppress
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,7 +34,7 @@ import torch
 
 from quantkit.cpu import cpu_name
 from quantkit.errors import HardwareError
-from quantkit.paths import file_lock, quantkit_home
+from quantkit.paths import atomic_file, file_lock, quantkit_home
 
 GB = 1e9
 PROBE_VERSION = 2
@@ -256,13 +256,10 @@ def _damaged(path: Path, why: str) -> None:
 
 
 def _write_cache(path: Path, cache: dict[str, Any]) -> None:
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(cache, indent=1) + "\n")
-        os.replace(tmp, path)  # atomic: a concurrent reader never sees half a file
+        with atomic_file(path) as tmp:  # a concurrent reader never sees half a file
+            tmp.write_text(json.dumps(cache, indent=1) + "\n")
     except OSError as e:
-        with suppress(OSError):
-            tmp.unlink(missing_ok=True)
         # The figure is still good for this run; only the cache is lost.
         warnings.warn(f"bandwidth cache {path}: not written ({e.strerror})", stacklevel=3)
