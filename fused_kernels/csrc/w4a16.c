@@ -84,7 +84,8 @@ typedef struct { __m256 s, c; } dq_t;
    MAX_MB rows while that many remain, then (AVX-512) the 5-7 rows left as one chunk, or chunks
    of <= 4. A chunk of 8 (AVX-512) dequantizes each weight once for 8 rows instead of twice: at
    batch 8 the dequantization, not the memory, bounds the GEMV. As 4 + 1-3, 5-7 rows cost more
-   than 8 (SmolLM2 INT4, bf16 activations, 2 threads: 19.7 / 21.8 / 24.0 ms against 20.3). `row_chunk` gives the first row and the size of the chunk holding row m.
+   than 8 (SmolLM2 INT4, bf16 activations, 2 threads: 19.7 / 21.8 / 24.0 ms against 20.3).
+   `row_chunk` gives the first row and the size of the chunk holding row m.
    Row-invariant (`one_row`): chunks of INV_MB rows whose tiles keep a one-row call's
    accumulator count and K tiles (`gemv_rows`), so row m's sums run in exactly the order of a
    one-row call and its result is bit-identical whatever else the call holds. INV_MB is 3 where
