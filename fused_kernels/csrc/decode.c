@@ -23,8 +23,8 @@
    for each row's position (the HF rotate-half layout), so the rotation is exactly the PyTorch
    path's. row_invariant: every row's GEMVs run as in a one-row call (`row_chunk`), so each
    row's result is bit-identical to what it would be alone (the rest of a layer is per row
-   already); speculative decoding's verification needs that. Return value: 0, 1 = unsupported group layout, 2 = the work buffer is too small, 3 = a
-   slot or position outside the cache. */
+   already); speculative decoding's verification needs that. Return value: 0, 1 = unsupported
+   group layout, 2 = the work buffer is too small, 3 = a slot or position outside the cache. */
 
 /* The INT4 library's translation unit: the GEMV kernels (and through them `common.h` and
    `quantkit_kernels.h`, which declares qk_decoder_layer and qk_decoder_dims), then the step. */
