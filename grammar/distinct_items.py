@@ -218,6 +218,7 @@ class DistinctRow:
 
     def __init__(self, row: Any, ending: EndingTokens) -> None:
         self.row, self.ending, self.state = row, ending, DistinctItems()
+        self.cleared = 0  # tokens the last `fill` took out as repeats (a dead end's reason)
 
     def advance(self, token: int) -> bool:
         data = self.ending.token_bytes.get(int(token), b"")
@@ -225,7 +226,7 @@ class DistinctRow:
 
     def fill(self, line: np.ndarray) -> None:
         self.row.fill(line)
-        state = self.state
+        state, self.cleared = self.state, 0
         if not state.in_array:
             return
         words = line.view(np.uint32)
@@ -235,6 +236,7 @@ class DistinctRow:
         for token in _set_bits(words & ends).tolist():
             if state.first_repeat([self.ending.token_bytes[token]]) == 0:
                 words[token >> 5] &= ~np.uint32(1 << (token & 31))
+                self.cleared += 1
 
     def is_finished(self) -> bool:
         return bool(self.row.is_finished())

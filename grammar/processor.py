@@ -204,7 +204,9 @@ class GrammarLogitsProcessor:
                 for token in self._eos:
                     line[token >> 5] |= _bit(token)
             elif not line.any():
-                raise GrammarError(f"row {row}: the grammar allows no token here (a dead end)")
+                why = (": every token the grammar allows would repeat an earlier item of a "
+                       "uniqueItems array" if getattr(guide, "cleared", 0) else "")  # fmt: skip
+                raise GrammarError(f"row {row}: the grammar allows no token here (a dead end){why}")
         return bits
 
     def _steer(self, row: int, line: np.ndarray, guide: Any, plan: CompletionPlan) -> None:

@@ -129,3 +129,21 @@ def test_tokens_that_open_and_end_a_repeat_in_one_piece_are_masked_too() -> None
     assert {'"a","b"', '"ab"'} <= allowed_after(["["]) and '"a","a"' not in allowed_after(["["])
     after_ab = allowed_after(["[", '"ab"', ","])
     assert '"ab"' not in after_ab and '"a","b"' in after_ab
+
+
+def test_a_dead_end_made_by_the_check_says_so(vocab) -> None:
+    """maxLength 2 and a second "ab": only the closing quote is left, and it would repeat."""
+    import torch
+
+    from quantkit.errors import GrammarError
+    from quantkit.grammar.processor import GrammarLogitsProcessor
+
+    tags = {**TAGS, "items": {"type": "string", "maxLength": 2}, "minItems": 2}
+    processor = GrammarLogitsProcessor([llg(tags, vocab)])
+    by_piece = {p: i + 1 for i, p in enumerate(PIECES)}
+    ids = [by_piece[p] for p in ('["', "ab", '",', '"', "ab")]
+    logits = torch.zeros(1, vocab.size)
+    processor(torch.tensor([[0]]), logits)  # the first step: no token fed yet
+    with pytest.raises(GrammarError, match=r"dead end\): every token .* repeat .* uniqueItems"):
+        for n in range(1, len(ids) + 1):
+            processor(torch.tensor([[0, *ids[:n]]]), logits)
