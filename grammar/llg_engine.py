@@ -37,8 +37,8 @@ from quantkit.grammar.llg_schema import (
     unique_items_listed,
     without_dependencies,
 )
-from quantkit.grammar.narrowing import order_note, ordered_objects
-from quantkit.grammar.schema_order import any_order
+from quantkit.grammar.narrowing import ordered_objects
+from quantkit.grammar.schema_order import Orders, any_order
 from quantkit.grammar.vocabulary import TokenVocabulary
 
 __all__ = ["LlgIndex", "LlgRow", "compile_llguidance", "import_llguidance", "llg_tokenizer"]
@@ -180,7 +180,7 @@ def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list
     options = dict(JSON_OPTIONS)
     done: set[Any] = set()  # the narrowing rewrites applied (each once)
     distinct = False  # uniqueItems dropped: the rows check distinct items
-    ordered: list[str] = []
+    orders = Orders()
     reorder = grammar.kind == "json_schema"  # off again if the copies make it too large
     template = None
     reordered: tuple[Any, Any] = (None, None)  # (schema, any_order of it): once per schema
@@ -188,10 +188,10 @@ def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list
         if reorder:  # keys in any order (exact), where it can afford the copies
             if reordered[0] is not schema:
                 reordered = (schema, any_order(schema))
-            written, ordered = reordered[1]
+            written, orders = reordered[1]
             text = _grammar_text(grammar, written, options)
         else:
-            ordered = ordered_objects(schema) if grammar.kind == "json_schema" else []
+            orders = Orders(ordered_objects(schema) if grammar.kind == "json_schema" else [])
             text = _grammar_text(grammar, schema, options)
         is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(text, tokenizer)
         if not is_error:  # built once here: some limits only the build finds (symbol count)
@@ -224,8 +224,7 @@ def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list
             notes += more
         else:
             break
-    order = order_note(ordered)
-    return is_error, messages, text, notes + ([order] if order else []), (template, distinct)
+    return is_error, messages, text, notes + orders.notes(), (template, distinct)
 
 
 def compile_llguidance(

@@ -26,17 +26,21 @@ What is left ordered is reported (`ordered`), as the note the user sees.
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass, field
 from itertools import permutations
-from math import factorial
 from typing import Any
 from urllib.parse import unquote
 
 from quantkit.grammar.llg_schema import rewrite_bottom_up
+from quantkit.grammar.narrowing import order_note
 
-__all__ = ["BUDGET", "MAX_PROPERTIES", "any_order"]
+__all__ = ["BUDGET", "MAX_PROPERTIES", "Orders", "any_order"]
 
 MAX_PROPERTIES = 3
 BUDGET = 200_000  # characters of schema JSON the copies may add, per schema
+
+_META = frozenset("\\.+*?()|[]{}^$#&-~")  # escaped in an exact-name pattern
 
 # Keywords that stay on the object node itself rather than in each copy: what other parts of
 # the schema address (definitions, ids, anchors) and annotations.
@@ -69,37 +73,127 @@ def _pointers(schema: Any) -> list[str] | None:
     return out
 
 
-def any_order(schema: Any) -> tuple[Any, list[str]]:
-    """(`schema` with every object it can afford as the anyOf of its property orders, the
-    places (JSON pointers) of the objects with two or more properties still ordered)."""
+def _exact(name: str) -> str:
+    """A pattern that matches exactly `name` (llguidance reads Rust's regex syntax, in which
+    every one of these may be escaped)."""
+    return "^" + "".join("\\" + c if c in _META else c for c in name) + "$"
+
+
+def _free_optional(out: dict[str, Any], optional: list[str]) -> dict[str, Any] | None:
+    """`out` with its `optional` declared properties as `patternProperties` that each match
+    exactly its name: llguidance takes pattern properties in any order, after the ones in
+    `properties`. Exact: a key gets the same schema, and additionalProperties the same other
+    keys. None when it would not be: a pattern the node has already may match one of the
+    names (both schemas would apply; llguidance requires disjoint patterns), or the node says
+    propertyNames or unevaluatedProperties."""
+    if "propertyNames" in out or "unevaluatedProperties" in out:
+        return None
+    patterns = out.get("patternProperties", {})
+    if not isinstance(patterns, dict):
+        return None
+    for pattern in patterns:
+        try:
+            if any(re.search(pattern, name) for name in optional):
+                return None
+        except re.error:
+            return None
+    props = out["properties"]
+    moved = {_exact(name): props[name] for name in optional}
+    if len(moved) < len(optional) or any(p in patterns for p in moved):
+        return None
+    kept = {name: props[name] for name in props if name not in optional}
+    rest = {k: v for k, v in out.items() if k not in ("properties", "patternProperties")}
+    return rest | ({"properties": kept} if kept else {}) | {"patternProperties": patterns | moved}
+
+
+@dataclass
+class Orders:
+    """Where objects still come in a narrower key order than JSON Schema's (JSON pointers):
+    `ordered`, declared properties in declaration order only; `required_first`, in that order
+    or the required properties before the optional ones (each group in any order);
+    `required_ordered`, in that order or the required properties in declaration order before
+    the optional ones (in any order)."""
+
+    ordered: list[str] = field(default_factory=list)
+    required_first: list[str] = field(default_factory=list)
+    required_ordered: list[str] = field(default_factory=list)
+
+    def notes(self) -> list[str]:
+        """One note per kind of narrowing found (`narrowing.order_note` for the first)."""
+        out = [order_note(self.ordered)]
+        for found, what in (
+            (self.required_first, "declared properties are produced in declaration order, or "
+             "the required ones first and then the optional ones, each in any order (other "
+             "orders are valid but never generated)"),
+            (self.required_ordered, "declared properties are produced in declaration order, "
+             "or the required ones first in declaration order and then the optional ones in "
+             "any order (other orders are valid but never generated)"),
+        ):  # fmt: skip
+            if found:
+                more = f" and {len(found) - 1} more objects" if len(found) > 1 else ""
+                out.append(f"{found[0]}{more}: {what}")
+        return [n for n in out if n]
+
+
+def _orders_of(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """`body` once per order of its declared properties (one copy when it has fewer than 2)."""
+    props = body.get("properties", {})
+    return [body | {"properties": {n: props[n] for n in order}} for order in permutations(props)]
+
+
+def any_order(schema: Any) -> tuple[Any, Orders]:
+    """(`schema` with its objects' keys in any order where it can afford them, and where
+    objects are still narrower than that: `Orders`)."""
     pointers = _pointers(schema)
-    ordered: list[str] = []
+    orders = Orders()
     budget = BUDGET
 
-    def fix(out: dict[str, Any], where: str, notes: list[str]) -> dict[str, Any]:
+    def affordable(out: dict[str, Any], forms: list[dict[str, Any]]) -> bool:
+        """Whether the budget pays for `forms` in place of `out` (and, if so, pays)."""
         nonlocal budget
+        cost = sum(len(json.dumps(f)) for f in forms) - len(json.dumps(out))
+        if cost > budget:
+            return False
+        budget -= max(cost, 0)
+        return True
+
+    def fix(out: dict[str, Any], where: str, notes: list[str]) -> dict[str, Any]:
         props = out.get("properties")
         if not isinstance(props, dict) or len(props) < 2:
             return out
         inside = f"{where}/properties/"
-        if (
-            pointers is None
-            or len(props) > MAX_PROPERTIES
-            or any(p.startswith(inside) for p in pointers)
-        ):
-            ordered.append(where)
+        if pointers is None or any(p.startswith(inside) for p in pointers):
+            orders.ordered.append(where)
             return out
-        cost = (factorial(len(props)) - 1) * len(json.dumps(props))  # only for those it could copy
-        if cost > budget:
-            ordered.append(where)
-            return out
-        budget -= cost
         stay = {k: v for k, v in out.items() if k in _STAY}
-        body = {k: v for k, v in out.items() if k not in _STAY and k != "properties"}
-        copies = [body | {"properties": {n: props[n] for n in order}} for order in
-                  permutations(props)]  # fmt: skip
-        return stay | {"anyOf": copies}
+        body = {k: v for k, v in out.items() if k not in _STAY}
+        if len(props) <= MAX_PROPERTIES:
+            forms = _orders_of(body)
+            if not affordable(body, forms):
+                orders.ordered.append(where)
+                return out
+            return stay | {"anyOf": forms}
+        required = out.get("required", [])
+        optional = [n for n in props if not isinstance(required, list) or n not in required]
+        freed = _free_optional(body, optional) if optional else None
+        if freed is None:
+            orders.ordered.append(where)
+            return out
+        kept = freed.get("properties", {})
+        if not kept:  # every declared property optional: any order, exactly
+            return stay | freed
+        # The declaration order stays one of the forms: the documents written in it (often
+        # sorted by name, required and optional interleaved) stay accepted.
+        permuted = [body, *_orders_of(freed)] if len(kept) <= MAX_PROPERTIES else None
+        if permuted is not None and affordable(body, permuted):
+            orders.required_first.append(where)
+            return stay | {"anyOf": permuted}
+        if affordable(body, [body, freed]):
+            orders.required_ordered.append(where)
+            return stay | {"anyOf": [body, freed]}
+        orders.ordered.append(where)
+        return out
 
     rewritten = rewrite_bottom_up(schema, fix)
     assert rewritten is not None  # the fix never raises _Unsound
-    return rewritten[0], ordered
+    return rewritten[0], orders

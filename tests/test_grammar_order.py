@@ -1,7 +1,9 @@
 """Objects in any key order for llguidance (`schema_order.any_order`): the rewrite is exact
-(every order of a small object's keys accepted, nothing invalid gained), bounded (larger
-objects, or ones a `$ref` points into, stay in declaration order and are noted), and a schema
-the copies make too large for llguidance is compiled as written instead."""
+(every order of a small object's keys accepted, nothing invalid gained); a larger object's
+optional keys come in any order (as exact-name patterns) and its required ones first or all in
+declaration order (noted); bounded (objects a `$ref` points into, or whose own patterns may
+match a name, stay in declaration order and are noted), and a schema the copies make too large
+for llguidance is compiled as written instead."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from quantkit.grammar.vocabulary import TokenVocabulary
 from tests.hand_vocab import accepts, vocab_of
 from tests.hand_vocab import llguidance as llg
 
-PIECES = [*'{}[]":, abcdefghijklmnopqrstuvwxyz0123456789.-_#', '{"', '":', '","', "true",
+PIECES = [*'{}[]":, abcdefghijklmnopqrstuvwxyz0123456789.-_#+()$^', '{"', '":', '","', "true",
           "false", "null"]  # fmt: skip
 
 # Three keys, two required, closed: a small real shape (an API call's arguments).
@@ -75,32 +77,94 @@ def test_nested_objects_are_unordered_too(vocab) -> None:
     assert not accepts(compiled, {"b": 1, "a": {"size": 2}})
 
 
-def test_large_objects_stay_ordered_and_are_noted(vocab) -> None:
+def _notes(compiled: Any, what: str) -> list[str]:
+    return [n for n in compiled.notes if what in n]
+
+
+def test_a_large_object_of_optional_keys_takes_any_order(vocab) -> None:
     names = "abcdefg"[: schema_order.MAX_PROPERTIES + 1]
-    schema = {"type": "object", "properties": {n: {"type": "integer"} for n in names}}
-    rewritten, ordered = any_order(schema)
-    assert rewritten == schema and ordered == ["#"]
+    schema = {"type": "object", "properties": {n: {"type": "integer"} for n in names},
+              "additionalProperties": False}  # fmt: skip
+    rewritten, orders = any_order(schema)
+    assert "properties" not in rewritten and len(rewritten["patternProperties"]) == len(names)
+    assert orders.notes() == []
     compiled = llg(schema, vocab)
-    assert any("#: declared properties are produced in declaration order" in n
-               for n in compiled.notes)  # fmt: skip
+    full = {n: i for i, n in enumerate(names)}
+    for order in [tuple(reversed(names)), (names[2], names[0]), (names[-1],)]:
+        assert accepts(compiled, _reordered(full, order)), order
+    assert accepts(compiled, {})
+    for value in ({"z": 1}, {names[0]: "x"}, {names[1]: 1, "aa": 2}):
+        assert validate_json(json.dumps(value), schema) is not None
+        assert not accepts(compiled, value), value
+    assert not _notes(compiled, "declaration order")
+
+
+def test_required_keys_come_first_or_all_in_declaration_order(vocab) -> None:
+    schema = {"type": "object", "properties": {n: {"type": "integer"} for n in "abcde"},
+              "required": ["d", "b"], "additionalProperties": False}  # fmt: skip
+    compiled = llg(schema, vocab)
+    for value in ({"d": 1, "b": 2, "e": 3, "a": 4}, {"b": 1, "d": 2}, {"b": 1, "d": 2, "c": 3},
+                  {"a": 1, "b": 2, "c": 3, "d": 4, "e": 5}, {"b": 1, "c": 2, "d": 3}):
+        assert validate_json(json.dumps(value), schema) is None
+        assert accepts(compiled, value), value
+    for value in ({"a": 1, "b": 2}, {"d": 1}, {"d": 1, "b": 2, "f": 3}, {"d": 1, "b": "x"}):
+        assert validate_json(json.dumps(value), schema) is not None
+        assert not accepts(compiled, value), value
+    # Valid, but neither form: an optional key before a required one, out of declaration order.
+    assert not accepts(compiled, {"e": 1, "b": 2, "d": 3})
+    assert _notes(compiled, "#: declared properties are produced in declaration order, or the "
+                  "required ones first and then the optional ones, each in any order")
+
+
+def test_many_required_keys_keep_their_declaration_order(vocab) -> None:
+    names = "abcdef"[: schema_order.MAX_PROPERTIES + 2]
+    schema = {"type": "object", "properties": {n: {"type": "integer"} for n in names},
+              "required": list(names[:-1])}  # fmt: skip
+    compiled = llg(schema, vocab)
+    required = {n: 1 for n in names[:-1]}
+    assert accepts(compiled, required) and accepts(compiled, required | {names[-1]: 2})
+    assert not accepts(compiled, {names[-1]: 2} | required)  # valid, neither form (noted)
+    assert not accepts(compiled, _reordered(required, tuple(reversed(names[:-1]))))
+    assert _notes(compiled, "or the required ones first in declaration order")
+
+
+def test_names_are_matched_exactly_whatever_they_hold(vocab) -> None:
+    names = ["a.b", "c+d", "(e)", "f$", "^g", "h i"]
+    schema = {"type": "object", "properties": {n: {"type": "integer"} for n in names},
+              "additionalProperties": False}  # fmt: skip
+    compiled = llg(schema, vocab)
+    assert accepts(compiled, {"h i": 1, "^g": 2, "f$": 3, "(e)": 4, "c+d": 5, "a.b": 6})
+    for value in ({"axb": 1}, {"ccd": 1}, {"e": 1}, {"f": 1}, {"g": 1}, {"hxi": 1}):
+        assert not accepts(compiled, value), value
+
+
+def test_a_pattern_that_may_match_a_name_leaves_the_object_ordered(vocab) -> None:
+    names = "abcdefg"[: schema_order.MAX_PROPERTIES + 1]
+    schema = {"type": "object", "properties": {n: {"type": "integer"} for n in names},
+              "patternProperties": {"^[ab]": {"minimum": 0}}}  # fmt: skip
+    rewritten, orders = any_order(schema)
+    assert rewritten == schema and orders.ordered == ["#"]
+    compiled = llg(schema, vocab)
+    assert _notes(compiled, "#: declared properties are produced in declaration order only")
     assert accepts(compiled, {"a": 1, "b": 2}) and not accepts(compiled, {"b": 2, "a": 1})
+    assert not accepts(compiled, {"a": -1})
 
 
 def test_a_ref_into_the_properties_keeps_them_in_place() -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"},
               "c": {"$ref": "#/properties/a"}}}  # fmt: skip
-    assert any_order(schema) == (schema, ["#"])
+    assert any_order(schema) == (schema, schema_order.Orders(["#"]))
     remote = {"type": "object", "properties": {"a": {"$ref": "other.json#/x"},
               "b": {"type": "string"}}}  # fmt: skip
-    assert any_order(remote) == (remote, ["#"])
+    assert any_order(remote) == (remote, schema_order.Orders(["#"]))
 
 
 def test_definitions_and_annotations_stay_on_the_node() -> None:
     schema = {"title": "T", "$defs": {"n": {"type": "integer"}}, "type": "object",
               "properties": {"a": {"$ref": "#/$defs/n"}, "b": {"type": "string"}},
               "required": ["a"]}  # fmt: skip
-    rewritten, ordered = any_order(schema)
-    assert ordered == [] and rewritten["$defs"] == schema["$defs"] and rewritten["title"] == "T"
+    rewritten, orders = any_order(schema)
+    assert orders.notes() == [] and rewritten["$defs"] == schema["$defs"] and rewritten["title"] == "T"
     orders = [list(copy["properties"]) for copy in rewritten["anyOf"]]
     assert orders == [["a", "b"], ["b", "a"]]
     assert all(copy["required"] == ["a"] and "$defs" not in copy for copy in rewritten["anyOf"])
@@ -111,11 +175,11 @@ def test_too_large_for_llguidance_compiles_as_written(
 ) -> None:
     from quantkit.grammar import llg_engine
 
-    def too_many_copies(schema: Any) -> tuple[Any, list[str]]:
+    def too_many_copies(schema: Any) -> tuple[Any, schema_order.Orders]:
         """As if the copies had grown past llguidance's size limit ("schema too large")."""
         copies = [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}}
                   for i in range(20000)]  # fmt: skip
-        return {"anyOf": copies}, []
+        return {"anyOf": copies}, schema_order.Orders()
 
     monkeypatch.setattr(llg_engine, "any_order", too_many_copies)
     compiled = llg(CALL, vocab)
