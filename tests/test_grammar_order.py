@@ -103,8 +103,13 @@ def test_required_keys_come_first_or_all_in_declaration_order(vocab) -> None:
     schema = {"type": "object", "properties": {n: {"type": "integer"} for n in "abcde"},
               "required": ["d", "b"], "additionalProperties": False}  # fmt: skip
     compiled = llg(schema, vocab)
-    for value in ({"d": 1, "b": 2, "e": 3, "a": 4}, {"b": 1, "d": 2}, {"b": 1, "d": 2, "c": 3},
-                  {"a": 1, "b": 2, "c": 3, "d": 4, "e": 5}, {"b": 1, "c": 2, "d": 3}):
+    for value in (
+        {"d": 1, "b": 2, "e": 3, "a": 4},
+        {"b": 1, "d": 2},
+        {"b": 1, "d": 2, "c": 3},
+        {"a": 1, "b": 2, "c": 3, "d": 4, "e": 5},
+        {"b": 1, "c": 2, "d": 3},
+    ):
         assert validate_json(json.dumps(value), schema) is None
         assert accepts(compiled, value), value
     for value in ({"a": 1, "b": 2}, {"d": 1}, {"d": 1, "b": 2, "f": 3}, {"d": 1, "b": "x"}):
@@ -112,8 +117,11 @@ def test_required_keys_come_first_or_all_in_declaration_order(vocab) -> None:
         assert not accepts(compiled, value), value
     # Valid, but neither form: an optional key before a required one, out of declaration order.
     assert not accepts(compiled, {"e": 1, "b": 2, "d": 3})
-    assert _notes(compiled, "#: declared properties are produced in declaration order, or the "
-                  "required ones first and then the optional ones, each in any order")
+    assert _notes(
+        compiled,
+        "#: declared properties are produced in declaration order, or the "
+        "required ones first and then the optional ones, each in any order",
+    )
 
 
 def test_many_required_keys_keep_their_declaration_order(vocab) -> None:
@@ -164,9 +172,9 @@ def test_definitions_and_annotations_stay_on_the_node() -> None:
               "properties": {"a": {"$ref": "#/$defs/n"}, "b": {"type": "string"}},
               "required": ["a"]}  # fmt: skip
     rewritten, orders = any_order(schema)
-    assert orders.notes() == [] and rewritten["$defs"] == schema["$defs"] and rewritten["title"] == "T"
-    orders = [list(copy["properties"]) for copy in rewritten["anyOf"]]
-    assert orders == [["a", "b"], ["b", "a"]]
+    assert orders.notes() == [] and rewritten["$defs"] == schema["$defs"]
+    assert rewritten["title"] == "T"
+    assert [list(copy["properties"]) for copy in rewritten["anyOf"]] == [["a", "b"], ["b", "a"]]
     assert all(copy["required"] == ["a"] and "$defs" not in copy for copy in rewritten["anyOf"])
 
 
