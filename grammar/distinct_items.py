@@ -1,4 +1,5 @@
-"""`uniqueItems` beside llguidance: distinct array items, checked on the document's text.
+"""`uniqueItems` beside llguidance: distinct array items (and distinct object keys), checked
+on the document's text.
 
 llguidance has no `uniqueItems` (a context-free grammar cannot say "no item twice"). Before
 this, such an array was bounded to one item, so a user asking for a list of distinct tags got
@@ -14,17 +15,25 @@ an array belongs to (through anyOf, $ref, ...). Where the schema also allows arr
 `uniqueItems`, those lose their duplicates too: `all_arrays_unique` says when, and the engine
 notes it.
 
-Cost: `fill` tests only the tokens the grammar allows that could end an item here (inside a
-string, those holding a `"`; elsewhere, those holding a `"`, `,`, `]` or `}`: `"ab"` opens and
-ends a string at once), only inside an array, and while no open array has an ended item yet,
-only those holding two such bytes (a repeat then needs two items ended by one token). A
-probe shares the text with the row's state and cuts it back, so testing a token costs its own
+Object keys: llguidance lets the key of a pattern property repeat (`{"a":1,"a":2}`), and the
+larger objects' optional properties become patterns (`schema_order`), so those rows also
+refuse a key its object has already (compared as written, quotes included). In `fill`, inside
+a key, the tokens to clear are looked up (those that begin with the rest of an ended key and
+its closing quote); outside a string, the allowed tokens holding two quotes (able to write a
+whole key) are tried.
+
+Cost: for items, `fill` tests only the tokens the grammar allows that could end an item here
+(inside a string, those holding a `"`; elsewhere, those holding a `"`, `,`, `]` or `}`: `"ab"`
+opens and ends a string at once), only inside an array, and while no open array has an ended
+item yet, only those holding two such bytes (a repeat then needs two items ended by one token).
+A probe shares the text with the row's state and cuts it back, so testing a token costs its own
 bytes, not the document's.
 """
 
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,12 +66,22 @@ def canonical(text: bytes) -> str:
 @dataclass
 class _Frame:
     """An open container: where it began in the text; for an array, the items it has ended
-    and where the item in progress began (None between items)."""
+    and where the item in progress began (None between items); for an object, the keys it
+    has ended (as written, quotes included), where the key in progress began (None outside
+    one) and whether the next string is a key."""
 
     start: int
     array: bool
     seen: set[str] = field(default_factory=set)
     item: int | None = None
+    keys: set[bytes] = field(default_factory=set)
+    key: int | None = None
+    want_key: bool = False
+
+    def copy(self) -> _Frame:
+        """A copy sharing the sets (a probe replaces them rather than adding to them)."""
+        return _Frame(self.start, self.array, self.seen, self.item, self.keys, self.key,
+                      self.want_key)  # fmt: skip
 
 
 @dataclass
@@ -79,13 +98,16 @@ class DistinctItems:
     in_string: bool = False
     escaped: bool = False
     string_start: int = 0
+    items: bool = True  # refuse a repeated array item
+    keys: bool = False  # refuse a repeated object key
 
     def first_repeat(self, pieces: list[bytes]) -> int | None:
         """The index of the first of `pieces` that, fed after the ones before it, would end a
         repeated item; None when none would. This state is left as it was: the probe shares
         its text (cut back afterwards) and copies only the open containers."""
-        frames = [_Frame(f.start, f.array, f.seen, f.item) for f in self.stack]
-        probe = DistinctItems(self.text, frames, self.in_string, self.escaped, self.string_start)
+        frames = [f.copy() for f in self.stack]
+        probe = DistinctItems(self.text, frames, self.in_string, self.escaped, self.string_start,
+                              self.items, self.keys)  # fmt: skip
         size = len(self.text)
         try:
             for i, data in enumerate(pieces):
@@ -105,6 +127,33 @@ class DistinctItems:
         """Whether some open array holds an ended item (else a repeat needs two items ended)."""
         return any(f.seen for f in self.stack)
 
+    @property
+    def has_keys(self) -> bool:
+        """Whether some open object holds an ended key (else no key can repeat yet)."""
+        return any(f.keys for f in self.stack)
+
+    def key_typed(self) -> tuple[bytes, set[bytes]] | None:
+        """Inside a key: (its text so far, opening quote included; the keys its object has
+        ended), else None."""
+        top = self.stack[-1] if self.stack else None
+        if not self.in_string or top is None or top.array or top.key != self.string_start:
+            return None
+        return bytes(self.text[self.string_start :]), top.keys
+
+    def _end_key(self, top: _Frame, end: int, *, shared: bool) -> bool:
+        """End `top`'s key in progress at text[:end]; False when the object has it already."""
+        name = bytes(self.text[top.key : end])  # type: ignore[index]  # a key is in progress
+        top.key = None
+        if not self.keys:
+            return True
+        if name in top.keys:
+            return False
+        if shared:
+            top.keys = top.keys | {name}
+        else:
+            top.keys.add(name)
+        return True
+
     def _top_array(self) -> _Frame | None:
         top = self.stack[-1] if self.stack else None
         return top if top is not None and top.array else None
@@ -117,6 +166,9 @@ class DistinctItems:
     def _end_item(self, top: _Frame, end: int, *, shared: bool) -> bool:
         """End `top`'s item in progress at text[:end]; False when it repeats an earlier one."""
         if top.item is None:
+            return True
+        if not self.items:
+            top.item = None
             return True
         value = canonical(bytes(self.text[top.item : end]))
         if value in top.seen:
@@ -147,19 +199,31 @@ class DistinctItems:
                     self.escaped = True
                 elif byte == _QUOTE:
                     self.in_string = False
+                    top = self.stack[-1] if self.stack else None
+                    if top is not None and not top.array and top.key == self.string_start:
+                        if not self._end_key(top, end, shared=shared):
+                            return False
+                        continue
                     top = self._ends_item(self.string_start)
                     if top is not None and not self._end_item(top, end, shared=shared):
                         return False
             elif byte == _QUOTE:
-                self._begin_item(end - 1)
+                top = self.stack[-1] if self.stack else None
+                if top is not None and not top.array and top.want_key:
+                    top.key, top.want_key = end - 1, False
+                else:
+                    self._begin_item(end - 1)
                 self.in_string, self.string_start = True, end - 1
             elif byte in _OPEN:
                 self._begin_item(end - 1)
-                self.stack.append(_Frame(end - 1, byte == ord("[")))
+                array = byte == ord("[")
+                self.stack.append(_Frame(end - 1, array, want_key=not array))
             elif byte in _CLOSE or byte == ord(","):
                 top = self._top_array()
                 if top is not None and not self._end_item(top, end - 1, shared=shared):
                     return False
+                if byte == ord(",") and self.stack and not self.stack[-1].array:
+                    self.stack[-1].want_key = True
                 if byte in _CLOSE and self.stack:
                     closed = self.stack.pop()
                     outer = self._ends_item(closed.start)
@@ -171,17 +235,19 @@ class DistinctItems:
 
 
 class EndingTokens:
-    """Per vocabulary, the tokens that could end an array item, as bitmask lines (the engines'
-    layout, token i at bit i % 32 of word i // 32): `quote` those holding a `"` (inside a
-    string), `any_end` those holding a `"`, `,`, `]` or `}` (outside one), `two_ends` those
-    holding two or more of these bytes (able to end two items)."""
+    """Per vocabulary, the tokens that could end an array item or an object key, as bitmask
+    lines (the engines' layout, token i at bit i % 32 of word i // 32): `quote` those holding
+    a `"` (inside a string), `any_end` those holding a `"`, `,`, `]` or `}` (outside one),
+    `two_ends` those holding two or more of these bytes (able to end two items), `two_quotes`
+    those holding two `"` or more (able to write a whole key); and the tokens holding a `"`
+    sorted by their bytes (`starting_with`)."""
 
     _cache: dict[str, EndingTokens] = {}
 
     def __init__(self, vocabulary: TokenVocabulary) -> None:
         words = (vocabulary.size + 31) // 32
-        self.quote, self.any_end, self.two_ends = (np.zeros(words, dtype=np.uint32)
-                                                   for _ in range(3))  # fmt: skip
+        self.quote, self.any_end, self.two_ends, self.two_quotes = (
+            np.zeros(words, dtype=np.uint32) for _ in range(4))  # fmt: skip
         for token, data in vocabulary.token_bytes.items():
             at, bit = token >> 5, np.uint32(1 << (token & 31))
             ends = sum(data.count(c) for c in b'",]}')
@@ -191,7 +257,20 @@ class EndingTokens:
                 self.any_end[at] |= bit
             if ends >= 2:
                 self.two_ends[at] |= bit
+            if data.count(b'"') >= 2:
+                self.two_quotes[at] |= bit
         self.token_bytes = vocabulary.token_bytes
+        quoted = sorted((d, t) for t, d in vocabulary.token_bytes.items() if b'"' in d)
+        self._quoted, self._quoted_ids = [d for d, _ in quoted], [t for _, t in quoted]
+
+    def starting_with(self, prefix: bytes) -> list[int]:
+        """The tokens holding a `"` whose bytes begin with `prefix`."""
+        at = bisect_left(self._quoted, prefix)
+        out = []
+        while at < len(self._quoted) and self._quoted[at].startswith(prefix):
+            out.append(self._quoted_ids[at])
+            at += 1
+        return out
 
     @classmethod
     def of(cls, vocabulary: TokenVocabulary) -> EndingTokens:
@@ -212,13 +291,16 @@ def _set_bits(words: np.ndarray) -> np.ndarray:
 
 
 class DistinctRow:
-    """An llguidance row (`llg_engine.LlgRow`) whose arrays hold distinct items."""
+    """An llguidance row (`llg_engine.LlgRow`) whose arrays hold distinct items (items) and
+    whose objects hold distinct keys (keys)."""
 
     engine = "llguidance"
 
-    def __init__(self, row: Any, ending: EndingTokens) -> None:
-        self.row, self.ending, self.state = row, ending, DistinctItems()
-        self.cleared = 0  # tokens the last `fill` took out as repeats (a dead end's reason)
+    def __init__(self, row: Any, ending: EndingTokens, *, items: bool = True,
+                 keys: bool = False) -> None:  # fmt: skip
+        self.row, self.ending = row, ending
+        self.state = DistinctItems(items=items, keys=keys)
+        self.cleared = 0  # tokens the last `fill` took out as repeated items (a dead end's why)
 
     def advance(self, token: int) -> bool:
         data = self.ending.token_bytes.get(int(token), b"")
@@ -227,9 +309,11 @@ class DistinctRow:
     def fill(self, line: np.ndarray) -> None:
         self.row.fill(line)
         state, self.cleared = self.state, 0
-        if not state.in_array:
-            return
         words = line.view(np.uint32)
+        if state.keys and state.has_keys:
+            self._clear_repeated_keys(words)
+        if not state.items or not state.in_array:
+            return
         ends = self.ending.quote if state.in_string else self.ending.any_end
         if not state.has_items:
             ends = ends & self.ending.two_ends
@@ -237,6 +321,23 @@ class DistinctRow:
             if state.first_repeat([self.ending.token_bytes[token]]) == 0:
                 words[token >> 5] &= ~np.uint32(1 << (token & 31))
                 self.cleared += 1
+
+    def _clear_repeated_keys(self, words: np.ndarray) -> None:
+        """Clear the tokens that would end a key its object has already. Inside a key, those
+        are the tokens that begin with the rest of an ended key and its closing quote (looked
+        up, not tried); outside a string, the allowed tokens with two quotes are tried."""
+        state = self.state
+        inside = state.key_typed()
+        if inside is not None:
+            typed, ended = inside
+            for name in ended:
+                if name.startswith(typed) and len(name) > len(typed):
+                    for token in self.ending.starting_with(name[len(typed) :]):
+                        words[token >> 5] &= ~np.uint32(1 << (token & 31))
+        elif not state.in_string:
+            for token in _set_bits(words & self.ending.two_quotes).tolist():
+                if state.first_repeat([self.ending.token_bytes[token]]) == 0:
+                    words[token >> 5] &= ~np.uint32(1 << (token & 31))
 
     def is_finished(self) -> bool:
         return bool(self.row.is_finished())

@@ -127,11 +127,15 @@ class LlgIndex:
     grammar_text: str
     template: Any = field(compare=False, repr=False)  # built by the compile, never advanced
     notes: tuple[str, ...] = ()
-    distinct: EndingTokens | None = None  # set: rows check distinct array items (uniqueItems)
+    distinct: EndingTokens | None = None  # set: rows check distinct items and/or keys
+    items: bool = False  # rows refuse a repeated array item (uniqueItems dropped)
+    keys: bool = False  # rows refuse a repeated object key (declared keys made patterns)
 
     def new_row(self) -> LlgRow | DistinctRow:
         row = LlgRow(self.template.deep_copy())
-        return row if self.distinct is None else DistinctRow(row, self.distinct)
+        if self.distinct is None:
+            return row
+        return DistinctRow(row, self.distinct, items=self.items, keys=self.keys)
 
 
 class LlgRow:
@@ -167,8 +171,9 @@ def _grammar_text(grammar: Grammar, schema: Any, options: dict[str, Any]) -> str
 
 
 def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list[str], Any]:
-    """(is_error, llguidance's messages, grammar text, notes, the template matcher and whether
-    rows must check distinct array items), settling what `llg_schema` can:
+    """(is_error, llguidance's messages, grammar text, notes, (the template matcher, (whether
+    rows must check distinct array items, distinct object keys))), settling what `llg_schema`
+    can:
     `not`, `if`/`then`/`else` and overlapping `oneOf`s in positive keywords (exact, or narrower
     and noted); a oneOf proven exclusive is read as anyOf (exact); dependency keywords are
     rewritten into a narrower schema (noted); uniqueItems is listed exactly or left to the
@@ -224,7 +229,8 @@ def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list
             notes += more
         else:
             break
-    return is_error, messages, text, notes + orders.notes(), (template, distinct)
+    checks = (distinct, bool(orders.freed))
+    return is_error, messages, text, notes + orders.notes(), (template, checks)
 
 
 def compile_llguidance(
@@ -247,10 +253,10 @@ def compile_llguidance(
             f"{grammar.label}: llguidance grammar build took longer than the limit of "
             f"{limit_s or timeout_s:g} s (--compile-timeout; phase: llguidance build)"
         )
-    is_error, messages, text, notes, (template, distinct) = answer[0]
+    is_error, messages, text, notes, (template, (items, keys)) = answer[0]
     if is_error:
         reason = (messages[0] if messages else "unknown error").splitlines()[0]
         raise GrammarError(f"{grammar.label}: llguidance cannot compile it: {reason}")
     notes += [f"llguidance: {m}" for m in messages]
-    ending = EndingTokens.of(vocabulary) if distinct else None
-    return LlgIndex(tokenizer, text, template, tuple(notes), distinct=ending)
+    ending = EndingTokens.of(vocabulary) if items or keys else None
+    return LlgIndex(tokenizer, text, template, tuple(notes), ending, items=items, keys=keys)

@@ -5,22 +5,33 @@ document with its keys in another order is rejected, and the model can never wri
 Schema does not order keys, so this narrows the language: on JSONSchemaBench (all 5216
 schemas) it was the largest cause of valid test instances rejected (most of the 179).
 
-`any_order` rewrites an object schema with k declared properties as the `anyOf` of k! copies of
-itself, each declaring the same properties in another order. Every copy accepts exactly the
-values the original does (only the order of the `properties` map differs, and it carries no
-meaning), so the union is exact; and every order of every subset of the keys is a subsequence
-of some permutation, so every key order is produced. Applied children first, so nested objects
-are unordered too.
+`any_order` rewrites each object it can afford, children first (nested objects too):
 
-Bounded, because the grammar grows by k! copies of the object's property schemas:
-- at most `MAX_PROPERTIES` declared properties (3: 6 copies). Measured on JSONSchemaBench
-  (the 225-schema sample, mask best of 5 walks; the 111 schemas with rejected valid
-  instances): up to 2 properties 15 us a mask step, compile p90 23 ms, 54/191 accepted; 3:
-  16 us, 44 ms, 56/191; 4: 22 us, 104 ms, 67/191. 4 misses the 20 us mask budget;
-- at most `BUDGET` characters of JSON added to the whole schema;
+- up to `MAX_PROPERTIES` declared properties: the `anyOf` of k! copies of the object, each
+  declaring the same properties in another order. Every copy accepts exactly the values the
+  original does (the order of the `properties` map carries no meaning), so the union is exact;
+  and every order of every subset of the keys is a subsequence of some permutation, so every
+  key order is produced.
+- more: the optional properties become `patternProperties`, each matching exactly its name
+  (same schema for the same keys, same other keys for additionalProperties: exact), which
+  llguidance takes in any order after the declared ones. With no required property that is
+  every order. Otherwise the required ones stay declared (in every order when 3 or fewer, else
+  in declaration order), so they come first; the object as written stays one more anyOf form,
+  so documents in declaration order (often sorted by name, required and optional interleaved)
+  stay accepted; what is left is noted. llguidance lets a pattern's key repeat, so the rows
+  then refuse a repeated key (`distinct_items`). An object whose own patterns may match one
+  of the names (two schemas would apply) stays ordered.
+
+Bounded, because the grammar grows by the copies:
+- permutations of at most `MAX_PROPERTIES` properties (3: 6 copies). Measured on
+  JSONSchemaBench (the 225-schema sample, mask best of 5 walks; the 111 schemas with rejected
+  valid instances): up to 2 properties 15 us a mask step, compile p90 23 ms, 54/191 accepted;
+  3: 16 us, 44 ms, 56/191; 4: 22 us, 104 ms, 67/191. 4 misses the 20 us mask budget;
+- at most `BUDGET` characters of JSON added to the whole schema (else the cheaper form, else
+  the object as written);
 - never where a `$ref` points into the object's properties (the copies move them), nor in a
   schema with a `$ref` that is not a local JSON pointer (its target cannot be checked).
-What is left ordered is reported (`ordered`), as the note the user sees.
+What is left narrower is reported (`Orders`), as the notes the user sees.
 """
 
 from __future__ import annotations
@@ -112,11 +123,13 @@ class Orders:
     `ordered`, declared properties in declaration order only; `required_first`, in that order
     or the required properties before the optional ones (each group in any order);
     `required_ordered`, in that order or the required properties in declaration order before
-    the optional ones (in any order)."""
+    the optional ones (in any order). `freed`: the objects whose optional properties became
+    patterns (llguidance lets a pattern's key repeat: the rows refuse a repeated key)."""
 
     ordered: list[str] = field(default_factory=list)
     required_first: list[str] = field(default_factory=list)
     required_ordered: list[str] = field(default_factory=list)
+    freed: list[str] = field(default_factory=list)
 
     def notes(self) -> list[str]:
         """One note per kind of narrowing found (`narrowing.order_note` for the first)."""
@@ -180,6 +193,7 @@ def any_order(schema: Any) -> tuple[Any, Orders]:
             orders.ordered.append(where)
             return out
         kept = freed.get("properties", {})
+        orders.freed.append(where)
         if not kept:  # every declared property optional: any order, exactly
             return stay | freed
         # The declaration order stays one of the forms: the documents written in it (often
@@ -191,6 +205,7 @@ def any_order(schema: Any) -> tuple[Any, Orders]:
         if affordable(body, [body, freed]):
             orders.required_ordered.append(where)
             return stay | {"anyOf": [body, freed]}
+        orders.freed.pop()
         orders.ordered.append(where)
         return out
 

@@ -195,3 +195,56 @@ def test_too_large_for_llguidance_compiles_as_written(
     assert not accepts(compiled, {"size": 3, "shape": "circle"})
     assert any("#: declared properties are produced in declaration order" in n
                for n in compiled.notes)  # fmt: skip
+
+
+def _walk(compiled: Any, text: bytes) -> Any:
+    from quantkit.grammar.llg_engine import _greedy_encoder
+
+    row = compiled.new_row()
+    assert all(row.advance(t) for t in _greedy_encoder(compiled.vocabulary)(text)), text
+    return row
+
+
+def _allowed(row: Any, vocab: TokenVocabulary) -> set[bytes]:
+    import numpy as np
+
+    line = np.zeros((vocab.size + 31) // 32, dtype=np.int32)
+    row.fill(line)
+    bits = line.view(np.uint32)
+    return {d for t, d in vocab.token_bytes.items() if bits[t >> 5] >> (t & 31) & 1}
+
+
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_key_made_a_pattern_is_not_repeated(closed: bool) -> None:
+    """llguidance lets a pattern property's key repeat; the rows refuse the token that would
+    end a key its object has already, inside the key or written whole by one token."""
+    vocab = vocab_of([*'{}":,abcdef0123456789', '":', 'a"', '"a"', ',"a"'])
+    names = "abcdef"[: schema_order.MAX_PROPERTIES + 1]
+    schema: dict[str, Any] = {"type": "object", "properties": {n: {"type": "integer"} for n in
+                              names}, "additionalProperties": not closed}  # fmt: skip
+    compiled = llg(schema, vocab)
+    assert accepts(compiled, {"b": 1, "a": 2, "c": 3})
+    for text in (b'{"a":1,"a":2}', b'{"b":1,"a":2,"b":3}'):
+        assert not accepts_text_tokens(compiled, text), text
+    inside = _allowed(_walk(compiled, b'{"a":1,"b":2,"a'), vocab)
+    assert {b'"', b'":'}.isdisjoint(inside) and (b'a"' in inside) != closed  # "aa" if open
+    outside = _allowed(_walk(compiled, b'{"a":1'), vocab)
+    assert b',"a"' not in outside and b"," in outside
+    assert b',"a"' in _allowed(_walk(compiled, b'{"b":1'), vocab)
+
+
+def accepts_text_tokens(compiled: Any, text: bytes) -> bool:
+    from quantkit.grammar.acceptance import accepts_tokens
+    from quantkit.grammar.llg_engine import _greedy_encoder
+
+    return accepts_tokens(compiled, _greedy_encoder(compiled.vocabulary)(text))
+
+
+def test_keys_repeat_only_within_one_object() -> None:
+    from quantkit.grammar.distinct_items import DistinctItems
+
+    ok = b'{"a":{"a":1,"b":"a"},"b":[{"a":1},{"a":1}],"c":{"\\"a":1,"a":2}}'
+    assert DistinctItems(items=False, keys=True).feed(ok)
+    assert not DistinctItems(items=False, keys=True).feed(b'{"a":1,"b":{"a":2},"a"')
+    assert not DistinctItems(items=False, keys=True).feed(b'[{"x":[1,{"y":1,"y"')
+    assert DistinctItems(items=False, keys=False).feed(b'{"a":1,"a"')  # tracked, not refused
