@@ -19,8 +19,8 @@ Object keys: llguidance lets the key of a pattern property repeat (`{"a":1,"a":2
 larger objects' optional properties become patterns (`schema_order`), so those rows also
 refuse a key its object has already (compared as written, quotes included). In `fill`, inside
 a key, the tokens to clear are looked up (those that begin with the rest of an ended key and
-its closing quote); outside a string, the allowed tokens holding two quotes (able to write a
-whole key) are tried.
+its closing quote); and the few allowed tokens holding two quotes or more (able to write a
+whole key, from anywhere) are tried.
 
 Cost: for items, `fill` tests only the tokens the grammar allows that could end an item here
 (inside a string, those holding a `"`; elsewhere, those holding a `"`, `,`, `]` or `}`: `"ab"`
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,11 +78,14 @@ class _Frame:
     keys: set[bytes] = field(default_factory=set)
     key: int | None = None
     want_key: bool = False
+    # For a key in progress whose text so far is T: the tokens that would end it as one of
+    # `keys` (those beginning with the rest of that key), built as each key ends.
+    endings: dict[bytes, tuple[int, ...]] = field(default_factory=dict)
 
     def copy(self) -> _Frame:
         """A copy sharing the sets (a probe replaces them rather than adding to them)."""
         return _Frame(self.start, self.array, self.seen, self.item, self.keys, self.key,
-                      self.want_key)  # fmt: skip
+                      self.want_key, self.endings)  # fmt: skip
 
 
 @dataclass
@@ -100,6 +104,13 @@ class DistinctItems:
     string_start: int = 0
     items: bool = True  # refuse a repeated array item
     keys: bool = False  # refuse a repeated object key
+    # Keys some token can write whole (`EndingTokens.whole_names`), and how many of the open
+    # objects' ended keys are among them (only then can a token outside the key repeat one).
+    whole_names: frozenset[bytes] = frozenset()
+    writable: int = 0
+    # The tokens beginning with given bytes (`EndingTokens.starting_with`): None, no endings
+    # are kept (a probe only checks, it does not mask).
+    starting_with: Callable[[bytes], tuple[int, ...]] | None = None
 
     def first_repeat(self, pieces: list[bytes]) -> int | None:
         """The index of the first of `pieces` that, fed after the ones before it, would end a
@@ -107,7 +118,7 @@ class DistinctItems:
         its text (cut back afterwards) and copies only the open containers."""
         frames = [f.copy() for f in self.stack]
         probe = DistinctItems(self.text, frames, self.in_string, self.escaped, self.string_start,
-                              self.items, self.keys)  # fmt: skip
+                              self.items, self.keys, self.whole_names, self.writable)  # fmt: skip
         size = len(self.text)
         try:
             for i, data in enumerate(pieces):
@@ -127,18 +138,12 @@ class DistinctItems:
         """Whether some open array holds an ended item (else a repeat needs two items ended)."""
         return any(f.seen for f in self.stack)
 
-    @property
-    def has_keys(self) -> bool:
-        """Whether some open object holds an ended key (else no key can repeat yet)."""
-        return any(f.keys for f in self.stack)
-
-    def key_typed(self) -> tuple[bytes, set[bytes]] | None:
-        """Inside a key: (its text so far, opening quote included; the keys its object has
-        ended), else None."""
+    def repeating(self) -> tuple[int, ...]:
+        """Inside a key: the tokens that would end it as a key its object has already."""
         top = self.stack[-1] if self.stack else None
-        if not self.in_string or top is None or top.array or top.key != self.string_start:
-            return None
-        return bytes(self.text[self.string_start :]), top.keys
+        if not self.in_string or top is None or not top.endings or top.key != self.string_start:
+            return ()
+        return top.endings.get(bytes(self.text[self.string_start :]), ())
 
     def _end_key(self, top: _Frame, end: int, *, shared: bool) -> bool:
         """End `top`'s key in progress at text[:end]; False when the object has it already."""
@@ -148,6 +153,14 @@ class DistinctItems:
             return True
         if name in top.keys:
             return False
+        if name in self.whole_names:
+            self.writable += 1
+        if self.starting_with is not None:
+            endings = top.endings
+            for i in range(1, len(name)):
+                found = self.starting_with(name[i:])
+                if found:
+                    endings[name[:i]] = endings.get(name[:i], ()) + found
         if shared:
             top.keys = top.keys | {name}
         else:
@@ -226,6 +239,8 @@ class DistinctItems:
                     self.stack[-1].want_key = True
                 if byte in _CLOSE and self.stack:
                     closed = self.stack.pop()
+                    if self.writable and closed.keys:
+                        self.writable -= len(closed.keys & self.whole_names)
                     outer = self._ends_item(closed.start)
                     if outer is not None and not self._end_item(outer, end, shared=shared):
                         return False
@@ -238,16 +253,18 @@ class EndingTokens:
     """Per vocabulary, the tokens that could end an array item or an object key, as bitmask
     lines (the engines' layout, token i at bit i % 32 of word i // 32): `quote` those holding
     a `"` (inside a string), `any_end` those holding a `"`, `,`, `]` or `}` (outside one),
-    `two_ends` those holding two or more of these bytes (able to end two items), `two_quotes`
-    those holding two `"` or more (able to write a whole key); and the tokens holding a `"`
-    sorted by their bytes (`starting_with`)."""
+    `two_ends` those holding two or more of these bytes (able to end two items); the tokens
+    able to write a whole key, by the key they would write (`whole_keys`: each text between
+    two consecutive quotes of a token, quotes included; 20 of SmolLM2's 49152 tokens hold two
+    quotes), and those that may but cannot be read so (a backslash too: `unclear`); and the
+    tokens holding a `"` sorted by their bytes (`starting_with`)."""
 
     _cache: dict[str, EndingTokens] = {}
 
     def __init__(self, vocabulary: TokenVocabulary) -> None:
         words = (vocabulary.size + 31) // 32
-        self.quote, self.any_end, self.two_ends, self.two_quotes = (
-            np.zeros(words, dtype=np.uint32) for _ in range(4))  # fmt: skip
+        self.quote, self.any_end, self.two_ends = (np.zeros(words, dtype=np.uint32)
+                                                   for _ in range(3))  # fmt: skip
         for token, data in vocabulary.token_bytes.items():
             at, bit = token >> 5, np.uint32(1 << (token & 31))
             ends = sum(data.count(c) for c in b'",]}')
@@ -257,20 +274,37 @@ class EndingTokens:
                 self.any_end[at] |= bit
             if ends >= 2:
                 self.two_ends[at] |= bit
-            if data.count(b'"') >= 2:
-                self.two_quotes[at] |= bit
         self.token_bytes = vocabulary.token_bytes
+        self.whole_keys: dict[bytes, list[int]] = {}
+        self.unclear: list[int] = []
+        for token, data in sorted(vocabulary.token_bytes.items()):
+            at = [i for i, b in enumerate(data) if b == _QUOTE]
+            if len(at) < 2:
+                continue
+            if _BACKSLASH in data:
+                self.unclear.append(token)
+                continue
+            for i, j in zip(at, at[1:], strict=False):
+                self.whole_keys.setdefault(data[i : j + 1], []).append(token)
+        self.whole_names = frozenset(self.whole_keys)
         quoted = sorted((d, t) for t, d in vocabulary.token_bytes.items() if b'"' in d)
         self._quoted, self._quoted_ids = [d for d, _ in quoted], [t for _, t in quoted]
+        self._starting: dict[bytes, tuple[int, ...]] = {}
 
-    def starting_with(self, prefix: bytes) -> list[int]:
-        """The tokens holding a `"` whose bytes begin with `prefix`."""
-        at = bisect_left(self._quoted, prefix)
-        out = []
-        while at < len(self._quoted) and self._quoted[at].startswith(prefix):
-            out.append(self._quoted_ids[at])
-            at += 1
-        return out
+    def starting_with(self, prefix: bytes) -> tuple[int, ...]:
+        """The tokens holding a `"` whose bytes begin with `prefix` (remembered: the same key
+        endings are asked for at every step inside a key)."""
+        found = self._starting.get(prefix)
+        if found is None:
+            at = bisect_left(self._quoted, prefix)
+            end = at
+            while end < len(self._quoted) and self._quoted[end].startswith(prefix):
+                end += 1
+            found = tuple(self._quoted_ids[at:end])
+            if len(self._starting) >= 1 << 16:  # bounded: a long-running server asks forever
+                self._starting.clear()
+            self._starting[prefix] = found
+        return found
 
     @classmethod
     def of(cls, vocabulary: TokenVocabulary) -> EndingTokens:
@@ -299,7 +333,12 @@ class DistinctRow:
     def __init__(self, row: Any, ending: EndingTokens, *, items: bool = True,
                  keys: bool = False) -> None:  # fmt: skip
         self.row, self.ending = row, ending
-        self.state = DistinctItems(items=items, keys=keys)
+        self.state = DistinctItems(
+            items=items,
+            keys=keys,
+            whole_names=ending.whole_names,
+            starting_with=ending.starting_with if keys else None,
+        )
         self.cleared = 0  # tokens the last `fill` took out as repeated items (a dead end's why)
 
     def advance(self, token: int) -> bool:
@@ -310,7 +349,7 @@ class DistinctRow:
         self.row.fill(line)
         state, self.cleared = self.state, 0
         words = line.view(np.uint32)
-        if state.keys and state.has_keys:
+        if state.keys and (state.in_string or state.writable or self.ending.unclear):
             self._clear_repeated_keys(words)
         if not state.items or not state.in_array:
             return
@@ -323,21 +362,27 @@ class DistinctRow:
                 self.cleared += 1
 
     def _clear_repeated_keys(self, words: np.ndarray) -> None:
-        """Clear the tokens that would end a key its object has already. Inside a key, those
-        are the tokens that begin with the rest of an ended key and its closing quote (looked
-        up, not tried); outside a string, the allowed tokens with two quotes are tried."""
-        state = self.state
-        inside = state.key_typed()
-        if inside is not None:
-            typed, ended = inside
-            for name in ended:
-                if name.startswith(typed) and len(name) > len(typed):
-                    for token in self.ending.starting_with(name[len(typed) :]):
-                        words[token >> 5] &= ~np.uint32(1 << (token & 31))
-        elif not state.in_string:
-            for token in _set_bits(words & self.ending.two_quotes).tolist():
-                if state.first_repeat([self.ending.token_bytes[token]]) == 0:
-                    words[token >> 5] &= ~np.uint32(1 << (token & 31))
+        """Clear the tokens that would end a key its object has already: inside a key, the
+        tokens that begin with the rest of an ended key and its closing quote; anywhere, the
+        tokens that could write an ended key whole (both looked up, not tried over the mask;
+        a token found is tried, and cleared if it is allowed and would repeat the key)."""
+        state, ending = self.state, self.ending
+        repeating = state.repeating()
+        if repeating:
+            view = memoryview(words)  # element access without numpy scalars: ~10x cheaper
+            for token in repeating:
+                view[token >> 5] &= ~(1 << (token & 31)) & 0xFFFFFFFF
+        if not state.writable and not ending.unclear:
+            return
+        found = list(ending.unclear)
+        for frame in state.stack:
+            if frame.keys:
+                for name in frame.keys & ending.whole_names:
+                    found += ending.whole_keys[name]
+        for token in found:
+            bit = np.uint32(1 << (token & 31))
+            if words[token >> 5] & bit and state.first_repeat([ending.token_bytes[token]]) == 0:
+                words[token >> 5] &= ~bit
 
     def is_finished(self) -> bool:
         return bool(self.row.is_finished())

@@ -248,3 +248,13 @@ def test_keys_repeat_only_within_one_object() -> None:
     assert not DistinctItems(items=False, keys=True).feed(b'{"a":1,"b":{"a":2},"a"')
     assert not DistinctItems(items=False, keys=True).feed(b'[{"x":[1,{"y":1,"y"')
     assert DistinctItems(items=False, keys=False).feed(b'{"a":1,"a"')  # tracked, not refused
+
+
+def test_a_token_closing_a_value_and_writing_a_repeated_key_is_masked() -> None:
+    vocab = vocab_of([*'{}":,abcdefxy', '","a"', '","b"'])
+    names = "abcdef"[: schema_order.MAX_PROPERTIES + 1]
+    schema = {"type": "object", "properties": {n: {"type": "string"} for n in names}}
+    compiled = llg(schema, vocab)
+    allowed = _allowed(_walk(compiled, b'{"a":"x","b":"y'), vocab)
+    assert b'","a"' not in allowed and b'","b"' not in allowed and b'"' in allowed
+    assert b'","a"' in _allowed(_walk(compiled, b'{"b":"x","c":"y'), vocab)
