@@ -17,10 +17,12 @@ notes it.
 
 Object keys: llguidance lets the key of a pattern property repeat (`{"a":1,"a":2}`), and the
 larger objects' optional properties become patterns (`schema_order`), so those rows also
-refuse a key its object has already (compared as written, quotes included). In `fill`, inside
-a key, the tokens to clear are looked up (those that begin with the rest of an ended key and
-its closing quote); and the few allowed tokens holding two quotes or more (able to write a
-whole key, from anywhere) are tried.
+refuse a key its object has already (compared as written, quotes included). `fill` looks the
+tokens to clear up rather than trying the mask: inside a key, those that begin with the rest
+of an ended key and its closing quote (built once as each key ends, by the key's text so far);
+and the tokens able to write a whole key at once (two quotes: 20 of SmolLM2's tokens), tried
+only when an ended key is one they can write. Measured on the 225-schema sample (mask best of
+5 walks): 17-19 us a step, against 18 us with the check off.
 
 Cost: for items, `fill` tests only the tokens the grammar allows that could end an item here
 (inside a string, those holding a `"`; elsewhere, those holding a `"`, `,`, `]` or `}`: `"ab"`
