@@ -342,14 +342,22 @@ class DistinctRow:
             starting_with=ending.starting_with if keys else None,
         )
         self.cleared = 0  # tokens the last `fill` took out as repeated items (a dead end's why)
+        self.lenient = False  # the last `fill` let a repeated key through (see below)
 
     def advance(self, token: int) -> bool:
         data = self.ending.token_bytes.get(int(token), b"")
+        if self.lenient:  # the last fill let a repeated key through (a dead end otherwise)
+            self.lenient = self.state.keys = False
+            try:
+                fed = self.state.feed(data)
+            finally:
+                self.state.keys = True
+            return fed and self.row.advance(token)
         return self.state.feed(data) and self.row.advance(token)
 
     def fill(self, line: np.ndarray) -> None:
         self.row.fill(line)
-        state, self.cleared = self.state, 0
+        state, self.cleared, self.lenient = self.state, 0, False
         words = line.view(np.uint32)
         if state.keys and (state.in_string or state.writable or self.ending.unclear):
             self._clear_repeated_keys(words)
@@ -367,24 +375,40 @@ class DistinctRow:
         """Clear the tokens that would end a key its object has already: inside a key, the
         tokens that begin with the rest of an ended key and its closing quote; anywhere, the
         tokens that could write an ended key whole (both looked up, not tried over the mask;
-        a token found is tried, and cleared if it is allowed and would repeat the key)."""
+        a token found is tried, and cleared if it is allowed and would repeat the key).
+
+        A row can corner itself: in an object that allows only its declared keys, once it has
+        written the text of a key it ended before (`{"city":"x","city`), only the closing
+        quote can follow, and it would repeat the key. The grammar allows that prefix, and
+        masking it would need a look-ahead through llguidance at every key. So when clearing
+        would leave no token at all, the repeat is let through instead (the JSON still parses
+        and validates: its last value counts) rather than stopping the row in a dead end."""
         state, ending = self.state, self.ending
         repeating = state.repeating()
-        if repeating:
-            view = memoryview(words)  # element access without numpy scalars: ~10x cheaper
-            for token in repeating:
-                view[token >> 5] &= ~(1 << (token & 31)) & 0xFFFFFFFF
-        if not state.writable and not ending.unclear:
+        if not repeating and not state.writable and not ending.unclear:
             return
-        found = list(ending.unclear)
-        for frame in state.stack:
-            if frame.keys:
-                for name in frame.keys & ending.whole_names:
-                    found += ending.whole_keys[name]
-        for token in found:
-            bit = np.uint32(1 << (token & 31))
-            if words[token >> 5] & bit and state.first_repeat([ending.token_bytes[token]]) == 0:
-                words[token >> 5] &= ~bit
+        view = memoryview(words)  # element access without numpy scalars: ~10x cheaper
+        cleared = []
+        for token in repeating:
+            at, bit = token >> 5, 1 << (token & 31)
+            if view[at] & bit:
+                view[at] &= ~bit & 0xFFFFFFFF
+                cleared.append(token)
+        if state.writable or ending.unclear:
+            found = list(ending.unclear)
+            for frame in state.stack:
+                if frame.keys:
+                    for name in frame.keys & ending.whole_names:
+                        found += ending.whole_keys[name]
+            for token in found:
+                at, bit = token >> 5, 1 << (token & 31)
+                if view[at] & bit and state.first_repeat([ending.token_bytes[token]]) == 0:
+                    view[at] &= ~bit & 0xFFFFFFFF
+                    cleared.append(token)
+        if cleared and not words.any():
+            for token in cleared:
+                view[token >> 5] |= 1 << (token & 31)
+            self.lenient = True
 
     def is_finished(self) -> bool:
         return bool(self.row.is_finished())
