@@ -96,8 +96,9 @@ def _free_optional(out: dict[str, Any], optional: list[str]) -> dict[str, Any] |
     `properties`. Exact: a key gets the same schema, and additionalProperties the same other
     keys. None when it would not be: a pattern the node has already may match one of the
     names (both schemas would apply; llguidance requires disjoint patterns), or the node says
-    propertyNames or unevaluatedProperties."""
-    if "propertyNames" in out or "unevaluatedProperties" in out:
+    propertyNames or unevaluatedProperties, or minProperties (a repeated key, which a row may
+    let through rather than end in a dead end, would count twice; `distinct_items`)."""
+    if any(k in out for k in ("propertyNames", "unevaluatedProperties", "minProperties")):
         return None
     patterns = out.get("patternProperties", {})
     if not isinstance(patterns, dict):
