@@ -188,11 +188,12 @@ def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list
     orders = Orders()
     reorder = grammar.kind == "json_schema"  # off again if the copies make it too large
     template = None
-    reordered: tuple[Any, Any] = (None, None)  # (schema, any_order of it): once per schema
+    patterns = True  # larger objects' optional keys as patterns (off if they overlap others)
+    reordered: tuple[Any, Any] = ((None, None), None)  # ((schema, patterns), any_order of it)
     for _ in range(16):  # each retry settles one refusal
         if reorder:  # keys in any order (exact), where it can afford the copies
-            if reordered[0] is not schema:
-                reordered = (schema, any_order(schema))
+            if reordered[0][0] is not schema or reordered[0][1] != patterns:
+                reordered = ((schema, patterns), any_order(schema, patterns=patterns))
             written, orders = reordered[1]
             text = _grammar_text(grammar, written, options)
         else:
@@ -210,6 +211,8 @@ def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list
         reason = messages[0] if messages else ""
         if reorder and ("too large" in reason or "symbols" in reason):
             reorder = False  # the schema as written, in declaration order (noted)
+        elif reorder and patterns and "not disjoint" in reason:
+            patterns = False  # a name as a pattern overlapped a pattern merged from elsewhere
         elif "oneOf" in reason and not options["coerce_one_of"] and one_of_exclusive(schema):
             options["coerce_one_of"] = True  # exact: the branches are pairwise disjoint
         elif "Unimplemented keys" in reason and "uniqueItems" in reason:
@@ -244,8 +247,15 @@ def compile_llguidance(
     keyword llguidance does not support, or the phase that ran out of time."""
     tokenizer = llg_tokenizer(vocabulary)
     answer: list[Any] = []
+
+    def build() -> None:
+        try:
+            answer.append(_build(grammar, tokenizer))
+        except BaseException as e:  # raised here, in the caller's thread, not lost as a timeout
+            answer.append(e)
+
     # Native code that drops the GIL: a thread can wait on it, and is abandoned at the limit.
-    worker = threading.Thread(target=lambda: answer.append(_build(grammar, tokenizer)), daemon=True)
+    worker = threading.Thread(target=build, daemon=True)
     worker.start()
     worker.join(timeout_s)
     if not answer:
@@ -253,6 +263,8 @@ def compile_llguidance(
             f"{grammar.label}: llguidance grammar build took longer than the limit of "
             f"{limit_s or timeout_s:g} s (--compile-timeout; phase: llguidance build)"
         )
+    if isinstance(answer[0], BaseException):
+        raise answer[0]
     is_error, messages, text, notes, (template, (items, keys)) = answer[0]
     if is_error:
         reason = (messages[0] if messages else "unknown error").splitlines()[0]

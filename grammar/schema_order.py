@@ -155,9 +155,11 @@ def _orders_of(body: dict[str, Any]) -> list[dict[str, Any]]:
     return [body | {"properties": {n: props[n] for n in order}} for order in permutations(props)]
 
 
-def any_order(schema: Any) -> tuple[Any, Orders]:
+def any_order(schema: Any, *, patterns: bool = True) -> tuple[Any, Orders]:
     """(`schema` with its objects' keys in any order where it can afford them, and where
-    objects are still narrower than that: `Orders`)."""
+    objects are still narrower than that: `Orders`). patterns=False: larger objects keep their
+    declared order (their names as patterns overlapped a pattern llguidance merged in from
+    elsewhere, through allOf or a $ref: it refuses overlapping patterns)."""
     pointers = _pointers(schema)
     orders = Orders()
     budget = BUDGET
@@ -189,7 +191,7 @@ def any_order(schema: Any) -> tuple[Any, Orders]:
             return stay | {"anyOf": forms}
         required = out.get("required", [])
         optional = [n for n in props if not isinstance(required, list) or n not in required]
-        freed = _free_optional(body, optional) if optional else None
+        freed = _free_optional(body, optional) if optional and patterns else None
         if freed is None:
             orders.ordered.append(where)
             return out

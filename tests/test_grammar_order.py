@@ -183,7 +183,7 @@ def test_too_large_for_llguidance_compiles_as_written(
 ) -> None:
     from quantkit.grammar import llg_engine
 
-    def too_many_copies(schema: Any) -> tuple[Any, schema_order.Orders]:
+    def too_many_copies(schema: Any, **_: Any) -> tuple[Any, schema_order.Orders]:
         """As if the copies had grown past llguidance's size limit ("schema too large")."""
         copies = [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}}
                   for i in range(20000)]  # fmt: skip
@@ -264,3 +264,14 @@ def test_a_token_closing_a_value_and_writing_a_repeated_key_is_masked() -> None:
     allowed = _allowed(_walk(compiled, b'{"a":"x","b":"y'), vocab)
     assert b'","a"' not in allowed and b'","b"' not in allowed and b'"' in allowed
     assert b'","a"' in _allowed(_walk(compiled, b'{"b":"x","c":"y'), vocab)
+
+
+def test_names_overlapping_a_pattern_merged_from_allof_keep_their_order(vocab) -> None:
+    """llguidance refuses overlapping patterns; a larger object whose names would overlap a
+    pattern that an allOf brings in is compiled with its declared order instead."""
+    names = "abcdefg"[: schema_order.MAX_PROPERTIES + 1]
+    schema = {"type": "object", "patternProperties": {"^[a-z]$": {"type": "integer"}},
+              "allOf": [{"properties": {n: {"minimum": 0} for n in names}}]}  # fmt: skip
+    compiled = llg(schema, vocab)
+    assert accepts(compiled, {"a": 1, "b": 2}) and not accepts(compiled, {"a": -1})
+    assert _notes(compiled, "declaration order only")
