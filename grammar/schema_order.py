@@ -20,7 +20,9 @@ schemas) it was the largest cause of valid test instances rejected (most of the 
   so documents in declaration order (often sorted by name, required and optional interleaved)
   stay accepted; what is left is noted. llguidance lets a pattern's key repeat, so the rows
   then refuse a repeated key (`distinct_items`). An object whose own patterns may match one
-  of the names (two schemas would apply) stays ordered.
+  of the names (two schemas would apply), or that says minProperties, stays ordered; where
+  llguidance finds a name overlapping a pattern merged in from elsewhere (allOf, $ref), the
+  whole schema is compiled again with larger objects ordered (`patterns=False`).
 
 Bounded, because the grammar grows by the copies:
 - permutations of at most `MAX_PROPERTIES` properties (3: 6 copies). Measured on
