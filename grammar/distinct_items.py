@@ -116,7 +116,7 @@ class DistinctItems:
 
     def first_repeat(self, pieces: list[bytes]) -> int | None:
         """The index of the first of `pieces` that, fed after the ones before it, would end a
-        repeated item; None when none would. This state is left as it was: the probe shares
+        repeated item or key; None when none would. This state is left as it was: the probe shares
         its text (cut back afterwards) and copies only the open containers."""
         frames = [f.copy() for f in self.stack]
         probe = DistinctItems(self.text, frames, self.in_string, self.escaped, self.string_start,
@@ -201,9 +201,9 @@ class DistinctItems:
         return top if top is not None and top.item == began else None
 
     def feed(self, data: bytes, *, shared: bool = False) -> bool:
-        """Take `data`; False at the first byte that ends a duplicate item. shared: the sets of
-        seen items belong to another state (`first_repeat`'s probe), so they are replaced, not
-        added to."""
+        """Take `data`; False at the first byte that ends a duplicate item or key. shared: the
+        sets of seen items and keys belong to another state (`first_repeat`'s probe), so they
+        are replaced, not added to."""
         for byte in data:
             self.text.append(byte)
             end = len(self.text)
@@ -414,7 +414,8 @@ class DistinctRow:
         return bool(self.row.is_finished())
 
     def forced_tokens(self) -> list[int]:
-        """The grammar's forced tokens, up to the first that would end a duplicate item."""
+        """The grammar's forced tokens, up to the first that would end a duplicate item or
+        key."""
         forced = self.row.forced_tokens()
         stop = self.state.first_repeat([self.ending.token_bytes.get(t, b"") for t in forced])
         return forced if stop is None else forced[:stop]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["order_note", "ordered_objects", "property_order_note"]
+__all__ = ["objects_note", "order_note", "ordered_objects", "property_order_note"]
 
 
 def _ordered_objects(node: Any, where: str, found: list[str]) -> None:
@@ -41,12 +41,18 @@ def property_order_note(schema: Any) -> str | None:
     return order_note(ordered_objects(schema))
 
 
-def order_note(found: list[str]) -> str | None:
-    """The note for objects at `found` whose properties come in declaration order only."""
+def objects_note(found: list[str], what: str) -> str | None:
+    """The note saying `what` of the objects at `found` (naming the first), None if none."""
     if not found:
         return None
     more = f" and {len(found) - 1} more objects" if len(found) > 1 else ""
-    return (
-        f"{found[0]}{more}: declared properties are produced in declaration order only "
-        f"(other orders are valid but never generated)"
+    return f"{found[0]}{more}: {what}"
+
+
+def order_note(found: list[str]) -> str | None:
+    """The note for objects at `found` whose properties come in declaration order only."""
+    return objects_note(
+        found,
+        "declared properties are produced in declaration order only (other orders are valid "
+        "but never generated)",
     )

@@ -46,7 +46,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from quantkit.grammar.llg_schema import rewrite_bottom_up
-from quantkit.grammar.narrowing import order_note
+from quantkit.grammar.narrowing import objects_note, order_note
 
 __all__ = ["BUDGET", "MAX_PROPERTIES", "Orders", "any_order"]
 
@@ -136,18 +136,16 @@ class Orders:
 
     def notes(self) -> list[str]:
         """One note per kind of narrowing found (`narrowing.order_note` for the first)."""
-        out = [order_note(self.ordered)]
-        for found, what in (
-            (self.required_first, "declared properties are produced in declaration order, or "
-             "the required ones first and then the optional ones, each in any order (other "
-             "orders are valid but never generated)"),
-            (self.required_ordered, "declared properties are produced in declaration order, "
-             "or the required ones first in declaration order and then the optional ones in "
-             "any order (other orders are valid but never generated)"),
-        ):  # fmt: skip
-            if found:
-                more = f" and {len(found) - 1} more objects" if len(found) > 1 else ""
-                out.append(f"{found[0]}{more}: {what}")
+        out = [
+            order_note(self.ordered),
+            objects_note(self.required_first, "declared properties are produced in declaration "
+                         "order, or the required ones first and then the optional ones, each "
+                         "in any order (other orders are valid but never generated)"),
+            objects_note(self.required_ordered, "declared properties are produced in "
+                         "declaration order, or the required ones first in declaration order "
+                         "and then the optional ones in any order (other orders are valid but "
+                         "never generated)"),
+        ]  # fmt: skip
         return [n for n in out if n]
 
 
@@ -198,21 +196,23 @@ def any_order(schema: Any, *, patterns: bool = True) -> tuple[Any, Orders]:
             orders.ordered.append(where)
             return out
         kept = freed.get("properties", {})
-        orders.freed.append(where)
-        if not kept:  # every declared property optional: any order, exactly
-            return stay | freed
         # The declaration order stays one of the forms: the documents written in it (often
         # sorted by name, required and optional interleaved) stay accepted.
-        permuted = [body, *_orders_of(freed)] if len(kept) <= MAX_PROPERTIES else None
-        if permuted is not None and affordable(body, permuted):
+        if not kept:  # every declared property optional: any order, exactly
+            written = stay | freed
+        elif len(kept) <= MAX_PROPERTIES and affordable(
+            body, permuted := [body, *_orders_of(freed)]
+        ):
             orders.required_first.append(where)
-            return stay | {"anyOf": permuted}
-        if affordable(body, [body, freed]):
+            written = stay | {"anyOf": permuted}
+        elif affordable(body, [body, freed]):
             orders.required_ordered.append(where)
-            return stay | {"anyOf": [body, freed]}
-        orders.freed.pop()
-        orders.ordered.append(where)
-        return out
+            written = stay | {"anyOf": [body, freed]}
+        else:
+            orders.ordered.append(where)
+            return out
+        orders.freed.append(where)
+        return written
 
     rewritten = rewrite_bottom_up(schema, fix)
     assert rewritten is not None  # the fix never raises _Unsound
