@@ -13,7 +13,14 @@ from typing import Any
 import click
 import torch
 
-from quantkit.cli.generate_cmd import _act_dtype, _device, _device_name, _load
+from quantkit.cli.generate_cmd import (
+    _act_dtype,
+    _device,
+    _device_name,
+    _load,
+    kv_dtype_name,
+    kv_dtype_option,
+)
 from quantkit.errors import GenerationError
 from quantkit.evals.bench_serving import (
     BenchConfig,
@@ -198,6 +205,7 @@ def _prompt_tokens(tokenizer: object) -> list[int] | None:
     show_default=True,
     help="Activations inside the INT4 GEMVs (as `quantkit generate --act-dtype`).",
 )
+@kv_dtype_option
 @click.option(
     "--speculate",
     default="off",
@@ -258,6 +266,7 @@ def bench_cmd(
     device: str,
     dtype: str,
     act_dtype: str,
+    kv_dtype: str,
     speculate: str,
     prefix_cache_mb: float,
     batch_invariant: bool,
@@ -313,7 +322,10 @@ def bench_cmd(
     if threads is not None:
         torch.set_num_threads(_positive(threads, "--threads"))
     dev = _device(device)
-    loaded = _load(ckpt, RuntimeOptions.cli(dtype=dtype, device=str(dev), act_dtype=act_dtype))
+    options = RuntimeOptions.cli(
+        dtype=dtype, device=str(dev), act_dtype=act_dtype, kv_dtype=kv_dtype
+    )
+    loaded = _load(ckpt, options)
     tokens = None
     if prompts == "text" and loaded.tokenizer is not None:
         tokens = _prompt_tokens(loaded.tokenizer)
@@ -338,10 +350,14 @@ def _meta(loaded: LoadedModel, dev: torch.device, *, text_prompts: bool) -> dict
     act = _act_dtype(loaded)
     if act != name_of(loaded.model.dtype):
         scheme += f", {act} activations in the INT4 GEMVs"
+    kv = kv_dtype_name(loaded)
+    if kv != name_of(loaded.model.dtype):
+        scheme += f", {kv} KV cache"
     return {
         "model": str(loaded.path),
         "scheme": scheme,
         "act_dtype": act,
+        "kv_dtype": kv,
         "device_name": _device_name(dev),
         "prompts": "held-out Wikipedia text" if text_prompts else "random token ids",
     }

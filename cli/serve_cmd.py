@@ -11,7 +11,13 @@ from typing import TypeVar
 
 import click
 
-from quantkit.cli.generate_cmd import _device, _device_name, _load, _set_threads
+from quantkit.cli.generate_cmd import (
+    _device,
+    _device_name,
+    _load,
+    _set_threads,
+    kv_dtype_option,
+)
 from quantkit.errors import GenerationError, MissingExtraError
 from quantkit.format.dtypes import DTYPES
 from quantkit.grammar.compiler import DEFAULT_TIMEOUT_S
@@ -120,6 +126,7 @@ def _off_main_thread(fn: Callable[[], T]) -> T:
     default="auto",
     show_default=True,
 )
+@kv_dtype_option
 @click.option(
     "--speculate",
     default="off",
@@ -158,6 +165,7 @@ def serve_cmd(
     device: str,
     dtype: str,
     act_dtype: str,
+    kv_dtype: str,
     speculate: str,
     prefix_cache_mb: float,
     batch_invariant: bool,
@@ -179,7 +187,9 @@ def serve_cmd(
     _set_threads(threads)
     sock = bind(host, port)  # a port in use fails now, not after the model loads
     dev = _device(device)
-    options = RuntimeOptions.cli(dtype=dtype, device=str(dev), act_dtype=act_dtype)
+    options = RuntimeOptions.cli(
+        dtype=dtype, device=str(dev), act_dtype=act_dtype, kv_dtype=kv_dtype
+    )
     loaded = _off_main_thread(lambda: _load(model, options))
     if batch_invariant and (why := pytorch_path_reason(loaded.model)) is not None:
         raise GenerationError(

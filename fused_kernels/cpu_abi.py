@@ -69,6 +69,7 @@ class DecoderDims(Structure):
         ("inter", c_int64),
         ("slots", c_int64),
         ("cache_rows", c_int64),
+        ("kv_dt", c_int64),
         ("eps", c_double),
     ]
 

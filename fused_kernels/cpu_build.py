@@ -9,9 +9,9 @@ torch's thread pool instead of starting a second one that competes for the same 
 
 The C lives in `csrc/` (package data): one .c file per library is its translation unit and
 `#include "..."`s the rest (`common.h`, `quantkit_kernels.h`, and for the INT4 library `decode.c`
-includes `w4a16.c`). A build reads that file and every file it includes, transitively, copies
-exactly what it read into a temporary directory and compiles it there, so the library always
-matches what was hashed.
+includes `w4a16.c` and `attend.c`). A build reads that file and every file it includes,
+transitively, copies exactly what it read into a temporary directory and compiles it there, so
+the library always matches what was hashed.
 
 Builds are cached under `$QUANTKIT_HOME/kernels` (default `~/.cache/quantkit/kernels`), keyed by
 every source file (name and content), the flags, the compiler's version and the instruction-set

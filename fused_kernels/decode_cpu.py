@@ -26,6 +26,7 @@ from quantkit.fused_kernels.cpu_launch import check_status
 from quantkit.fused_kernels.w4a16_cpu import CpuInt4Layer, _library
 
 __all__ = [
+    "CACHE_FORMATS",
     "PHASES",
     "CpuDecodeStep",
     "DecoderDims",
@@ -71,7 +72,8 @@ class DecoderDims:
 @dataclass(frozen=True)
 class DecoderLayerParts:
     """One layer's operands: INT4 layers bound to the C kernel, fp32 norm weights [H], and the
-    layer's KV cache tensors [rows, Hkv, slots, D] (fp32, contiguous)."""
+    layer's KV cache tensors [rows, Hkv, slots, E], contiguous, in one of the formats of
+    `CACHE_FORMATS` (`quantkit.models.kv_cache`)."""
 
     qkv: CpuInt4Layer
     o: CpuInt4Layer
@@ -81,6 +83,17 @@ class DecoderLayerParts:
     post_norm: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+
+
+# The cache formats the step reads, by the cache tensors' dtype: (its `kv_dt` code, E - D).
+# fp32 and bf16 hold the values; int8 and uint8 (fp8 e4m3 codes) hold D codes and then the
+# head's fp32 scale in 4 more bytes (csrc/attend.c).
+CACHE_FORMATS = {
+    torch.float32: (0, 0),
+    torch.bfloat16: (1, 0),
+    torch.int8: (2, 4),
+    torch.uint8: (3, 4),
+}
 
 
 def _expect(what: str, got: object, want: object) -> None:
@@ -102,11 +115,17 @@ def _check_layer(i: int, p: DecoderLayerParts, d: DecoderDims) -> None:
     for name, t in (("in_norm", p.in_norm), ("post_norm", p.post_norm)):
         _expect(f"layer {i} {name}", (t.dtype, tuple(t.shape)), (torch.float32, (d.hidden,)))
     rows, slots = p.k_cache.shape[:3:2] if p.k_cache.dim() == 4 else (-1, -1)
+    if p.k_cache.dtype not in CACHE_FORMATS:
+        raise ValueError(
+            f"layer {i} k_cache: expected one of {', '.join(map(str, CACHE_FORMATS))}, got "
+            f"{p.k_cache.dtype}"
+        )
+    width = d.head_dim + CACHE_FORMATS[p.k_cache.dtype][1]
     for name, t in (("k_cache", p.k_cache), ("v_cache", p.v_cache)):
         _expect(
             f"layer {i} {name}",
             (t.dtype, tuple(t.shape), t.is_contiguous()),
-            (torch.float32, (rows, d.kv_heads, slots, d.head_dim), True),
+            (p.k_cache.dtype, (rows, d.kv_heads, slots, width), True),
         )
 
 
@@ -128,9 +147,9 @@ class CpuDecodeStep:
             )
         for i, p in enumerate(layers):
             _check_layer(i, p, dims)
-        shape = tuple(layers[0].k_cache.shape)
+        shape, kind = tuple(layers[0].k_cache.shape), layers[0].k_cache.dtype
         for i, p in enumerate(layers):
-            _expect(f"layer {i} cache shape", tuple(p.k_cache.shape), shape)
+            _expect(f"layer {i} cache", (p.k_cache.dtype, tuple(p.k_cache.shape)), (kind, shape))
         self.cache_rows, self.slots = shape[0], shape[2]
         self._keep = list(layers)  # the tensors behind the pointers stay alive
         self._layers = (_DecoderLayer * len(layers))()
@@ -142,7 +161,7 @@ class CpuDecodeStep:
             dst.k_cache, dst.v_cache = p.k_cache.data_ptr(), p.v_cache.data_ptr()
         self._dims = _Dims(
             dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.inter, self.slots,
-            self.cache_rows, dims.eps,
+            self.cache_rows, CACHE_FORMATS[kind][0], dims.eps,
         )  # fmt: skip
         self.hidden, self.head_dim = dims.hidden, dims.head_dim
         lib = _library()  # qk_decode_work, qk_decode_step: typed by `cpu_abi`

@@ -304,7 +304,13 @@ def test_an_exported_function_without_prototype_does_not_compile(tmp_path: Path)
 
 
 def test_a_library_is_its_entry_and_every_file_it_includes() -> None:
-    assert list(kernel_sources("decode.c")) == ["decode.c", "w4a16.c", "common.h", HEADER]
+    assert list(kernel_sources("decode.c")) == [
+        "decode.c",
+        "w4a16.c",
+        "attend.c",
+        "common.h",
+        HEADER,
+    ]
     assert list(kernel_sources("fp8.c")) == ["fp8.c", "common.h", HEADER]
 
 

@@ -1,8 +1,8 @@
 /* common.h: the C prelude shared by the CPU kernels (`w4a16.c`, `fp8.c`, `bf16_gemv.c`):
-   headers, the dtype codes, exact fp16/bf16 <-> fp32 conversions (as torch rounds), and the
-   vector types and macros the GEMVs build on. Each library's translation unit includes it first
-   (before any function, for the f16c pragma below), so the libraries stay independent while the
-   helpers exist once. Everything here is static: nothing of it is exported.
+   headers, the dtype codes, exact fp16/bf16/fp8 e4m3 <-> fp32 conversions (as torch rounds),
+   and the vector types and macros the GEMVs build on. Each library's translation unit includes
+   it first (before any function, for the f16c pragma below), so the libraries stay independent
+   while the helpers exist once. Everything here is static: nothing of it is exported.
 
    dtype codes: 0 = fp32, 1 = bf16, 2 = fp16 (activations, scales, bias, output). */
 
@@ -63,6 +63,29 @@ static inline void store_f(void *p, int64_t i, int dt, float v) {
     } else {
         ((float *)p)[i] = v;
     }
+}
+
+/* e4m3 code -> fp32, exactly as torch converts float8_e4m3fn (NaN = sign | 0x7FF00000). */
+static inline float fp8_to_float(uint8_t b) {
+    uint32_t sign = (uint32_t)(b & 0x80) << 24, e = (b >> 3) & 0xF, m = b & 7;
+    if ((b & 0x7F) == 0x7F) return bits_f(sign | 0x7FF00000);
+    if (e == 0) {  /* subnormal or zero: m * 2^-9 */
+        float f = (float)m * 0x1p-9f;
+        return sign ? -f : f;
+    }
+    return bits_f(sign | ((e + 120) << 23) | (m << 20));
+}
+
+/* fp32 (finite, |f| <= 448 after the caller's clamp, or NaN) -> e4m3 code, round to nearest
+   even, as torch's float -> float8_e4m3fn conversion. */
+static inline uint8_t float_to_fp8(float f) {
+    uint32_t x = f_bits(f), sign = (x >> 24) & 0x80, ax = x & 0x7FFFFFFF;
+    if (ax > 0x7F800000) return (uint8_t)(sign | 0x7F);
+    if (ax < (121u << 23)) {  /* below 2^-6: subnormal steps of 2^-9 (rint rounds to even) */
+        return (uint8_t)(sign | (uint32_t)__builtin_rintf(bits_f(ax) * 512.0f));
+    }
+    uint32_t r = ax + 0x7FFFF + ((ax >> 20) & 1);  /* drop 20 mantissa bits, to even */
+    return (uint8_t)(sign | ((r >> 20) - (120u << 3)));
 }
 
 /* VEC fp32 lanes per vector (8 in the plain-C build, whose loops are scalar). */

@@ -23,12 +23,15 @@
    for each row's position (the HF rotate-half layout), so the rotation is exactly the PyTorch
    path's. row_invariant: every row's GEMVs run as in a one-row call (`row_chunk`), so each
    row's result is bit-identical to what it would be alone (the rest of a layer is per row
-   already); speculative decoding's verification needs that. Return value: 0, 1 = unsupported
-   group layout, 2 = the work buffer is too small, 3 = a slot or position outside the cache. */
+   already); speculative decoding's verification needs that. The cache may hold K/V as fp32,
+   bf16, or int8 / fp8 e4m3 codes with a scale per head and position (`d->kv_dt`, attend.c).
+   Return value: 0, 1 = unsupported group layout, 2 = the work buffer is too small, 3 = a slot or
+   position outside the cache, 4 = an unknown cache format. */
 
 /* The INT4 library's translation unit: the GEMV kernels (and through them `common.h` and
    `quantkit_kernels.h`, which declares qk_decoder_layer and qk_decoder_dims), then the step. */
 #include "w4a16.c"
+#include <float.h>
 #include <math.h>
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
@@ -145,85 +148,7 @@ static void silu_mul(float *g, const float *u, int64_t n) {
     for (; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
-/* One query head over its cache row: o = softmax(q k^T * scale) v over keys 0..npos-1; sc
-   [npos] is scratch. The portable loop below does one dot product per key (16 partial sums
-   reduced per key) and accumulates o through memory. With AVX-512 and D a multiple of 16 (up
-   to 256): scores 8 keys at a time reduced together (hsum8_add), and o kept in registers
-   while the values stream past. SmolLM2 batch-8 step, A/B in one run: 10.90 -> 10.58 ms p50
-   (what remains is mostly reading the fp32 cache: ~26 MB a step at context ~70). */
-static inline __attribute__((always_inline)) void attend_nv(
-    const int NV16, const float *q, const float *kc, const float *vc, int64_t npos, int64_t D,
-    float scale, float *sc, float *o) {
-    float mx = -INFINITY, sum = 0.0f;
-#if defined(__AVX512F__)
-    if (NV16 > 0) {
-        const int nv = NV16;
-        __m512 qv[16], acc[16];
-        for (int c = 0; c < nv; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
-        int64_t j = 0;
-        for (; j + 8 <= npos; j += 8) {
-            __m512 a[8];
-            for (int k = 0; k < 8; k++) {
-                const float *kr = kc + (j + k) * D;
-                a[k] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
-                for (int c = 1; c < nv; c++)
-                    a[k] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kr + 16 * c), a[k]);
-            }
-            for (int k = 0; k < 8; k++) sc[j + k] = 0.0f;
-            hsum8_add(a, sc + j);
-        }
-        for (; j < npos; j++) sc[j] = dot(q, kc + j * D, D);
-        /* softmax over the scores, 16 at a time; o is normalised once at the end */
-        const __m512 sv = _mm512_set1_ps(scale);
-        __m512 mv = _mm512_set1_ps(-INFINITY), tot = _mm512_setzero_ps();
-        for (j = 0; j < npos; j += 16) {
-            __mmask16 k = tail_mask(npos - j);
-            __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sc + j), sv);
-            mv = _mm512_mask_max_ps(mv, k, mv, v);
-        }
-        const __m512 mx16 = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-        for (j = 0; j < npos; j += 16) {
-            __mmask16 k = tail_mask(npos - j);
-            __m512 v = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, sc + j), sv, mx16);
-            __m512 e = _mm512_maskz_mov_ps(k, exp16(v));
-            _mm512_mask_storeu_ps(sc + j, k, e);
-            tot = _mm512_add_ps(tot, e);
-        }
-        for (int c = 0; c < nv; c++) acc[c] = _mm512_setzero_ps();
-        for (j = 0; j < npos; j++) {
-            __m512 p = _mm512_set1_ps(sc[j]);
-            for (int c = 0; c < nv; c++)
-                acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vc + j * D + 16 * c), acc[c]);
-        }
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(tot));
-        for (int c = 0; c < nv; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[c], inv));
-        return;
-    }
-#endif
-    for (int64_t j = 0; j < npos; j++) {
-        sc[j] = dot(q, kc + j * D, D) * scale;
-        mx = sc[j] > mx ? sc[j] : mx;
-    }
-    for (int64_t j = 0; j < npos; j++) sc[j] = expf(sc[j] - mx);
-    for (int64_t j = 0; j < npos; j++) sum += sc[j];
-    for (int64_t e = 0; e < D; e++) o[e] = 0.0f;
-    for (int64_t j = 0; j < npos; j++) {
-        float p = sc[j] / sum;
-        for (int64_t e = 0; e < D; e++) o[e] += p * vc[j * D + e];
-    }
-}
-
-/* attend_nv (NV16 = D / 16, or 0 for the portable loop) with the vector count a compile-time
-   constant for the common head sizes: with a runtime count gcc kept qv and acc in memory, and
-   64-byte loads are what this loop is short of. SmolLM2 (D = 64), bf16 activations, A/B in
-   one run: R=8 4.73 -> 4.45 ms, R=1 2.10 -> 2.05 ms; bit-identical. */
-static void attend(const float *q, const float *kc, const float *vc, int64_t npos, int64_t D,
-                   float scale, float *sc, float *o) {
-    if (D == 64) attend_nv(4, q, kc, vc, npos, D, scale, sc, o);
-    else if (D == 128) attend_nv(8, q, kc, vc, npos, D, scale, sc, o);
-    else if (D % 16 == 0 && D <= 256) attend_nv((int)(D / 16), q, kc, vc, npos, D, scale, sc, o);
-    else attend_nv(0, q, kc, vc, npos, D, scale, sc, o);
-}
+#include "attend.c"
 
 static void rope(float *v, const float *cos_, const float *sin_, int64_t D) {
     int64_t h = D / 2;
@@ -243,10 +168,12 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
                    float *work, int64_t work_floats, int n_threads) {
     const int64_t H = d->hidden, Hq = d->heads, Hkv = d->kv_heads, D = d->head_dim;
     const int64_t I = d->inter, S = d->slots, group = Hq / Hkv, QKV = (Hq + 2 * Hkv) * D;
-    const int64_t row_stride = Hkv * S * D;  /* floats between cache rows */
+    const int kv = (int)d->kv_dt;
+    const int64_t E = kv_bytes(kv, D), row_stride = Hkv * S * E;  /* bytes: a position, a row */
     const float eps = (float)d->eps, scale = 1.0f / sqrtf((float)D);
     if (n_threads < 1) n_threads = 1;
     if (work_floats < qk_decode_work(layers, n_layers, d, R, n_threads)) return 2;
+    if (kv < KV_F32 || kv > KV_FP8) return 4;
     for (int64_t r = 0; r < R; r++)
         if (pos[r] < 0 || pos[r] >= S || slot[r] < 0 || slot[r] >= d->cache_rows) return 3;
     for (int64_t l = 0; l < n_layers; l++) {
@@ -291,21 +218,23 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         for (int64_t r = 0; r < R; r++) {
             float *q = qkv + r * QKV, *k = q + Hq * D, *v = k + Hkv * D;
             const float *c = cos_ + r * D, *sn = sin_ + r * D;
-            float *kc = L->k_cache + slot[r] * row_stride, *vc = L->v_cache + slot[r] * row_stride;
+            uint8_t *kc = (uint8_t *)L->k_cache + slot[r] * row_stride;
+            uint8_t *vc = (uint8_t *)L->v_cache + slot[r] * row_stride;
             for (int64_t i = 0; i < Hq; i++) rope(q + i * D, c, sn, D);
             for (int64_t i = 0; i < Hkv; i++) {
                 rope(k + i * D, c, sn, D);
-                memcpy(kc + (i * S + pos[r]) * D, k + i * D, (size_t)D * sizeof(float));
-                memcpy(vc + (i * S + pos[r]) * D, v + i * D, (size_t)D * sizeof(float));
+                kv_put(kc + (i * S + pos[r]) * E, k + i * D, D, kv);
+                kv_put(vc + (i * S + pos[r]) * E, v + i * D, D, kv);
             }
         }
         PHASE_END(PH_ROPE_KV);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < R * Hq / per_unit; u++) {
             const int64_t r = u * per_unit / Hq, i0 = u * per_unit % Hq, npos = pos[r] + 1;
-            const int64_t off = slot[r] * row_stride + (i0 / group) * S * D;
+            const int64_t off = slot[r] * row_stride + (i0 / group) * S * E;
             for (int64_t i = i0; i < i0 + per_unit; i++)
-                attend(qkv + r * QKV + i * D, L->k_cache + off, L->v_cache + off, npos, D, scale,
+                attend(kv, qkv + r * QKV + i * D, (const uint8_t *)L->k_cache + off,
+                       (const uint8_t *)L->v_cache + off, npos, D, scale,
                        scores + omp_get_thread_num() * S, att + (r * Hq + i) * D);
         }
         PHASE_END(PH_ATTENTION);

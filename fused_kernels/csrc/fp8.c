@@ -34,29 +34,6 @@
 #include "common.h"
 #include "quantkit_kernels.h"
 
-/* e4m3 code -> fp32, exactly as torch converts float8_e4m3fn (NaN = sign | 0x7FF00000). */
-static inline float fp8_to_float(uint8_t b) {
-    uint32_t sign = (uint32_t)(b & 0x80) << 24, e = (b >> 3) & 0xF, m = b & 7;
-    if ((b & 0x7F) == 0x7F) return bits_f(sign | 0x7FF00000);
-    if (e == 0) {  /* subnormal or zero: m * 2^-9 */
-        float f = (float)m * 0x1p-9f;
-        return sign ? -f : f;
-    }
-    return bits_f(sign | ((e + 120) << 23) | (m << 20));
-}
-
-/* fp32 (finite, |f| <= 448 after the caller's clamp, or NaN) -> e4m3 code, round to nearest
-   even, as torch's float -> float8_e4m3fn conversion. */
-static inline uint8_t float_to_fp8(float f) {
-    uint32_t x = f_bits(f), sign = (x >> 24) & 0x80, ax = x & 0x7FFFFFFF;
-    if (ax > 0x7F800000) return (uint8_t)(sign | 0x7F);
-    if (ax < (121u << 23)) {  /* below 2^-6: subnormal steps of 2^-9 (rint rounds to even) */
-        return (uint8_t)(sign | (uint32_t)__builtin_rintf(bits_f(ax) * 512.0f));
-    }
-    uint32_t r = ax + 0x7FFFF + ((ax >> 20) & 1);  /* drop 20 mantissa bits, to even */
-    return (uint8_t)(sign | ((r >> 20) - (120u << 3)));
-}
-
 /* BLK codes (one 64-byte line with AVX-512) per inner step; VEC lanes per vector and the VF_*
    macros come from `common.h`. */
 #if defined(__AVX512F__)

@@ -35,11 +35,11 @@ typedef struct {
 typedef struct {
     qk_w4_layer qkv, o, gate_up, down;
     const float *in_norm, *post_norm;  /* [H] */
-    float *k_cache, *v_cache;          /* this layer's cache: [cache_rows][Hkv][slots][D] */
+    void *k_cache, *v_cache;  /* this layer's cache: [cache_rows][Hkv][slots] heads (attend.c) */
 } qk_decoder_layer;
 
 typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, inter, slots, cache_rows;
+    int64_t hidden, heads, kv_heads, head_dim, inter, slots, cache_rows, kv_dt;
     double eps;
 } qk_decoder_dims;
 
@@ -92,8 +92,9 @@ int64_t qk_decode_work(const qk_decoder_layer *layers, int64_t n_layers,
 int qk_decode_phases(int on, double *out);
 
 /* Every layer on x [R][H] in place; row_invariant: each row bit-identical to a one-row call.
-   Return value: 0, 1 = unsupported group layout, 2 = the work
-   buffer is too small, 3 = a slot or position outside the cache. */
+   kv_dt in d: the cache format, 0 = fp32, 1 = bf16, 2 = int8, 3 = fp8 e4m3 (decode.c's attend.c).
+   Return value: 0, 1 = unsupported group layout, 2 = the work buffer is too small, 3 = a slot or
+   position outside the cache, 4 = an unknown cache format. */
 int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_decoder_dims *d,
                    float *x, int64_t R, const int64_t *slot, const int64_t *pos,
                    const float *cos_, const float *sin_, int act_dt, int row_invariant,

@@ -22,10 +22,10 @@ from torch import nn
 from quantkit.errors import ModelSourceError
 from quantkit.models.config import ModelConfig
 from quantkit.models.family import Family
+from quantkit.models.kv_cache import KVCache, kv_format
 from quantkit.models.layers import (
     ACTIVATIONS,
     NORMS,
-    KVCache,
     Rotary,
     apply_rope,
     attend,
@@ -121,8 +121,8 @@ class Attention(nn.Module):
             # One row: its tokens sit at consecutive slots, and the query attends to the
             # slots up to its own only (not the whole cache under a mask).
             start = int(positions[0, 0])
-            end = self.cache.write_span(start, k, v)
-            keys, values = self.cache.k[:, :, :end], self.cache.v[:, :, :end]
+            end = start + t
+            keys, values = self.cache.write_span(start, k, v)
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys, values, is_causal=t > 1 and start == 0,
                 attn_mask=None if t == 1 or start == 0 else mask[..., :end], enable_gqa=True,
@@ -264,6 +264,9 @@ class CausalLM(nn.Module):
         # A `quantkit.runtime.fast_path.CpuDecodePath` (see enable_cpu_decode): every layer of a
         # one-token-per-row step in one C call. Bound to each cache by setup_cache.
         self.decode_path: FastPath | None = None
+        # The KV cache's format (`quantkit.models.kv_cache`): None or "auto" stores the
+        # model's dtype; "bfloat16", "int8", "fp8" ... (`--kv-dtype`). Read by setup_cache.
+        self.kv_dtype: str | None = None
 
     @property
     def family(self) -> Family:
@@ -290,7 +293,8 @@ class CausalLM(nn.Module):
         return x
 
     def setup_cache(self, *, batch: int, max_len: int) -> None:
-        cfg, where = self.config, {"dtype": self.dtype, "device": self.device}
+        cfg, fmt = self.config, kv_format(self.kv_dtype, self.dtype)
+        where = {"dtype": self.dtype, "device": self.device, "fmt": fmt}
         for layer in self.model.layers:
             layer.self_attn.cache = KVCache(batch, max_len, cfg.num_kv_heads, cfg.head_dim, **where)
         if self.decode_path is not None:

@@ -1,5 +1,5 @@
 """The decoder's building blocks that hold no family knowledge: the norms, the rotary tables,
-the static KV cache, the masks and the attention product.
+the masks and the attention product (the KV cache: `quantkit.models.kv_cache`).
 
 Shapes: B batch, T new tokens, S cache length, K rope tables, D head_dim.
 """
@@ -82,43 +82,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + _rotate_half(x) * sin
-
-
-class KVCache(nn.Module):
-    """Static, preallocated K/V for one layer: [B, Hkv, S, D], written at explicit positions."""
-
-    def __init__(
-        self,
-        batch: int,
-        max_len: int,
-        kv_heads: int,
-        head_dim: int,
-        *,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-    ) -> None:
-        super().__init__()
-        shape = (batch, kv_heads, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-
-    def update(
-        self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, T, Hkv, D] at positions [B, T]; return the whole cache."""
-        rows = torch.arange(k.shape[0], device=k.device).unsqueeze(1)
-        # Index the (B, S) axes together: each row writes at its own positions.
-        self.k.permute(0, 2, 1, 3)[rows, positions] = k
-        self.v.permute(0, 2, 1, 3)[rows, positions] = v
-        return self.k, self.v
-
-    def write_span(self, start: int, k: torch.Tensor, v: torch.Tensor) -> int:
-        """One row (B = 1) whose T new tokens sit at slots start..start+T-1: two slice copies
-        instead of two index_puts. Returns the end slot."""
-        end = start + k.shape[1]
-        self.k[0, :, start:end].copy_(k[0].transpose(0, 1))
-        self.v[0, :, start:end].copy_(v[0].transpose(0, 1))
-        return end
 
 
 def window_mask(

@@ -32,6 +32,7 @@ from quantkit.errors import GenerationError, ModelSourceError, SchemeError
 from quantkit.models.config import moe_config
 from quantkit.models.families import family_for
 from quantkit.models.family import Family, shape_dims
+from quantkit.models.kv_cache import kv_format
 from quantkit.models.llama import LLAMA
 from quantkit.perf.hardware import GB, Hardware
 
@@ -403,9 +404,11 @@ def model_read_bytes(model: CausalLM) -> WeightBytes:
 
 
 def model_kv_bytes_per_token(model: CausalLM) -> int:
-    """K and V bytes one token adds to the cache of a loaded model (its dtype)."""
+    """K and V bytes one token adds to the cache of a loaded model, in the cache's format
+    (`model.kv_dtype`: int8 and fp8 hold head_dim codes and a 4-byte scale per head)."""
     cfg = model.config
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
+    head = kv_format(model.kv_dtype, model.dtype).bytes_per_head(cfg.head_dim)
+    return 2 * cfg.num_layers * cfg.num_kv_heads * head
 
 
 @dataclass(frozen=True)

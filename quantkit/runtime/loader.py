@@ -72,6 +72,7 @@ def load_model(
     # INT4 on CPU: one-token steps run every layer in one C call (quantkit.runtime.fast_path).
     enable_cpu_decode(model)
     _apply_precision(model, options, quantized=loaded.scheme is not None)
+    model.kv_dtype = options.kv_dtype  # read by each setup_cache
     tok = load_tokenizer(path) if tokenizer else None
     return LoadedModel(
         model, tok, loaded.config, loaded.scheme, path, loaded.report, loaded.algorithm

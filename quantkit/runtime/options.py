@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from quantkit.format.dtypes import DTYPES, dtype_named
+from quantkit.models.kv_cache import KV_DTYPE_NAMES
 
 Auto = Literal["auto"]
 ACT_DTYPE_NAMES = ("float32", "bfloat16")
@@ -23,18 +24,22 @@ class RuntimeOptions:
     """dtype: the model's dense weights and activations ("auto": float32 on CPU, bfloat16 on a
     GPU). head_dtype: the lm_head's ("auto": bf16 for a quantized fp32 model on a CPU with bf16
     dot instructions, else the model's; "model": leave it). act_dtype: the C decode step's INT4
-    GEMV activations ("auto": bf16 for INT4 on such CPUs; "model": leave them fp32)."""
+    GEMV activations ("auto": bf16 for INT4 on such CPUs; "model": leave them fp32). kv_dtype:
+    the KV cache's format ("auto": the model's dtype; int8 / fp8: codes with a scale per head
+    and token, `quantkit.models.kv_cache`)."""
 
     dtype: str = "auto"
     device: str = "cpu"
     head_dtype: str = "model"
     act_dtype: str = "model"
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         for what, value, allowed in (
             ("dtype", self.dtype, ("auto", *DTYPES)),
             ("head dtype", self.head_dtype, ("auto", "model", *DTYPES)),
             ("activation dtype", self.act_dtype, ("auto", "model", *ACT_DTYPE_NAMES)),
+            ("kv dtype", self.kv_dtype, ("auto", *KV_DTYPE_NAMES)),
         ):
             if value not in allowed:
                 dtype_named(str(value), allowed=allowed, what=what)  # raises with the list
@@ -46,6 +51,9 @@ class RuntimeOptions:
 
     @classmethod
     def cli(cls, *, dtype: str = "auto", device: str = "cpu", act_dtype: str = "auto",
-            head_dtype: str = "auto") -> RuntimeOptions:  # fmt: skip
+            head_dtype: str = "auto", kv_dtype: str = "auto") -> RuntimeOptions:  # fmt: skip
         """What the commands run with: every precision choice on `auto` unless named."""
-        return cls(dtype=dtype, device=device, head_dtype=head_dtype, act_dtype=act_dtype)
+        return cls(
+            dtype=dtype, device=device, head_dtype=head_dtype, act_dtype=act_dtype,
+            kv_dtype=kv_dtype,
+        )  # fmt: skip

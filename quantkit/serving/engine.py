@@ -49,6 +49,7 @@ import torch
 
 from quantkit.errors import GenerationError
 from quantkit.models.decoder import CausalLM
+from quantkit.models.kv_cache import kv_format
 from quantkit.runtime.prefix_cache import PrefixCache
 from quantkit.runtime.sampling import SamplingParams, make_generator, sample
 from quantkit.runtime.speculate import (
@@ -180,6 +181,7 @@ class SlotEngine:
                 kv_heads=cfg.num_kv_heads,
                 head_dim=cfg.head_dim,
                 like=like,
+                fmt=kv_format(self.model.kv_dtype, like.dtype),
             )
             layer.self_attn.cache = cache
             self.caches.append(cache)

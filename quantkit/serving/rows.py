@@ -33,6 +33,7 @@ import torch
 
 from quantkit.errors import GenerationError
 from quantkit.models.decoder import CausalLM, FastPath, KVCache
+from quantkit.models.kv_cache import KVFormat
 from quantkit.runtime.head import logits_of_rows
 
 __all__ = ["WIDTH_ROUND", "PathRows", "RowRunner", "SlotKV", "WindowRows", "round_width"]
@@ -56,9 +57,18 @@ class SlotKV(KVCache):
     """
 
     def __init__(
-        self, slots: int, max_len: int, *, kv_heads: int, head_dim: int, like: torch.Tensor
+        self,
+        slots: int,
+        max_len: int,
+        *,
+        kv_heads: int,
+        head_dim: int,
+        like: torch.Tensor,
+        fmt: KVFormat | None = None,
     ) -> None:
-        super().__init__(slots, max_len, kv_heads, head_dim, dtype=like.dtype, device=like.device)
+        super().__init__(
+            slots, max_len, kv_heads, head_dim, dtype=like.dtype, device=like.device, fmt=fmt
+        )
         self.store_k, self.store_v = self.k, self.v
 
     def select(self, start: int, stop: int, width: int) -> None:
