@@ -32,7 +32,7 @@ from quantkit.evals.bench_serving import (
 )
 from quantkit.format.dtypes import DTYPES, name_of
 from quantkit.runtime.loader import LoadedModel
-from quantkit.runtime.options import RuntimeOptions
+from quantkit.runtime.options import ACT_DTYPE_NAMES, RuntimeOptions
 from quantkit.runtime.speculate import parse_speculate
 from quantkit.serving.metrics import SLO, parse_duration
 from quantkit.serving.types import check_prefix_cache_mb
@@ -200,7 +200,7 @@ def _prompt_tokens(tokenizer: object) -> list[int] | None:
 )
 @click.option(
     "--act-dtype",
-    type=click.Choice(["auto", "float32", "bfloat16"]),
+    type=click.Choice(["auto", *ACT_DTYPE_NAMES]),
     default="auto",
     show_default=True,
     help="Activations inside the INT4 GEMVs (as `quantkit generate --act-dtype`).",

@@ -285,7 +285,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
     help="dtype of the activations inside the INT4 GEMVs of the CPU decode step; auto = "
     "bfloat16 where it was measured faster (AMD CPUs with AVX512-BF16: prefill and batched "
     "steps 1.3-1.45x on Zen 5), else float32 (an Intel Xeon with AVX512-BF16 ran 1.26-1.40x "
-    "slower with bfloat16).",
+    "slower with bfloat16). int8 (AVX512-VNNI CPUs, only when named): quantized per 128 "
+    "elements, multiplied in integers.",
 )
 @kv_dtype_option
 @click.option("--compile", "compile_step", is_flag=True, help="torch.compile the decode step.")

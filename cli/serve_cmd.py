@@ -23,7 +23,7 @@ from quantkit.format.dtypes import DTYPES
 from quantkit.grammar.compiler import DEFAULT_TIMEOUT_S
 from quantkit.runtime.fast_path import pytorch_path_reason
 from quantkit.runtime.generate import eos_token_ids
-from quantkit.runtime.options import RuntimeOptions
+from quantkit.runtime.options import ACT_DTYPE_NAMES, RuntimeOptions
 from quantkit.runtime.speculate import parse_speculate
 from quantkit.serving.types import check_prefix_cache_mb
 
@@ -122,7 +122,7 @@ def _off_main_thread(fn: Callable[[], T]) -> T:
 @click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True)
 @click.option(
     "--act-dtype",
-    type=click.Choice(["auto", "float32", "bfloat16"]),
+    type=click.Choice(["auto", *ACT_DTYPE_NAMES]),
     default="auto",
     show_default=True,
 )

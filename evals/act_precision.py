@@ -1,12 +1,14 @@
-"""Benchmark: what bf16 activations in the C step's INT4 GEMVs cost in perplexity and save in time.
+"""Benchmark: what bf16 or int8 activations in the C step's INT4 GEMVs cost in perplexity and
+save in time.
 
     python -m quantkit.evals.act_precision [CKPT] [--tokens 16384] [--window 512] [--threads 2]
 
 Perplexity of the held-out Wikipedia split computed through the one-call CPU step itself: each
 window is one causal prefill (its tokens as rows at one cache row), then the head on every row.
-It runs once with fp32 and once with bf16 activations in the GEMVs (`set_act_dtype`), beside
+It runs once with fp32, once with bf16 and once with int8 activations in the GEMVs (each where
+the CPU has the instructions: AVX512-BF16, AVX512-VNNI; `set_act_dtype`), beside
 the PyTorch path (dequantized weights and MKL, fp32), which the tests hold the fp32 step to.
-The head is fp32 in all three rows, so only the activations differ. CKPT defaults to the
+The head is fp32 in every row, so only the activations differ. CKPT defaults to the
 embedded model as INT4. A benchmark, not a test: about a minute on a 2-core CPU.
 """
 
@@ -22,7 +24,11 @@ import torch
 from quantkit.evals.perplexity import perplexity
 from quantkit.models.decoder import CausalLM
 from quantkit.quantize.calibration import heldout_tokens
-from quantkit.runtime.fast_path import bf16_activations_available, set_act_dtype
+from quantkit.runtime.fast_path import (
+    bf16_activations_available,
+    int8_activations_available,
+    set_act_dtype,
+)
 from quantkit.runtime.head import set_head_dtype
 from quantkit.runtime.loader import LoadedModel, load_model
 
@@ -63,6 +69,8 @@ def measure(ckpt: str | None, *, tokens: int, window: int) -> list[dict]:
     modes = [("pytorch (fp32, MKL)", None, _torch_logits), ("C step, fp32", torch.float32, None)]
     if bf16_activations_available():
         modes.append(("C step, bf16 activations", torch.bfloat16, None))
+    if int8_activations_available():
+        modes.append(("C step, int8 activations (VNNI)", torch.int8, None))
     for name, act, fn in modes:
         if act is not None:
             set_act_dtype(model, act)
@@ -89,11 +97,11 @@ def measure(ckpt: str | None, *, tokens: int, window: int) -> list[dict]:
 
 def format_rows(rows: list[dict]) -> str:
     base = next(r["ppl"] for r in rows if r["mode"] == "C step, fp32")
-    lines = [f"{'mode':28} {'ppl':>9} {'vs fp32 step':>13} {'tokens':>7} {'s':>6}"]
+    lines = [f"{'mode':32} {'ppl':>9} {'vs fp32 step':>13} {'tokens':>7} {'s':>6}"]
     for r in rows:
         delta = (r["ppl"] / base - 1) * 100
         lines.append(
-            f"{r['mode']:28} {r['ppl']:9.4f} {delta:+12.3f}% {r['tokens']:7d} {r['seconds']:6.1f}"
+            f"{r['mode']:32} {r['ppl']:9.4f} {delta:+12.3f}% {r['tokens']:7d} {r['seconds']:6.1f}"
         )
     return "\n".join(lines)
 

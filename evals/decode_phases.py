@@ -1,6 +1,7 @@
 """Where a decode token's time goes, phase by phase, against the bytes each phase reads.
 
     python -m quantkit.evals.decode_phases [--batch 1 8] [--new-tokens 128] [--repeats 3]
+        [--depth N] [--kv-dtype int8] [--act-dtype int8]
 
 Greedy generation on the embedded INT4 model (or --model), as `quantkit generate` runs it. Every
 decode step's time is split into:
@@ -13,13 +14,15 @@ decode step's time is split into:
 - the rest of the loop: sampling, stop checks, detokenizing, Python.
 
 Each GEMV phase is shown with the bytes it reads (packed weights, scales, zero points) and the
-bandwidth that makes; the total with MBU against the machine's probed bandwidth. A benchmark:
+bandwidth that makes, and attention with the KV cache bytes it reads (in the cache's format, at
+the middle of the decode); the total with MBU against the machine's probed bandwidth. A benchmark:
 it prints numbers and gates nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -133,8 +136,9 @@ def format_breakdown(b: Breakdown, weight_bytes: dict[str, float], head_bytes: f
         lines.append(f"  {name:<46} {t:8.3f} {t / total:6.1%} {mb} {gbs}")
     read = sum(weight_bytes.values()) + head_bytes
     mbu = read / (total / 1e3) / bandwidth
-    lines.append(f"  weights read a step {read / 1e6:.1f} MB: {read / total / 1e6:.1f} GB/s over "
-                 f"the whole step, MBU {mbu:.0%} of {bandwidth / 1e9:.1f} GB/s")  # fmt: skip
+    lines.append(f"  weights and KV read a step {read / 1e6:.1f} MB: "
+                 f"{read / total / 1e6:.1f} GB/s over the whole step, MBU {mbu:.0%} of "
+                 f"{bandwidth / 1e9:.1f} GB/s")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -144,28 +148,42 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--depth", type=int, default=None,
+        help="a prompt of this many random tokens (default: the benchmark's chat prompt)",
+    )  # fmt: skip
+    parser.add_argument("--kv-dtype", default="auto", help="the KV cache format, as --kv-dtype")
+    parser.add_argument(
+        "--act-dtype", default="auto", help="the GEMVs' activations, as --act-dtype"
+    )
     args = parser.parse_args(argv)
 
     from quantkit.evals.bench_decode import PROMPT
     from quantkit.perf.hardware import local_hardware
-    from quantkit.perf.roofline import model_read_bytes
+    from quantkit.perf.roofline import model_kv_bytes_per_token, model_read_bytes
     from quantkit.quantize.embedded import ensure_embedded_int4
     from quantkit.runtime.generate import encode_prompt
     from quantkit.runtime.loader import load_model
     from quantkit.runtime.options import RuntimeOptions
 
     # As `quantkit generate` loads it: the head and activation dtypes this CPU runs fastest.
-    options = RuntimeOptions(head_dtype="auto", act_dtype="auto")
+    options = RuntimeOptions(head_dtype="auto", act_dtype=args.act_dtype, kv_dtype=args.kv_dtype)
     loaded = load_model(args.model or ensure_embedded_int4(), options=options)
     model = loaded.model
     prompt = encode_prompt(loaded.tokenizer, PROMPT)
+    if args.depth is not None:
+        rng = random.Random(0)
+        prompt = [rng.randrange(model.config.vocab_size) for _ in range(args.depth)]
     gemv_bytes = weight_bytes_by_phase(model)
     read = model_read_bytes(model)
     head_bytes = read.read_per_step - sum(gemv_bytes.values())  # head, norms
     bandwidth = local_hardware("cpu").bandwidth
     print(f"{loaded.describe()}, {len(prompt)} prompt tokens + {args.new_tokens} new, "
           f"{torch.get_num_threads()} threads; the best of {args.repeats} runs")  # fmt: skip
+    kv_token = model_kv_bytes_per_token(model)
     for batch in args.batch:
+        context = len(prompt) + args.new_tokens // 2  # the mean position attended over
+        gemv_bytes["attention"] = batch * context * kv_token
         measure(model, prompt, batch=batch, new_tokens=8, tokenizer=loaded.tokenizer)  # warm-up
         runs = [measure(model, prompt, batch=batch, new_tokens=args.new_tokens,
                         tokenizer=loaded.tokenizer)

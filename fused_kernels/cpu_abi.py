@@ -121,6 +121,7 @@ def fn(restype: type | None, **params: type) -> Fn:
 FUNCTIONS: dict[str, Fn] = {
     # w4a16.c
     "qk_has_bf16_dot": fn(c_int),
+    "qk_has_int8_dot": fn(c_int),
     "qk_w4a16_gemv_layer": fn(
         c_int,
         L=POINTER(W4Layer),
@@ -300,6 +301,7 @@ LIBRARIES: dict[str, Library] = {
         "decode.c",
         (
             "qk_has_bf16_dot",
+            "qk_has_int8_dot",
             "qk_w4a16_gemv_layer",
             "qk_w4a16_gemv",
             "qk_w4_dequant",

@@ -74,10 +74,15 @@ def _compiler() -> str:
     return path
 
 
+# AVX-512 extensions the INT4 GEMV has a tile for, added on a CPU that has them: AVX512-BF16
+# (vdpbf16ps: bf16 activations), AVX512-VNNI (vpdpbusd: int8 activations).
+_AVX512_EXTRAS = {"avx512_bf16": "-mavx512bf16", "avx512_vnni": "-mavx512vnni"}
+
+
 def _variant_flags(variant: str) -> list[str]:
-    """The variant's compiler flags, plus AVX512-BF16 (vdpbf16ps: the INT4 GEMV's bf16-activation
-    tile) on an AVX-512 CPU that has it."""
-    extra = ["-mavx512bf16"] if variant == "avx512" and "avx512_bf16" in cpu_flags() else []
+    """The variant's compiler flags, plus the `_AVX512_EXTRAS` this AVX-512 CPU has."""
+    flags = cpu_flags() if variant == "avx512" else frozenset()
+    extra = [flag for name, flag in _AVX512_EXTRAS.items() if name in flags]
     return _VARIANTS[variant][1] + extra
 
 

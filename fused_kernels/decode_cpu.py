@@ -21,7 +21,6 @@ import torch
 from quantkit.errors import KernelUnavailableError
 from quantkit.fused_kernels.cpu_abi import DecoderDims as _Dims
 from quantkit.fused_kernels.cpu_abi import DecoderLayer as _DecoderLayer
-from quantkit.fused_kernels.cpu_build import DTYPE_CODES
 from quantkit.fused_kernels.cpu_launch import check_status
 from quantkit.fused_kernels.w4a16_cpu import CpuInt4Layer, _library
 
@@ -31,8 +30,10 @@ __all__ = [
     "CpuDecodeStep",
     "DecoderDims",
     "DecoderLayerParts",
+    "ACT_CODES",
     "bf16_activations_available",
     "decode_phases",
+    "int8_activations_available",
 ]
 
 # The phases of a layer that `decode_phases` times (csrc/decode.c, enum PH_*, in its order):
@@ -48,6 +49,19 @@ def bf16_activations_available() -> bool:
         return bool(_library().qk_has_bf16_dot())
     except KernelUnavailableError:
         return False
+
+
+def int8_activations_available() -> bool:
+    """True if the kernels build here with the int8 tile (the CPU has AVX512-VNNI), so that
+    the GEMVs can take int8 activations (`gemv_tile_i8` in csrc/w4a16.c)."""
+    try:
+        return bool(_library().qk_has_int8_dot())
+    except KernelUnavailableError:
+        return False
+
+
+# The GEMVs' activation dtypes and their act_dt codes (csrc/common.h).
+ACT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 3}
 
 
 def decode_phases(on: bool) -> tuple[dict[str, float], int]:
@@ -165,16 +179,21 @@ class CpuDecodeStep:
         )  # fmt: skip
         self.hidden, self.head_dim = dims.hidden, dims.head_dim
         lib = _library()  # qk_decode_work, qk_decode_step: typed by `cpu_abi`
-        if act_dtype not in (torch.float32, torch.bfloat16):
+        if act_dtype not in ACT_CODES:
             raise ValueError(
-                f"act_dtype: expected torch.float32 or torch.bfloat16, got {act_dtype}"
+                f"act_dtype: expected torch.float32, torch.bfloat16 or torch.int8, got {act_dtype}"
             )
         if act_dtype == torch.bfloat16 and not lib.qk_has_bf16_dot():
             raise ValueError(
                 "act_dtype: bfloat16 needs the AVX512-BF16 build of the kernels, got a CPU "
                 "without avx512_bf16"
             )
-        self.act_dtype, self._act = act_dtype, DTYPE_CODES[act_dtype]
+        if act_dtype == torch.int8 and not lib.qk_has_int8_dot():
+            raise ValueError(
+                "act_dtype: int8 needs the AVX512-VNNI build of the kernels, got a CPU without "
+                "avx512_vnni"
+            )
+        self.act_dtype, self._act = act_dtype, ACT_CODES[act_dtype]
         self._fn, self._work_fn = lib.qk_decode_step, lib.qk_decode_work
         self._args = (self._layers, len(layers), self._dims)  # layers, n_layers, d
         self._work = torch.empty(0, dtype=torch.float32)  # grown to the most rows seen

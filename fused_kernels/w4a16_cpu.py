@@ -208,9 +208,14 @@ class CpuInt4Layer(cpu_launch.BoundGemvLayer):
                 f"group_size: expected a multiple of 32 or per-channel, got {group_size}"
             )
 
-    def __call__(self, x: torch.Tensor, *, bf16_activations: bool = False) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, *, bf16_activations: bool = False, int8_activations: bool = False
+    ) -> torch.Tensor:
         """x [..., K] @ dequant(W).T. bf16_activations: the GEMV rounds x (and the dequantized
         weights) to bf16 and sums the products in fp32, as the decode step's bf16 mode does
-        (where the build has AVX512-BF16 and the groups are powers of two; else fp32); a
-        call too big for the GEMV ignores it."""
-        return self._gemv(x, DTYPE_CODES[torch.bfloat16 if bf16_activations else torch.float32])
+        (where the build has AVX512-BF16 and the groups are powers of two; else fp32).
+        int8_activations: x is quantized to int8 per 128 elements and multiplied by the 4-bit
+        weights in integers (`gemv_tile_i8`; where the build has AVX512-VNNI and the groups are
+        powers of two or one per row; else fp32). A call too big for the GEMV ignores both."""
+        act = torch.bfloat16 if bf16_activations else torch.float32
+        return self._gemv(x, 3 if int8_activations else DTYPE_CODES[act])

@@ -244,7 +244,7 @@ def test_act_dtype_is_checked_and_rebinds(llama_ckpt: Path, tiny_llama_dir: Path
 
     model = load_model(llama_ckpt, tokenizer=False).model
     dense = load_model(tiny_llama_dir, tokenizer=False).model
-    with pytest.raises(GenerationError, match="one of float32, bfloat16, got torch.float16"):
+    with pytest.raises(GenerationError, match="one of float32, bfloat16, int8, got torch.float16"):
         set_act_dtype(model, torch.float16)
     with pytest.raises(GenerationError, match="got layer 0: a Linear is not INT4"):
         set_act_dtype(dense, torch.bfloat16)
@@ -292,15 +292,21 @@ def test_act_precision_scores_windows_through_the_step(llama_ckpt: Path) -> None
     assert "+0.100%" in format_rows(rows).splitlines()[2]
 
 
-@pytest.mark.parametrize("act", ["float32", "bfloat16"])
+@pytest.mark.parametrize("act", ["float32", "bfloat16", "int8"])
 def test_row_invariant_rows_equal_one_row_calls_bit_for_bit(llama_ckpt: Path, act: str) -> None:
     """Speculative decoding verifies k drafts in one call of k + 1 rows; with row_invariant
     each row's hidden state is bit-identical to the one-row call plain decoding makes, for any
     row count (pairs and a single, 8-row chunks without it)."""
-    from quantkit.runtime.fast_path import bf16_activations_available, set_act_dtype
+    from quantkit.runtime.fast_path import (
+        bf16_activations_available,
+        int8_activations_available,
+        set_act_dtype,
+    )
 
     if act == "bfloat16" and not bf16_activations_available():
         pytest.skip("needs AVX512-BF16 for bf16 activations")
+    if act == "int8" and not int8_activations_available():
+        pytest.skip("needs AVX512-VNNI for int8 activations")
     model = load_model(llama_ckpt, tokenizer=False).model
     set_act_dtype(model, getattr(torch, act))
     prompt = [5, 17, 99, 3, 250, 31, 7, 8, 9, 10, 11, 12]
@@ -343,3 +349,27 @@ def test_phase_timers_count_timed_steps_and_change_nothing(llama_ckpt: Path) -> 
     gemv = weight_bytes_by_phase(model)
     assert set(gemv) == {"qkv", "o", "gate_up", "down"} and all(b > 0 for b in gemv.values())
     assert gemv["gate_up"] == 2 * gemv["down"]  # gate and up: each the size of down
+
+
+def test_int8_activations_step_is_close_to_fp32(llama_ckpt: Path) -> None:
+    """int8 activations (VNNI): set_act_dtype rebinds the step; its logits stay close to the
+    fp32 step's (int8 operands, int32 sums), and the prefill and decode both run it."""
+    from quantkit.errors import GenerationError
+    from quantkit.runtime.fast_path import int8_activations_available, set_act_dtype
+
+    model = load_model(llama_ckpt, tokenizer=False).model
+    if not int8_activations_available():
+        with pytest.raises(GenerationError, match="got a CPU without AVX512-VNNI"):
+            set_act_dtype(model, torch.int8)
+        return
+    model.setup_cache(batch=1, max_len=16)
+    x = torch.tensor([PROMPTS[0]])
+    pos = torch.arange(x.shape[1]).unsqueeze(0)
+    with torch.no_grad():
+        fp32 = model(x, positions=pos)
+        set_act_dtype(model, torch.int8)
+        assert model.decode_path.step.act_dtype == torch.int8
+        int8 = model(x, positions=pos)
+    rel = ((int8 - fp32).norm() / fp32.norm()).item()
+    assert 0 < rel < 2e-2
+    assert _greedy(model, PROMPTS[0]).tokens[0]  # decode steps run on it too

@@ -288,7 +288,7 @@ def test_every_definition_matches_its_prototype(tmp_path: Path) -> None:
     """Each library's translation unit, for every instruction-set variant (compiling needs no
     CPU support): definitions agree with the header and each exported function has a prototype."""
     flag_sets = [flags for _, flags in _VARIANTS.values()]
-    flag_sets.append(_VARIANTS["avx512"][1] + ["-mavx512bf16"])
+    flag_sets.append(_VARIANTS["avx512"][1] + ["-mavx512bf16", "-mavx512vnni"])
     for lib in cpu_abi.LIBRARIES.values():
         for flags in flag_sets:
             proc = _syntax_check(tmp_path, kernel_sources(lib.entry), flags)

@@ -277,3 +277,58 @@ def test_cpu_bf16_activations_fall_back_to_fp32_where_groups_do_not_fit() -> Non
     layer = cpu.CpuInt4Layer(PackedInt4(wp, scale, zp, 200, g))
     x = torch.randn(3, 200, generator=torch.Generator().manual_seed(2))
     assert torch.equal(layer(x, bf16_activations=True), layer(x))
+
+
+def _int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 tile sees it: each row's 128-element chunks quantized on their own,
+    t = absmax / 127, q = round(x * (1 / t)) (ties to even), then t * q."""
+    m, k = x.shape
+    kc = -(-k // 128)
+    chunks = torch.nn.functional.pad(x, (0, kc * 128 - k)).view(m, kc, 128)
+    t = chunks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(t > 0, 1 / t, torch.zeros_like(t))
+    q = torch.round(chunks * inv).clamp(-127, 127)
+    return (q * t).view(m, kc * 128)[:, :k]
+
+
+# (M, N, K, group, symmetric): chunks that split groups (g32, g64), groups spanning chunks
+# (g256), K not a multiple of 128 (a half chunk: SmolLM2's 576), per channel, the row chunks.
+INT8_CASES = [
+    (1, 64, 128, 32, False),
+    (1, 576, 576, 64, False),
+    (3, 70, 384, 64, True),
+    (8, 96, 1536, 64, False),
+    (5, 33, 512, 256, False),
+    (2, 40, 576, -1, False),
+    (11, 24, 640, 128, True),
+]
+
+
+@pytest.mark.parametrize("case", INT8_CASES, ids=lambda c: "M{}-N{}-K{}-g{}-sym{}".format(*c))
+def test_cpu_int8_activations_multiply_the_quantized_rows(case: tuple) -> None:
+    """int8_activations=True: each row quantized per 128 elements (`_int8_rows`) times the
+    dequantized weights, equal to an fp64 product of the same operands within the
+    fp32-summation tolerance, and measurably unlike the fp32 GEMV."""
+    from quantkit.fused_kernels.decode_cpu import int8_activations_available
+
+    if not int8_activations_available():
+        pytest.skip("int8 activations need a CPU with AVX512-VNNI")
+    m, n, k, group, symmetric = case
+    wp, scale, zp, g = make_layer(n, k, group, symmetric, seed=m)
+    layer = cpu.CpuInt4Layer(PackedInt4(wp, scale, zp, k, g))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(7)) * 3
+    x[0, 5] = 40.0  # an outlier: its chunk gets a coarser step
+    y = layer(x, int8_activations=True)
+    w = dequantize_packed_int4(wp, scale, zp, in_features=k, group_size=g).float()
+    ref = (_int8_rows(x).double() @ w.double().T).float()
+    tol = tolerances(x, w)
+    torch.testing.assert_close(y, ref, **tol)
+    assert (layer(x) - y).abs().max() > tol["atol"]  # the fp32 GEMV: not the same operands
+
+
+def test_cpu_int8_activations_fall_back_to_fp32_where_groups_do_not_fit() -> None:
+    """Groups of 96 (not a power of two): fp32 activations, bit for bit the fp32 GEMV."""
+    wp, scale, zp, g = make_layer(20, 384, 96, False)
+    layer = cpu.CpuInt4Layer(PackedInt4(wp, scale, zp, 384, g))
+    x = torch.randn(3, 384, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(layer(x, int8_activations=True), layer(x))

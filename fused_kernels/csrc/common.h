@@ -9,6 +9,8 @@
 #ifndef QK_COMMON_H
 #define QK_COMMON_H
 
+#include <float.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,7 +23,9 @@
 #pragma GCC target("f16c")
 #endif
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+/* DT_I8 names int8 activations only (the INT4 GEMV's VNNI tile, `gemv_tile_i8`): a requested
+   act_dt, never a tensor's dtype. */
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2, DT_I8 = 3 };
 
 static inline float bits_f(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
 static inline uint32_t f_bits(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }

@@ -31,8 +31,6 @@
 /* The INT4 library's translation unit: the GEMV kernels (and through them `common.h` and
    `quantkit_kernels.h`, which declares qk_decoder_layer and qk_decoder_dims), then the step. */
 #include "w4a16.c"
-#include <float.h>
-#include <math.h>
 
 static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 

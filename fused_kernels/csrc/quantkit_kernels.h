@@ -8,7 +8,8 @@
    qk_fp8_cpu from fp8.c, qk_bf16_gemv from bf16_gemv.c; each translation unit includes this
    header, so gcc checks every definition against its prototype here.
 
-   dtype codes (the *_dt arguments and fields): 0 = fp32, 1 = bf16, 2 = fp16. Pointers are to the
+   dtype codes (the *_dt arguments and fields): 0 = fp32, 1 = bf16, 2 = fp16; an act_dt may also
+   be 3 = int8 activations. Pointers are to the
    tensors' data; strides are in elements. */
 
 #ifndef QUANTKIT_KERNELS_H
@@ -60,8 +61,12 @@ typedef struct {
 /* 1 when this build has the bf16 tile (the CPU has AVX512-BF16), else 0. */
 int qk_has_bf16_dot(void);
 
-/* out [M, N] = x [M, K] @ dequant(W).T (+ bias), W the layer bound in L. act_dt: DT_BF16 rounds
-   x to bf16 for the bf16 tile where the layer's groups allow, else fp32. */
+/* 1 when this build has the int8 tile (the CPU has AVX512-VNNI), else 0. */
+int qk_has_int8_dot(void);
+
+/* out [M, N] = x [M, K] @ dequant(W).T (+ bias), W the layer bound in L. act_dt: 1 (bf16) rounds
+   x to bf16 for the bf16 tile, 3 (int8) quantizes it per 128 elements for the VNNI tile, where
+   the build and the layer's groups allow, else fp32. */
 int qk_w4a16_gemv_layer(const qk_w4_layer *L, const void *x, int x_dt, int64_t M,
                         int64_t x_stride, void *out, int o_dt, int64_t o_stride, int act_dt,
                         int n_threads);

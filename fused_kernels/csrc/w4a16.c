@@ -420,6 +420,67 @@ static inline __attribute__((always_inline)) void gemv_tile2_bf16(
 }
 #endif
 
+#if defined(__AVX512VNNI__)
+/* int8 activations (`quantize_x_i8`), VNNI: res[m] += sum over 128-element chunks [c0, c1) of
+   sum_k t[m][c] q[m][k] (u_k s_g + c_g), u the stored nibbles (0..15) and c_g = -(8 + zp) s_g
+   (`tile_params`), for MB (1..8) activation rows and one weight row. The c_g term is per lane:
+   lane l of a chunk holds 8 elements of one group, so it adds c_g times their sum t q,
+   which `quantize_x_i8` stores per lane (xl).
+   A chunk is 16 words, one 64-byte load: word l holds elements 8l..8l+7, byte b of it 8l+2b
+   (low nibble) and 8l+2b+1 (high). `& 0xF` and `>> 4 & 0xF` give two byte vectors of
+   unsigned nibbles, the even and the odd elements, and `quantize_x_i8` stores each chunk's
+   activations as its 64 even then its 64 odd codes, so two vpdpbusd (64 u8 x s8 products into
+   16 int32 lanes each) take the whole chunk, exactly. Lane l then holds elements 8l..8l+7,
+   which lie in one group (groups are >= 32 elements, powers of two): `gidx` maps lanes to the
+   chunk's groups, and one vpermps spreads their scales. Per 128 weights: a load, three ops to
+   split nibbles, two for the group constants, and per activation row two vpdpbusd, a
+   conversion, a multiply and two FMAs, against ~28 ops for the fp32 tile (and one FMA-pipe op
+   per 16 weights per row there, 64 here). Each row's sums run in the same order whatever MB is, so
+   the tile is row-invariant as it stands. */
+static inline __attribute__((always_inline)) void gemv_tile_i8(
+    int MB, const int8_t *xq, int64_t xrow, const float *tq, const float *xl, int64_t kc,
+    int64_t c0, int64_t c1, int gsh1, __m512i gidx, const int32_t *wrow, int64_t words,
+    const float *s, const float *cz, int64_t pf, float *res)
+{
+    __m512 acc[MAX_MB][2];
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    /* alt: which of a row's two accumulators (a literal: a runtime index spills them) */
+#define GEMV_CHUNK_I8(c, alt)                                                                 \
+    do {                                                                                      \
+        const int64_t w0 = (c) * 16;                                                          \
+        __mmask16 km = words - w0 >= 16 ? (__mmask16)0xFFFF                                   \
+                                        : (__mmask16)((1u << (words - w0)) - 1u);             \
+        __builtin_prefetch((const char *)(wrow + w0) + pf, 0, 2);                             \
+        __m512i wv = _mm512_maskz_loadu_epi32(km, wrow + w0);                                 \
+        __m512i lo = _mm512_and_si512(wv, nib);                                               \
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib);                         \
+        const int64_t g_ = gsh1 >= 0 ? 4 * (c) >> gsh1 : 0;                                   \
+        /* past K (a last half chunk) the lanes read no group: zeroed, not garbage x 0 */     \
+        __m512 sv = _mm512_maskz_permutexvar_ps(km, gidx, _mm512_loadu_ps(s + g_));           \
+        __m512 cv = _mm512_maskz_permutexvar_ps(km, gidx, _mm512_loadu_ps(cz + g_));          \
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                \
+            const int8_t *xm = xq + m * xrow + (c) * 128;                                     \
+            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,                       \
+                                            _mm512_loadu_si512((const void *)xm));            \
+            d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512((const void *)(xm + 64)));      \
+            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(tq[m * kc + (c)])); \
+            acc[m][alt] = _mm512_fmadd_ps(f, sv, acc[m][alt]);                                \
+            acc[m][alt] = _mm512_fmadd_ps(_mm512_loadu_ps(xl + (m * kc + (c)) * 16), cv,      \
+                                          acc[m][alt]);                                       \
+        }                                                                                     \
+    } while (0)
+    int64_t c = c0;
+    for (; c + 1 < c1; c += 2) {
+        GEMV_CHUNK_I8(c, 0);
+        GEMV_CHUNK_I8(c + 1, 1);
+    }
+    if (c < c1) GEMV_CHUNK_I8(c, 0);
+#undef GEMV_CHUNK_I8
+    for (int m = 0; m < MB; m++) res[m] += _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+}
+#endif
+
 /* Weight rows per scheduling unit: their per-group constants and partial sums live on the
    stack, and a tile of them streams past each K tile of x. 32 rows moved 27.5 GB/s at
    4096x4096, M = 1, 2 threads, against 24.5 with 16 and 22 with 8 (longer contiguous runs). */
@@ -449,23 +510,125 @@ int qk_has_bf16_dot(void) {
 #endif
 }
 
-/* The dtype `permute_x` should give the activations of a GEMV over L: DT_BF16 when the caller
-   asks for it and the bf16 tile applies (this build has it, power-of-two groups), else DT_F32. */
+/* 1 when this build has the int8 tile (the CPU has AVX512-VNNI), else 0. */
+int qk_has_int8_dot(void) {
+#if defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* The dtype `permute_x` should give the activations of a GEMV over L: DT_BF16 or DT_I8 when the
+   caller asks for it and that tile applies (this build has it; power-of-two groups, or one group
+   per row for int8), else DT_F32. */
 static int gemv_x_dt(const qk_w4_layer *L, int want) {
     int64_t bpg;
     int gsh;
-    if (want != DT_BF16 || !qk_has_bf16_dot() || group_layout(L, &bpg, &gsh) || gsh < 0)
-        return DT_F32;
-    return DT_BF16;
+    if (group_layout(L, &bpg, &gsh)) return DT_F32;
+    if (want == DT_BF16 && qk_has_bf16_dot() && gsh >= 0) return DT_BF16;
+    if (want == DT_I8 && qk_has_int8_dot() && (gsh >= 0 || L->n_groups == 1)) return DT_I8;
+    return DT_F32;
+}
+
+/* Floats at the start of the scratch for the activations: the permuted fp32 (or bf16) x, or
+   the int8 form (`quantize_x_i8`: codes, chunk scales, lane sums), whichever is
+   larger; the per-tile constants follow. */
+static int64_t xp_floats(const qk_w4_layer *L, int64_t M) {
+    const int64_t nblk = (L->K + 31) / 32, kc = (L->K + 127) / 128;
+    const int64_t i8 = kc * 32 + kc + kc * 16;
+    return M * (nblk * 32 > i8 ? nblk * 32 : i8);
 }
 
 /* Floats of scratch a GEMV over L needs: the permuted x (M rows, `permute_x`) and after it the
    per-tile constants (`gemv_rows`). */
 static int64_t gemv_scratch(const qk_w4_layer *L, int64_t M) {
-    return M * ((L->K + 31) / 32) * 32 + (L->N + RT) * 2 * L->n_groups + 16;
+    return xp_floats(L, M) + (L->N + RT) * 2 * L->n_groups + 16;
 }
 
-/* x -> xp_dt (DT_F32, or DT_BF16 rounded to nearest even for `gemv_tile2_bf16`), each
+#if defined(__AVX512F__)
+/* One chunk of `quantize_x_i8` from fp32 x (left: elements of it inside K, the rest read as 0),
+   the same arithmetic in vectors: absmax, codes by vcvtps2dq (nearest even), even and odd
+   elements split by two-vector permutes, each lane's 8 codes summed by in-lane shuffles. */
+static void quantize_chunk16(const float *x, int64_t left, int8_t *dst, float *tq, float *xl) {
+    __m512 v[8], amax = _mm512_setzero_ps();
+    for (int i = 0; i < 8; i++) {
+        v[i] = _mm512_maskz_loadu_ps(tail_mask(left - 16 * i), x + 16 * i);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+    }
+    const float t = _mm512_reduce_max_ps(amax) / 127.0f, inv = t > 0.0f ? 1.0f / t : 0.0f;
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    __m512i q[8];
+    int32_t sums[16];
+    for (int i = 0; i < 8; i++) {
+        q[i] = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)));
+        q[i] = _mm512_min_epi32(_mm512_max_epi32(q[i], lo), hi);
+        __m512i p = _mm512_add_epi32(q[i], _mm512_shuffle_epi32(q[i], (_MM_PERM_ENUM)0xB1));
+        p = _mm512_add_epi32(p, _mm512_shuffle_epi32(p, (_MM_PERM_ENUM)0x4E));
+        p = _mm512_add_epi32(p, _mm512_shuffle_i32x4(p, p, 0xB1));
+        sums[2 * i] = _mm_cvtsi128_si32(_mm512_castsi512_si128(p));
+        sums[2 * i + 1] = _mm_cvtsi128_si32(_mm512_extracti32x4_epi32(p, 2));
+    }
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                           28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    for (int i = 0; i < 4; i++) {
+        _mm_storeu_si128((__m128i *)(dst + 16 * i),
+                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(q[2 * i], even,
+                                                                        q[2 * i + 1])));
+        _mm_storeu_si128((__m128i *)(dst + 64 + 16 * i),
+                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(q[2 * i], odd,
+                                                                        q[2 * i + 1])));
+    }
+    *tq = t;
+    _mm512_storeu_ps(xl, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(sums)),
+                                       _mm512_set1_ps(t)));
+}
+#endif
+
+/* x -> int8 codes for `gemv_tile_i8`, at xp (`xp_floats`): per row, kc = ceil(K / 128) chunks
+   of 128 elements (K padded with zeros), each quantized on its own, t = absmax / 127 and
+   q = round(x * (1 / t)) to nearest even (t = 0: all codes 0), and stored as its 64 even-indexed
+   then its 64 odd-indexed codes; then the chunk scales t [M][kc] and, for each chunk's 16 lanes
+   of 8 elements, t times the sum of their codes [M][kc][16] (the zero points' term). An
+   orphaned `omp for`, as `permute_x`. */
+static void quantize_x_i8(const void *x, int x_dt, int64_t M, int64_t K, int64_t x_stride,
+                          float *xp) {
+    const int64_t kc = (K + 127) / 128;
+    int8_t *xq = (int8_t *)xp;
+    float *tq = xp + M * kc * 32, *xl = tq + M * kc;
+    #pragma omp for schedule(static)
+    for (int64_t mc = 0; mc < M * kc; mc++) {
+        const int64_t m = mc / kc, c = mc % kc;
+#if defined(__AVX512F__)
+        if (x_dt == DT_F32) {  /* the decode step's case: 8 vectors, no scalar pass */
+            quantize_chunk16((const float *)x + m * x_stride + c * 128, K - c * 128,
+                             xq + mc * 128, tq + mc, xl + mc * 16);
+            continue;
+        }
+#endif
+        float v[128], amax = 0.0f;
+        for (int e = 0; e < 128; e++) {
+            int64_t k = c * 128 + e;
+            v[e] = k < K ? load_f(x, m * x_stride + k, x_dt) : 0.0f;
+            amax = fmaxf(amax, fabsf(v[e]));
+        }
+        const float t = amax / 127.0f, inv = t > 0.0f ? 1.0f / t : 0.0f;
+        int8_t *dst = xq + mc * 128;
+        int32_t sums[16] = {0};
+        for (int e = 0; e < 128; e++) {
+            int q = (int)__builtin_rintf(v[e] * inv);
+            q = q < -127 ? -127 : q > 127 ? 127 : q;
+            dst[(e & 1) * 64 + e / 2] = (int8_t)q;
+            sums[e / 8] += q;
+        }
+        tq[mc] = t;
+        for (int l = 0; l < 16; l++) xl[mc * 16 + l] = t * (float)sums[l];
+    }
+}
+
+/* x -> xp_dt (DT_F32, or DT_BF16 rounded to nearest even for `gemv_tile2_bf16`; DT_I8 is
+   `quantize_x_i8`), each
    32-element block permuted to the order the shifts produce, K padded with zeros, the rows of
    each chunk (`row_chunk`) interleaved per block: [chunk][block][row][32].
    An orphaned `omp for` over (row, block), like `gemv_rows`: inside a parallel region the team
@@ -473,6 +636,10 @@ static int64_t gemv_scratch(const qk_w4_layer *L, int64_t M) {
    calling thread does it all. */
 static void permute_x(const void *x, int x_dt, int64_t M, int64_t K, int64_t x_stride,
                       float *xp, int xp_dt, int one_row) {
+    if (xp_dt == DT_I8) {
+        quantize_x_i8(x, x_dt, M, K, x_stride, xp);
+        return;
+    }
     const int64_t nblk = (K + 31) / 32, kp = nblk * 32;
     #pragma omp for schedule(static)
     for (int64_t mb_i = 0; mb_i < M * nblk; mb_i++) {
@@ -519,9 +686,22 @@ static void gemv_rows(const qk_w4_layer *L, float *xp, int xp_dt, int64_t M, voi
     const int64_t K = L->K, N = L->N, n_groups = L->n_groups, wq_stride = L->wq_stride;
     const int32_t *wq = L->wq;
     int64_t nblk = (K + 31) / 32, kp = nblk * 32, words = (K + 7) / 8, bpg;
-    float *params = xp + M * kp;
+    float *params = xp + xp_floats(L, M);
     int gsh;
     group_layout(L, &bpg, &gsh);
+#if defined(__AVX512VNNI__)
+    /* int8 activations: the codes per row, chunk scales, lane sums (`quantize_x_i8`); gsh1 =
+       log2 of blocks per group (-1: one group per row), gidx the lane -> group-in-chunk map */
+    const int64_t kc = (K + 127) / 128;
+    const int8_t *xq = (const int8_t *)xp;
+    const float *tq = xp + M * kc * 32, *xl = tq + M * kc;
+    const int gsh1 = n_groups == 1 ? -1 : gsh;
+    const __m512i gidx = gsh == 0 ? _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6,
+                                        7, 8, 9, 10, 11, 12, 13, 14, 15), 2)
+                         : gsh == 1 ? _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6,
+                                          7, 8, 9, 10, 11, 12, 13, 14, 15), 3)
+                                    : _mm512_setzero_si512();
+#endif
     /* Static split: each thread streams one contiguous run of row tiles, which the hardware
        prefetchers follow and the software prefetch (the next row tile) serves. Against
        schedule(dynamic, 1), alternated 3 times in one quiet session (M = 1, 2 threads): SmolLM2
@@ -550,6 +730,25 @@ static void gemv_rows(const qk_w4_layer *L, float *xp, int xp_dt, int64_t M, voi
                 int64_t b1 = b0 + kt < nblk ? b0 + kt : nblk, g0 = b0 / bpg;
                 const float *xc = xp + m0 * kp;
                 int64_t n = n0;
+#if defined(__AVX512VNNI__)
+                for (; xp_dt == DT_I8 && n < n1; n++) {
+                    const int32_t *wrow = wq + n * wq_stride;
+                    const float *sn = s + (n - n0) * n_groups, *cn = c + (n - n0) * n_groups;
+                    const int64_t c0 = b0 / 4, c1 = (b1 + 3) / 4;
+#define TILE_I8(MB) gemv_tile_i8(MB, xq + m0 * kc * 128, kc * 128, tq + m0 * kc, \
+                                 xl + m0 * kc * 16, kc, c0, c1, gsh1, gidx, wrow, words, sn, \
+                                 cn, pf, res[n - n0])
+                    if (mb == 1) TILE_I8(1);
+                    else if (mb == 2) TILE_I8(2);
+                    else if (mb == 3) TILE_I8(3);
+                    else if (mb == 4) TILE_I8(4);
+                    else if (mb == 5) TILE_I8(5);
+                    else if (mb == 6) TILE_I8(6);
+                    else if (mb == 7) TILE_I8(7);
+                    else TILE_I8(MAX_MB);
+#undef TILE_I8
+                }
+#endif
 #if defined(__AVX512BF16__)
                 /* bf16 activations (`gemv_x_dt`: power-of-two groups): rows in pairs, an odd
                    last row paired with itself and its second result dropped */
@@ -628,7 +827,8 @@ static void gemv_rows(const qk_w4_layer *L, float *xp, int xp_dt, int64_t M, voi
     }
 }
 
-/* act_dt: DT_BF16 rounds x to bf16 for the bf16 tile where `gemv_x_dt` allows, else fp32. */
+/* act_dt: DT_BF16 rounds x to bf16 for the bf16 tile, DT_I8 quantizes it for the int8 tile,
+   where `gemv_x_dt` allows, else fp32. */
 int qk_w4a16_gemv_layer(const qk_w4_layer *L, const void *x, int x_dt, int64_t M,
                         int64_t x_stride, void *out, int o_dt, int64_t o_stride, int act_dt,
                         int n_threads)

@@ -15,8 +15,10 @@ Activations. The GEMVs take fp32 activations by default, which the tests hold to
 path within 1e-5. `set_act_dtype(model, torch.bfloat16)` rounds them to bf16 inside the GEMVs
 (W4A16 in the strict sense; vdpbf16ps on AVX512-BF16 CPUs, sums in fp32, the rest of each
 layer fp32). Whether that is faster depends on the CPU, so `auto_act_dtype` (the CLI's `auto`)
-picks it only where it was measured faster (`bf16_activations_faster`); what it costs in
-perplexity is measured by `quantkit.evals.act_precision`.
+picks it only where it was measured faster (`bf16_activations_faster`).
+`set_act_dtype(model, torch.int8)` quantizes them to int8 per 128 elements and multiplies them
+by the 4-bit weights in integers (vpdpbusd on AVX512-VNNI CPUs): opt-in, never `auto`. What
+each costs in perplexity is measured by `quantkit.evals.act_precision`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from quantkit.fused_kernels.decode_cpu import (
     DecoderDims,
     DecoderLayerParts,
     bf16_activations_available,
+    int8_activations_available,
 )
 from quantkit.models.decoder import CausalLM
 from quantkit.models.family import DecodeLayout, layer_part
@@ -44,10 +47,11 @@ __all__ = [
     "bf16_activations_available",
     "bf16_activations_faster",
     "enable_cpu_decode",
+    "int8_activations_available",
     "set_act_dtype",
 ]
 
-ACT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ACT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
 
 def _cpu_int4(module: object) -> object | None:
@@ -222,8 +226,9 @@ def auto_act_dtype(model: CausalLM, *, quantized: bool) -> torch.dtype:
 
 
 def set_act_dtype(model: CausalLM, dtype: torch.dtype) -> None:
-    """Run the C step's GEMVs on `dtype` activations (fp32, or bf16 where
-    `bf16_activations_available`), from the cache bound now on."""
+    """Run the C step's GEMVs on `dtype` activations (fp32, bf16 where
+    `bf16_activations_available`, int8 where `int8_activations_available`), from the cache
+    bound now on."""
     if dtype not in ACT_DTYPES.values():
         raise GenerationError(
             f"activation dtype: expected one of {', '.join(ACT_DTYPES)}, got {dtype}"
@@ -237,6 +242,15 @@ def set_act_dtype(model: CausalLM, dtype: torch.dtype) -> None:
             raise GenerationError(
                 "activation dtype: bfloat16 needs an INT4 model on the C decode step and an "
                 f"AVX512-BF16 CPU, got {why}"
+            )
+    if dtype == torch.int8:
+        why = "no C decode path" if path is None else path.unsupported(model)
+        if why is None and not int8_activations_available():
+            why = "a CPU without AVX512-VNNI"
+        if why is not None:
+            raise GenerationError(
+                "activation dtype: int8 needs an INT4 model on the C decode step and an "
+                f"AVX512-VNNI CPU, got {why}"
             )
     if path is not None and path.act_dtype != dtype:
         path.act_dtype = dtype

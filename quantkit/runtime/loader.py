@@ -13,7 +13,12 @@ from quantkit.format.checkpoint import load_checkpoint
 from quantkit.format.dtypes import DTYPES, name_of
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import CausalLM, build_model
-from quantkit.runtime.fast_path import auto_act_dtype, enable_cpu_decode, set_act_dtype
+from quantkit.runtime.fast_path import (
+    ACT_DTYPES,
+    auto_act_dtype,
+    enable_cpu_decode,
+    set_act_dtype,
+)
 from quantkit.runtime.fusion import fuse_projections
 from quantkit.runtime.head import auto_head_dtype, set_head_dtype
 from quantkit.runtime.options import RuntimeOptions
@@ -81,10 +86,10 @@ def load_model(
 
 def _apply_precision(model: CausalLM, options: RuntimeOptions, *, quantized: bool) -> None:
     """The lm_head's dtype, then the C step's activation dtype ("model" leaves each as is)."""
-    for choice, auto, apply in (
-        (options.head_dtype, auto_head_dtype, set_head_dtype),
-        (options.act_dtype, auto_act_dtype, set_act_dtype),
+    for choice, auto, apply, named in (
+        (options.head_dtype, auto_head_dtype, set_head_dtype, DTYPES),
+        (options.act_dtype, auto_act_dtype, set_act_dtype, ACT_DTYPES),
     ):
         if choice != "model":
-            dtype = auto(model, quantized=quantized) if choice == "auto" else DTYPES[choice]
+            dtype = auto(model, quantized=quantized) if choice == "auto" else named[choice]
             apply(model, dtype)

@@ -16,7 +16,7 @@ from quantkit.format.dtypes import DTYPES, dtype_named
 from quantkit.models.kv_cache import KV_DTYPE_NAMES
 
 Auto = Literal["auto"]
-ACT_DTYPE_NAMES = ("float32", "bfloat16")
+ACT_DTYPE_NAMES = ("float32", "bfloat16", "int8")
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,8 @@ class RuntimeOptions:
     """dtype: the model's dense weights and activations ("auto": float32 on CPU, bfloat16 on a
     GPU). head_dtype: the lm_head's ("auto": bf16 for a quantized fp32 model on a CPU with bf16
     dot instructions, else the model's; "model": leave it). act_dtype: the C decode step's INT4
-    GEMV activations ("auto": bf16 for INT4 on such CPUs; "model": leave them fp32). kv_dtype:
+    GEMV activations ("auto": bf16 for INT4 on such CPUs; "model": leave them fp32; "int8" only
+    when named). kv_dtype:
     the KV cache's format ("auto": the model's dtype; int8 / fp8: codes with a scale per head
     and token, `quantkit.models.kv_cache`)."""
 
