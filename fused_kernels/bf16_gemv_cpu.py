@@ -1,6 +1,8 @@
-"""The CPU bf16 GEMV (`csrc/bf16_gemv.c`): fp32 activations times a bf16 weight, for the
-lm_head of quantized models (`quantkit.runtime.head.CastHead`). Built on first use where the CPU has
-AVX512-BF16; elsewhere `bf16_gemv_available()` is False and the caller keeps torch."""
+"""The CPU head GEMVs (`csrc/bf16_gemv.c`): fp32 activations times a bf16 weight, or times an
+int8 weight with a scale per row, for the lm_head of quantized models
+(`quantkit.runtime.head.CastHead`). Built on first use; the bf16 one where the CPU has
+AVX512-BF16, the int8 one with AVX-512F; elsewhere `bf16_gemv_available()` /
+`i8_gemv_available()` are False and the caller keeps torch."""
 
 from __future__ import annotations
 
@@ -12,43 +14,63 @@ import torch
 from quantkit.errors import KernelUnavailableError
 from quantkit.fused_kernels import cpu_abi
 
-__all__ = ["bf16_gemv", "bf16_gemv_available"]
+__all__ = ["bf16_gemv", "bf16_gemv_available", "i8_gemv", "i8_gemv_available"]
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
-        lib = cpu_abi.load("qk_bf16_gemv")  # typed by `cpu_abi`
+        return cpu_abi.load("qk_bf16_gemv")  # typed by `cpu_abi`
     except KernelUnavailableError:
         return None
-    return lib if lib.qk_bf16_gemv_available() else None
 
 
 def bf16_gemv_available() -> bool:
     """True if the kernel builds here and the CPU has AVX512-BF16."""
-    return _library() is not None
+    lib = _library()
+    return lib is not None and bool(lib.qk_bf16_gemv_available())
+
+
+def i8_gemv_available() -> bool:
+    """True if the int8 kernel builds here (an AVX-512 CPU)."""
+    lib = _library()
+    return lib is not None and bool(lib.qk_i8_gemv_available())
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> tuple[int, int, int]:
+    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or not x.is_cpu:
+        raise ValueError(
+            f"x: expected fp32 [M, K] on the CPU with contiguous rows, got {x.dtype} "
+            f"{tuple(x.shape)} on {x.device}"
+        )
+    if weight.dtype != dtype or weight.dim() != 2 or weight.stride(-1) != 1:
+        name = {torch.bfloat16: "bf16", torch.int8: "int8"}[dtype]
+        raise ValueError(
+            f"weight: expected {name} [N, K] with contiguous rows, got {weight.dtype} "
+            f"{tuple(weight.shape)}"
+        )
+    (m, k), n = x.shape, weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"weight: expected {k} columns (x has {k}), got {weight.shape[1]}")
+    return m, k, n
+
+
+def _status(status: int, what: str) -> None:
+    if status == 2:
+        raise MemoryError(f"{what}: could not allocate the bf16 copy of x")
+    if status:
+        raise KernelUnavailableError(f"{what}: expected status 0, got {status}")
 
 
 def bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp32 [M, N] = x.to(bf16) [M, K] @ weight.T (weight bf16 [N, K]), summed in fp32.
 
     x: fp32 [M, K] with contiguous rows; weight: bf16 [N, K] with contiguous rows."""
-    lib = _library()
-    if lib is None:
+    if not bf16_gemv_available():
         raise KernelUnavailableError("bf16 GEMV: expected a CPU with AVX512-BF16, got none")
-    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or not x.is_cpu:
-        raise ValueError(
-            f"x: expected fp32 [M, K] on the CPU with contiguous rows, got {x.dtype} "
-            f"{tuple(x.shape)} on {x.device}"
-        )
-    if weight.dtype != torch.bfloat16 or weight.dim() != 2 or weight.stride(-1) != 1:
-        raise ValueError(
-            f"weight: expected bf16 [N, K] with contiguous rows, got {weight.dtype} "
-            f"{tuple(weight.shape)}"
-        )
-    (m, k), n = x.shape, weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"weight: expected {k} columns (x has {k}), got {weight.shape[1]}")
+    lib = _library()
+    assert lib is not None
+    m, k, n = _check(x, weight, torch.bfloat16)
     y = torch.empty(m, n, dtype=torch.float32)
     if m == 0:
         return y
@@ -56,8 +78,28 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), n, weight.stride(0), y.data_ptr(),
         n, torch.get_num_threads(),
     )  # fmt: skip
-    if status == 2:
-        raise MemoryError("bf16 GEMV: could not allocate the bf16 copy of x")
-    if status:
-        raise KernelUnavailableError(f"bf16 GEMV: expected status 0, got {status}")
+    _status(status, "bf16 GEMV")
+    return y
+
+
+def i8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 [M, N] = x [M, K] @ (weight * scale[:, None]).T (weight int8 [N, K], scale fp32
+    [N]), in fp32. x: fp32 [M, K] with contiguous rows; weight: contiguous rows."""
+    if not i8_gemv_available():
+        raise KernelUnavailableError("int8 GEMV: expected an AVX-512 CPU, got none")
+    lib = _library()
+    assert lib is not None
+    m, k, n = _check(x, weight, torch.int8)
+    if scale.dtype != torch.float32 or tuple(scale.shape) != (n,) or not scale.is_contiguous():
+        raise ValueError(
+            f"scale: expected {n} contiguous fp32 values, got {scale.dtype} {tuple(scale.shape)}"
+        )
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m == 0:
+        return y
+    status = lib.qk_i8_gemv(
+        x.data_ptr(), m, k, x.stride(0), weight.data_ptr(), scale.data_ptr(), n,
+        weight.stride(0), y.data_ptr(), n, torch.get_num_threads(),
+    )  # fmt: skip
+    _status(status, "int8 GEMV")
     return y

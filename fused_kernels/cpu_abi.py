@@ -282,6 +282,21 @@ FUNCTIONS: dict[str, Fn] = {
         y_stride=c_int64,
         n_threads=c_int,
     ),
+    "qk_i8_gemv_available": fn(c_int),
+    "qk_i8_gemv": fn(
+        c_int,
+        x=c_void_p,
+        M=c_int64,
+        K=c_int64,
+        x_stride=c_int64,
+        w=c_void_p,
+        scale=c_void_p,
+        N=c_int64,
+        w_stride=c_int64,
+        y=c_void_p,
+        y_stride=c_int64,
+        n_threads=c_int,
+    ),
 }
 
 # --------------------------------------------------------------------------------------- libraries
@@ -320,7 +335,10 @@ LIBRARIES: dict[str, Library] = {
             "qk_fp8_nan_rows",
         ),
     ),
-    "qk_bf16_gemv": Library("bf16_gemv.c", ("qk_bf16_gemv_available", "qk_bf16_gemv")),
+    "qk_bf16_gemv": Library(
+        "bf16_gemv.c",
+        ("qk_bf16_gemv_available", "qk_bf16_gemv", "qk_i8_gemv_available", "qk_i8_gemv"),
+    ),
 }
 
 

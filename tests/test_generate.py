@@ -340,7 +340,7 @@ def test_bf16_head_halves_its_bytes_and_keeps_the_logits(
     assert after.head == before.head // 2 and not after.tied
     assert after.embedding == before.embedding  # the table stays fp32 for the embedding lookup
     with pytest.raises(GenerationError, match="head dtype: expected one of"):
-        lm_head.set_head_dtype(model, torch.int8)
+        lm_head.set_head_dtype(model, torch.int16)
     # auto: bf16 only for a quantized fp32 model on a CPU with bf16 instructions.
     monkeypatch.setattr(lm_head, "has_bf16_dot", lambda: True)
     assert lm_head.auto_head_dtype(model, quantized=True) == torch.bfloat16

@@ -147,3 +147,30 @@ def test_generate_with_int8_cache_on_both_paths(int4_ckpt: Path, monkeypatch) ->
     monkeypatch.setenv("QUANTKIT_CPU_DECODE", "0")
     slow = generate(model, prompts, SamplingParams(max_new_tokens=8))
     assert fast.tokens == slow.tokens
+
+
+@needs_c
+def test_long_rows_split_over_chunks_match_pytorch(int4_ckpt: Path) -> None:
+    """A row past 1024 positions has its attention split into 512-position chunks merged at
+    the end (flash-decoding); beside it a short row keeps one unit per head. Both rows' logits
+    equal the PyTorch layers' over the same (int8) cache."""
+    model = load_model(int4_ckpt, tokenizer=False).model
+    model.kv_dtype = "int8"
+    s, long = 1100, 1030
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(3, 500, (2, long), generator=g)
+    out = {}
+    for fast in (True, False):
+        path = model.decode_path
+        if not fast:
+            model.decode_path = None
+        with torch.no_grad():
+            model.setup_cache(batch=2, max_len=s)
+            pos = torch.arange(long).expand(2, long)
+            mask = (torch.arange(s) <= pos[0, :, None]).view(1, 1, long, s)
+            model(ids, positions=pos, mask=mask)  # both rows prefilled to 1030
+            at = torch.tensor([[long], [5]])  # row 1 goes back to position 5: a short row
+            step_mask = (torch.arange(s) <= at).view(2, 1, 1, s)
+            out[fast] = model(torch.tensor([[42], [43]]), positions=at, mask=step_mask)
+        model.decode_path = path
+    torch.testing.assert_close(out[True], out[False], rtol=1e-4, atol=1e-4)

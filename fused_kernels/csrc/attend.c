@@ -104,7 +104,7 @@ static inline float kv_scale16(const int kv, const uint8_t *r, int64_t D) {
    ~26 MB a step at context ~70). */
 static inline __attribute__((always_inline)) void attend_nv(
     const int NV16, const int KV, const float *q, const uint8_t *kc, const uint8_t *vc,
-    int64_t npos, int64_t D, float scale, float *sc, float *o) {
+    int64_t npos, int64_t D, float scale, float *sc, float *o, float *ml) {
     const int64_t E = kv_bytes(KV, D);
     float mx = -INFINITY, sum = 0.0f;
 #if defined(__AVX512F__)
@@ -149,6 +149,12 @@ static inline __attribute__((always_inline)) void attend_nv(
             for (int c = 0; c < nv; c++)
                 acc[c] = _mm512_fmadd_ps(p, kv_load16(KV, vr, c), acc[c]);
         }
+        if (ml) {  /* a partial: the max, the sum of the exponentials, o unnormalised */
+            ml[0] = _mm512_reduce_max_ps(mv);
+            ml[1] = _mm512_reduce_add_ps(tot);
+            for (int c = 0; c < nv; c++) _mm512_storeu_ps(o + 16 * c, acc[c]);
+            return;
+        }
         const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(tot));
         for (int c = 0; c < nv; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[c], inv));
         return;
@@ -163,11 +169,13 @@ static inline __attribute__((always_inline)) void attend_nv(
     for (int64_t j = 0; j < npos; j++) sc[j] = expf(sc[j] - mx);
     for (int64_t j = 0; j < npos; j++) sum += sc[j];
     for (int64_t e = 0; e < D; e++) o[e] = 0.0f;
+    const float norm = ml ? 1.0f : sum;  /* a partial stays unnormalised */
     for (int64_t j = 0; j < npos; j++) {
         const uint8_t *vr = vc + j * E;
-        float p = KV >= KV_I8 ? sc[j] / sum * kv_scale(KV, vr, D) : sc[j] / sum;
+        float p = KV >= KV_I8 ? sc[j] / norm * kv_scale(KV, vr, D) : sc[j] / norm;
         for (int64_t e = 0; e < D; e++) o[e] += p * kv_get(KV, vr, e);
     }
+    if (ml) ml[0] = mx, ml[1] = sum;
 }
 
 /* attend_nv with the vector count (NV16 = D / 16, or 0 for the portable loop) and the cache
@@ -176,15 +184,17 @@ static inline __attribute__((always_inline)) void attend_nv(
    activations, A/B in one run: R=8 4.73 -> 4.45 ms, R=1 2.10 -> 2.05 ms; bit-identical. */
 #define ATTEND_FORMAT(KV)                                                                   \
     do {                                                                                    \
-        if (D == 64) attend_nv(4, KV, q, kc, vc, npos, D, scale, sc, o);                    \
-        else if (D == 128) attend_nv(8, KV, q, kc, vc, npos, D, scale, sc, o);              \
+        if (D == 64) attend_nv(4, KV, q, kc, vc, npos, D, scale, sc, o, ml);                \
+        else if (D == 128) attend_nv(8, KV, q, kc, vc, npos, D, scale, sc, o, ml);          \
         else if (D % 16 == 0 && D <= 256)                                                   \
-            attend_nv((int)(D / 16), KV, q, kc, vc, npos, D, scale, sc, o);                 \
-        else attend_nv(0, KV, q, kc, vc, npos, D, scale, sc, o);                            \
+            attend_nv((int)(D / 16), KV, q, kc, vc, npos, D, scale, sc, o, ml);             \
+        else attend_nv(0, KV, q, kc, vc, npos, D, scale, sc, o, ml);                        \
     } while (0)
 
+/* ml NULL: o = the attention output. ml set: a partial over these keys only (a chunk of a
+   split row, `attend_merge`): ml = {max scaled score, sum of exponentials}, o unnormalised. */
 static void attend(int kv, const float *q, const uint8_t *kc, const uint8_t *vc, int64_t npos,
-                   int64_t D, float scale, float *sc, float *o) {
+                   int64_t D, float scale, float *sc, float *o, float *ml) {
     switch (kv) {
     case KV_BF16: ATTEND_FORMAT(KV_BF16); break;
     case KV_I8: ATTEND_FORMAT(KV_I8); break;
@@ -193,3 +203,19 @@ static void attend(int kv, const float *q, const uint8_t *kc, const uint8_t *vc,
     }
 }
 #undef ATTEND_FORMAT
+
+/* o = the attention output from n partials (`attend` with ml) over consecutive chunks of one
+   row's keys: part[c] holds D unnormalised values then {max, sum}. One partial gives exactly
+   what `attend` without ml gives (its weight is expf(0) = 1, then one multiply by 1 / sum). */
+static void attend_merge(const float *part, int64_t n, int64_t D, float *o) {
+    float mx = -INFINITY, total = 0.0f;
+    for (int64_t c = 0; c < n; c++) mx = fmaxf(mx, part[c * (D + 2) + D]);
+    for (int64_t e = 0; e < D; e++) o[e] = 0.0f;
+    for (int64_t c = 0; c < n; c++) {
+        const float *p = part + c * (D + 2), w = expf(p[D] - mx);
+        total += p[D + 1] * w;
+        for (int64_t e = 0; e < D; e++) o[e] += p[e] * w;
+    }
+    const float inv = 1.0f / total;
+    for (int64_t e = 0; e < D; e++) o[e] *= inv;
+}

@@ -139,4 +139,12 @@ int qk_bf16_gemv_available(void);
 int qk_bf16_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const uint16_t *w,
                  int64_t N, int64_t w_stride, float *y, int64_t y_stride, int n_threads);
 
+/* 1 when this build has the int8 kernel (AVX-512F), else 0. */
+int qk_i8_gemv_available(void);
+
+/* y [M, N] (fp32) = x [M, K] (fp32) @ (W8 * scale[:, None]).T, W8 int8 [N, K], scale fp32 [N]. */
+int qk_i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const int8_t *w,
+               const float *scale, int64_t N, int64_t w_stride, float *y, int64_t y_stride,
+               int n_threads);
+
 #endif /* QUANTKIT_KERNELS_H */

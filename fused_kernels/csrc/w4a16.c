@@ -438,46 +438,60 @@ static inline __attribute__((always_inline)) void gemv_tile2_bf16(
    per 16 weights per row there, 64 here). Each row's sums run in the same order whatever MB is, so
    the tile is row-invariant as it stands. */
 static inline __attribute__((always_inline)) void gemv_tile_i8(
-    int MB, const int8_t *xq, int64_t xrow, const float *tq, const float *xl, int64_t kc,
-    int64_t c0, int64_t c1, int gsh1, __m512i gidx, const int32_t *wrow, int64_t words,
-    const float *s, const float *cz, int64_t pf, float *res)
+    int MB, const int8_t *xq, const float *tq, const float *xl, int64_t c0, int64_t c1,
+    int gsh1, __m512i gidx, const int32_t *wrow, int64_t words, const float *s, const float *cz,
+    int64_t pf, float *res)
 {
     __m512 acc[MAX_MB][2];
     const __m512i nib = _mm512_set1_epi8(0x0F);
     for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-    /* alt: which of a row's two accumulators (a literal: a runtime index spills them) */
-#define GEMV_CHUNK_I8(c, alt)                                                                 \
+    /* alt: which of a row's two accumulators (a literal: a runtime index spills them). The
+       chunk's rows sit together (`quantize_x_i8`), so row m is a constant offset from one
+       pointer: with a pointer per row, 8 rows spilled the integer registers. */
+#define GEMV_CHUNK_I8(c, alt, km)                                                             \
     do {                                                                                      \
-        const int64_t w0 = (c) * 16;                                                          \
-        __mmask16 km = words - w0 >= 16 ? (__mmask16)0xFFFF                                   \
-                                        : (__mmask16)((1u << (words - w0)) - 1u);             \
-        __builtin_prefetch((const char *)(wrow + w0) + pf, 0, 2);                             \
-        __m512i wv = _mm512_maskz_loadu_epi32(km, wrow + w0);                                 \
+        __builtin_prefetch((const char *)(wrow + (c) * 16) + pf, 0, 2);                       \
+        __m512i wv = _mm512_maskz_loadu_epi32(km, wrow + (c) * 16);                           \
         __m512i lo = _mm512_and_si512(wv, nib);                                               \
         __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib);                         \
-        const int64_t g_ = gsh1 >= 0 ? 4 * (c) >> gsh1 : 0;                                   \
+        const int64_t g_ = (4 * (c)) >> gsh1;                                                 \
         /* past K (a last half chunk) the lanes read no group: zeroed, not garbage x 0 */     \
         __m512 sv = _mm512_maskz_permutexvar_ps(km, gidx, _mm512_loadu_ps(s + g_));           \
         __m512 cv = _mm512_maskz_permutexvar_ps(km, gidx, _mm512_loadu_ps(cz + g_));          \
+        const int8_t *xc_ = xq + (c) * MB * 128;                                              \
+        const float *tc_ = tq + (c) * MB, *lc_ = xl + (c) * MB * 16;                          \
         _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                \
-            const int8_t *xm = xq + m * xrow + (c) * 128;                                     \
             __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,                       \
-                                            _mm512_loadu_si512((const void *)xm));            \
-            d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512((const void *)(xm + 64)));      \
-            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(tq[m * kc + (c)])); \
+                                            _mm512_loadu_si512((const void *)(xc_ + m * 128))); \
+            d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512((const void *)(xc_ + m * 128 + 64))); \
+            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(tc_[m]));          \
             acc[m][alt] = _mm512_fmadd_ps(f, sv, acc[m][alt]);                                \
-            acc[m][alt] = _mm512_fmadd_ps(_mm512_loadu_ps(xl + (m * kc + (c)) * 16), cv,      \
-                                          acc[m][alt]);                                       \
+            acc[m][alt] = _mm512_fmadd_ps(_mm512_loadu_ps(lc_ + m * 16), cv, acc[m][alt]);    \
         }                                                                                     \
     } while (0)
+    const int64_t full = words / 16 < c1 ? words / 16 : c1;  /* chunks of 16 whole words */
+    const __mmask16 all = 0xFFFF;
     int64_t c = c0;
-    for (; c + 1 < c1; c += 2) {
-        GEMV_CHUNK_I8(c, 0);
-        GEMV_CHUNK_I8(c + 1, 1);
+    for (; c + 1 < full; c += 2) {
+        GEMV_CHUNK_I8(c, 0, all);
+        GEMV_CHUNK_I8(c + 1, 1, all);
     }
-    if (c < c1) GEMV_CHUNK_I8(c, 0);
+    if (c < full) {
+        GEMV_CHUNK_I8(c, 0, all);
+        c++;
+    }
+    if (c < c1) {
+        const __mmask16 part = (__mmask16)((1u << (words - c * 16)) - 1u);
+        GEMV_CHUNK_I8(c, 1, part);
+    }
 #undef GEMV_CHUNK_I8
-    for (int m = 0; m < MB; m++) res[m] += _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
+    __m512 t[MAX_MB];
+    for (int m = 0; m < MB; m++) t[m] = _mm512_add_ps(acc[m][0], acc[m][1]);
+    if (MB == 8) {  /* one shuffle tree for the 8 rows: at K = 576 a chunk loop is 4.5 chunks */
+        hsum8_add(t, res);
+        return;
+    }
+    for (int m = 0; m < MB; m++) res[m] += _mm512_reduce_add_ps(t[m]);
 }
 #endif
 
@@ -589,21 +603,26 @@ static void quantize_chunk16(const float *x, int64_t left, int8_t *dst, float *t
 /* x -> int8 codes for `gemv_tile_i8`, at xp (`xp_floats`): per row, kc = ceil(K / 128) chunks
    of 128 elements (K padded with zeros), each quantized on its own, t = absmax / 127 and
    q = round(x * (1 / t)) to nearest even (t = 0: all codes 0), and stored as its 64 even-indexed
-   then its 64 odd-indexed codes; then the chunk scales t [M][kc] and, for each chunk's 16 lanes
-   of 8 elements, t times the sum of their codes [M][kc][16] (the zero points' term). An
-   orphaned `omp for`, as `permute_x`. */
+   then its 64 odd-indexed codes; then the chunk scales t and, for each chunk's 16 lanes of 8
+   elements, t times the sum of their codes (the zero points' term). Each row chunk
+   (`row_chunk`: rows m0..m0 + mb) keeps its rows together per chunk: codes at
+   (m0 kc + c mb + m - m0) * 128 bytes, scales at m0 kc + c mb + m - m0, lane sums 16 times
+   that. An orphaned `omp for`, as `permute_x`. */
 static void quantize_x_i8(const void *x, int x_dt, int64_t M, int64_t K, int64_t x_stride,
-                          float *xp) {
+                          float *xp, int one_row) {
     const int64_t kc = (K + 127) / 128;
     int8_t *xq = (int8_t *)xp;
     float *tq = xp + M * kc * 32, *xl = tq + M * kc;
     #pragma omp for schedule(static)
     for (int64_t mc = 0; mc < M * kc; mc++) {
         const int64_t m = mc / kc, c = mc % kc;
+        int64_t m0, mb;
+        row_chunk(m, M, one_row, &m0, &mb);
+        const int64_t at = m0 * kc + c * mb + (m - m0);
 #if defined(__AVX512F__)
         if (x_dt == DT_F32) {  /* the decode step's case: 8 vectors, no scalar pass */
             quantize_chunk16((const float *)x + m * x_stride + c * 128, K - c * 128,
-                             xq + mc * 128, tq + mc, xl + mc * 16);
+                             xq + at * 128, tq + at, xl + at * 16);
             continue;
         }
 #endif
@@ -614,7 +633,7 @@ static void quantize_x_i8(const void *x, int x_dt, int64_t M, int64_t K, int64_t
             amax = fmaxf(amax, fabsf(v[e]));
         }
         const float t = amax / 127.0f, inv = t > 0.0f ? 1.0f / t : 0.0f;
-        int8_t *dst = xq + mc * 128;
+        int8_t *dst = xq + at * 128;
         int32_t sums[16] = {0};
         for (int e = 0; e < 128; e++) {
             int q = (int)__builtin_rintf(v[e] * inv);
@@ -622,8 +641,8 @@ static void quantize_x_i8(const void *x, int x_dt, int64_t M, int64_t K, int64_t
             dst[(e & 1) * 64 + e / 2] = (int8_t)q;
             sums[e / 8] += q;
         }
-        tq[mc] = t;
-        for (int l = 0; l < 16; l++) xl[mc * 16 + l] = t * (float)sums[l];
+        tq[at] = t;
+        for (int l = 0; l < 16; l++) xl[at * 16 + l] = t * (float)sums[l];
     }
 }
 
@@ -637,7 +656,7 @@ static void quantize_x_i8(const void *x, int x_dt, int64_t M, int64_t K, int64_t
 static void permute_x(const void *x, int x_dt, int64_t M, int64_t K, int64_t x_stride,
                       float *xp, int xp_dt, int one_row) {
     if (xp_dt == DT_I8) {
-        quantize_x_i8(x, x_dt, M, K, x_stride, xp);
+        quantize_x_i8(x, x_dt, M, K, x_stride, xp, one_row);
         return;
     }
     const int64_t nblk = (K + 31) / 32, kp = nblk * 32;
@@ -690,12 +709,12 @@ static void gemv_rows(const qk_w4_layer *L, float *xp, int xp_dt, int64_t M, voi
     int gsh;
     group_layout(L, &bpg, &gsh);
 #if defined(__AVX512VNNI__)
-    /* int8 activations: the codes per row, chunk scales, lane sums (`quantize_x_i8`); gsh1 =
-       log2 of blocks per group (-1: one group per row), gidx the lane -> group-in-chunk map */
+    /* int8 activations: the codes, chunk scales, lane sums (`quantize_x_i8`); gsh1 = log2 of
+       blocks per group (62 for one group per row), gidx the lane -> group-in-chunk map */
     const int64_t kc = (K + 127) / 128;
     const int8_t *xq = (const int8_t *)xp;
     const float *tq = xp + M * kc * 32, *xl = tq + M * kc;
-    const int gsh1 = n_groups == 1 ? -1 : gsh;
+    const int gsh1 = n_groups == 1 ? 62 : gsh;  /* one group: (4 c) >> 62 = 0 */
     const __m512i gidx = gsh == 0 ? _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6,
                                         7, 8, 9, 10, 11, 12, 13, 14, 15), 2)
                          : gsh == 1 ? _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6,
@@ -735,9 +754,8 @@ static void gemv_rows(const qk_w4_layer *L, float *xp, int xp_dt, int64_t M, voi
                     const int32_t *wrow = wq + n * wq_stride;
                     const float *sn = s + (n - n0) * n_groups, *cn = c + (n - n0) * n_groups;
                     const int64_t c0 = b0 / 4, c1 = (b1 + 3) / 4;
-#define TILE_I8(MB) gemv_tile_i8(MB, xq + m0 * kc * 128, kc * 128, tq + m0 * kc, \
-                                 xl + m0 * kc * 16, kc, c0, c1, gsh1, gidx, wrow, words, sn, \
-                                 cn, pf, res[n - n0])
+#define TILE_I8(MB) gemv_tile_i8(MB, xq + m0 * kc * 128, tq + m0 * kc, xl + m0 * kc * 16, \
+                                 c0, c1, gsh1, gidx, wrow, words, sn, cn, pf, res[n - n0])
                     if (mb == 1) TILE_I8(1);
                     else if (mb == 2) TILE_I8(2);
                     else if (mb == 3) TILE_I8(3);

@@ -22,11 +22,18 @@ from torch import nn
 from quantkit.cpu import has_bf16_dot
 from quantkit.errors import GenerationError
 from quantkit.format.dtypes import DTYPES
-from quantkit.fused_kernels.bf16_gemv_cpu import bf16_gemv, bf16_gemv_available
+from quantkit.fused_kernels.bf16_gemv_cpu import (
+    bf16_gemv,
+    bf16_gemv_available,
+    i8_gemv,
+    i8_gemv_available,
+)
 from quantkit.models.decoder import CausalLM
 from quantkit.runtime.quant_linear import QuantLinear
 
-HEAD_DTYPES = DTYPES
+# int8: the head's rows rounded to int8 with a scale per row (absmax / 127) when the model
+# loads, half the bytes of bf16; only when named (`--head-dtype int8`), never `auto`.
+HEAD_DTYPES = {**DTYPES, "int8": torch.int8}
 
 
 # Rows up to which a bf16 head on fp32 activations takes the C GEMV (`bf16_gemv_cpu`) rather
@@ -40,12 +47,28 @@ HEAD_GEMV_MAX_M = 16
 class CastHead(nn.Module):
     """x [..., H] -> x.to(dtype) @ W.T, W [V, H] stored once in `dtype` (accumulated in fp32);
     the caller (`CausalLM.forward`) turns the logits into fp32. A bf16 head on up to
-    `HEAD_GEMV_MAX_M` fp32 CPU rows runs the C GEMV (fp32 logits); anything else the BLAS."""
+    `HEAD_GEMV_MAX_M` fp32 CPU rows runs the C GEMV (fp32 logits); anything else the BLAS.
+    int8: W rounded per row, W8 = round(W / s), s = absmax / 127 (`scale`), and x stays fp32:
+    the C int8 GEMV, or W8 * s dequantized for the BLAS."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight.detach().to(dtype).contiguous(), requires_grad=False)
-        self._gemv = dtype == torch.bfloat16 and self.weight.is_cpu and bf16_gemv_available()
+        w, scale = weight.detach(), None
+        if dtype == torch.int8:
+            wf = w.float()
+            scale = (wf.abs().amax(-1) / 127).contiguous()
+            codes = torch.round(wf / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
+            w = codes.clamp(-127, 127).to(torch.int8)
+        self.scale: torch.Tensor | None
+        self.register_buffer("scale", scale, persistent=False)
+        self.weight = nn.Parameter(w.to(dtype).contiguous(), requires_grad=False)
+        gemv = {torch.bfloat16: bf16_gemv_available, torch.int8: i8_gemv_available}.get(dtype)
+        self._gemv = gemv is not None and self.weight.is_cpu and gemv()
+
+    def weight_bytes(self) -> int:
+        """Bytes a step reads: the weight, and the row scales of an int8 head."""
+        scale = 0 if self.scale is None else self.scale.numel() * 4
+        return self.weight.numel() * self.weight.element_size() + scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // max(x.shape[-1], 1)
@@ -53,16 +76,20 @@ class CastHead(nn.Module):
             x2 = x.reshape(rows, x.shape[-1])
             if x2.stride(-1) != 1:
                 x2 = x2.contiguous()
+            if self.scale is not None:
+                return i8_gemv(x2, self.weight, self.scale).view(*x.shape[:-1], -1)
             return bf16_gemv(x2, self.weight).view(*x.shape[:-1], -1)
+        if self.scale is not None:
+            return F.linear(x.float(), self.weight.float() * self.scale[:, None])
         return F.linear(x.to(self.weight.dtype), self.weight)
 
 
 def logits_of_rows(model: CausalLM, hidden: torch.Tensor, *, row_invariant: bool) -> torch.Tensor:
     """fp32 logits [R, V] of hidden states [R, 1, H]. row_invariant: each row exactly as a
-    one-row call computes it. The C bf16 GEMV gives that for all the rows it takes (they share
-    weight loads, never sums), so it runs them `HEAD_GEMV_MAX_M` at a time; any other head (a
-    BLAS GEMM picks its blocking by the row count) runs one row at a time, as plain decoding
-    does."""
+    one-row call computes it. The C bf16 and int8 GEMVs give that for all the rows they take
+    (they share weight loads, never sums), so it runs them `HEAD_GEMV_MAX_M` at a time; any
+    other head (a BLAS GEMM picks its blocking by the row count) runs one row at a time, as
+    plain decoding does."""
     if not row_invariant:
         return model.logits(hidden)[:, -1]
     head = model.lm_head

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from quantkit.format.checkpoint import load_checkpoint
-from quantkit.format.dtypes import DTYPES, name_of
+from quantkit.format.dtypes import name_of
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import CausalLM, build_model
 from quantkit.runtime.fast_path import (
@@ -20,7 +20,7 @@ from quantkit.runtime.fast_path import (
     set_act_dtype,
 )
 from quantkit.runtime.fusion import fuse_projections
-from quantkit.runtime.head import auto_head_dtype, set_head_dtype
+from quantkit.runtime.head import HEAD_DTYPES, auto_head_dtype, set_head_dtype
 from quantkit.runtime.options import RuntimeOptions
 from quantkit.runtime.quant_linear import QuantLinear
 from quantkit.sources.resolve import resolve_model
@@ -87,7 +87,7 @@ def load_model(
 def _apply_precision(model: CausalLM, options: RuntimeOptions, *, quantized: bool) -> None:
     """The lm_head's dtype, then the C step's activation dtype ("model" leaves each as is)."""
     for choice, auto, apply, named in (
-        (options.head_dtype, auto_head_dtype, set_head_dtype, DTYPES),
+        (options.head_dtype, auto_head_dtype, set_head_dtype, HEAD_DTYPES),
         (options.act_dtype, auto_act_dtype, set_act_dtype, ACT_DTYPES),
     ):
         if choice != "model":

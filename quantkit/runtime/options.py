@@ -38,7 +38,7 @@ class RuntimeOptions:
     def __post_init__(self) -> None:
         for what, value, allowed in (
             ("dtype", self.dtype, ("auto", *DTYPES)),
-            ("head dtype", self.head_dtype, ("auto", "model", *DTYPES)),
+            ("head dtype", self.head_dtype, ("auto", "model", *DTYPES, "int8")),
             ("activation dtype", self.act_dtype, ("auto", "model", *ACT_DTYPE_NAMES)),
             ("kv dtype", self.kv_dtype, ("auto", *KV_DTYPE_NAMES)),
         ):
