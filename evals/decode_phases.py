@@ -1,7 +1,7 @@
 """Where a decode token's time goes, phase by phase, against the bytes each phase reads.
 
     python -m quantkit.evals.decode_phases [--batch 1 8] [--new-tokens 128] [--repeats 3]
-        [--depth N] [--kv-dtype int8] [--act-dtype int8]
+        [--depth N] [--kv-dtype int8] [--act-dtype int8] [--head-dtype int8]
 
 Greedy generation on the embedded INT4 model (or --model), as `quantkit generate` runs it. Every
 decode step's time is split into:
@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--act-dtype", default="auto", help="the GEMVs' activations, as --act-dtype"
     )
+    parser.add_argument("--head-dtype", default="auto", help="the lm_head's, as --head-dtype")
     args = parser.parse_args(argv)
 
     from quantkit.evals.bench_decode import PROMPT
@@ -167,7 +168,9 @@ def main(argv: list[str] | None = None) -> None:
     from quantkit.runtime.options import RuntimeOptions
 
     # As `quantkit generate` loads it: the head and activation dtypes this CPU runs fastest.
-    options = RuntimeOptions(head_dtype="auto", act_dtype=args.act_dtype, kv_dtype=args.kv_dtype)
+    options = RuntimeOptions(
+        head_dtype=args.head_dtype, act_dtype=args.act_dtype, kv_dtype=args.kv_dtype
+    )
     loaded = load_model(args.model or ensure_embedded_int4(), options=options)
     model = loaded.model
     prompt = encode_prompt(loaded.tokenizer, PROMPT)
