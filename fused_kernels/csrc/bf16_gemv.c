@@ -20,8 +20,38 @@
 #define ROWS_PER_TILE 64  /* weight rows a thread takes at a time: 72 KB at K = 576 in bf16 */
 #define PF_ROWS 16  /* software prefetch distance, in weight rows */
 
-#if defined(__AVX512BF16__)
+/* The loop both kernels share: weight rows in tiles of ROWS_PER_TILE per thread, activation
+   rows 8 at a time, weight rows in pairs (`PAIR(MB)`, defined by the caller over wa, wb and
+   m0, giving ya and yb), each pair's sums times sa / sb (the row scales, or 1) into y. */
+#define HEAD_ROWS(WT, sa, sb)                                                              \
+    _Pragma("omp parallel for schedule(static) num_threads(n_threads)")                    \
+    for (int64_t n0 = 0; n0 < N; n0 += ROWS_PER_TILE) {                                    \
+        int64_t n1 = n0 + ROWS_PER_TILE < N ? n0 + ROWS_PER_TILE : N;                      \
+        for (int64_t m0 = 0; m0 < M; m0 += 8) {                                            \
+            int mb = M - m0 < 8 ? (int)(M - m0) : 8;                                       \
+            for (int64_t n = n0; n < n1; n += 2) {                                         \
+                int64_t nb = n + 1 < n1 ? n + 1 : n; /* an odd last row pairs with itself */ \
+                float ya[8], yb[8];                                                        \
+                const WT *wa = w + n * w_stride, *wb = w + nb * w_stride;                  \
+                switch (mb) {                                                              \
+                    case 1: PAIR(1); break;                                                \
+                    case 2: PAIR(2); break;                                                \
+                    case 3: PAIR(3); break;                                                \
+                    case 4: PAIR(4); break;                                                \
+                    case 5: PAIR(5); break;                                                \
+                    case 6: PAIR(6); break;                                                \
+                    case 7: PAIR(7); break;                                                \
+                    default: PAIR(8); break;                                               \
+                }                                                                          \
+                for (int m = 0; m < mb; m++) {                                             \
+                    y[(m0 + m) * y_stride + n] = ya[m] * (sa);                             \
+                    y[(m0 + m) * y_stride + nb] = yb[m] * (sb);                            \
+                }                                                                          \
+            }                                                                              \
+        }                                                                                  \
+    }
 
+#if defined(__AVX512BF16__)
 /* y[m][na], y[m][nb] for the MB (<= 8) rows of xb (bf16, kv vectors of 32 each, zero-padded). */
 static inline __attribute__((always_inline)) void row_pair(
     int MB, const uint16_t *xb, int64_t K, int64_t kv, const uint16_t *wa, const uint16_t *wb,
@@ -78,35 +108,9 @@ int qk_bf16_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
             __m512 hi = _mm512_maskz_loadu_ps(tail_mask(left - 16), src + 16);
             _mm512_storeu_si512(xb + (m * kv + v) * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
-    #pragma omp parallel for schedule(static) num_threads(n_threads)
-    for (int64_t n0 = 0; n0 < N; n0 += ROWS_PER_TILE) {
-        int64_t n1 = n0 + ROWS_PER_TILE < N ? n0 + ROWS_PER_TILE : N;
-        for (int64_t m0 = 0; m0 < M; m0 += 8) {
-            int mb = M - m0 < 8 ? (int)(M - m0) : 8;
-            const uint16_t *xc = xb + m0 * kv * 32;
-            for (int64_t n = n0; n < n1; n += 2) {
-                int64_t nb = n + 1 < n1 ? n + 1 : n;  /* an odd last row pairs with itself */
-                float ya[8], yb[8];
-                const uint16_t *wa = w + n * w_stride, *wb = w + nb * w_stride;
-#define PAIR(MB) row_pair(MB, xc, K, kv, wa, wb, pf, ya, yb)
-                switch (mb) {
-                    case 1: PAIR(1); break;
-                    case 2: PAIR(2); break;
-                    case 3: PAIR(3); break;
-                    case 4: PAIR(4); break;
-                    case 5: PAIR(5); break;
-                    case 6: PAIR(6); break;
-                    case 7: PAIR(7); break;
-                    default: PAIR(8); break;
-                }
+#define PAIR(MB) row_pair(MB, xb + m0 * kv * 32, K, kv, wa, wb, pf, ya, yb)
+    HEAD_ROWS(uint16_t, 1.0f, 1.0f);
 #undef PAIR
-                for (int m = 0; m < mb; m++) {
-                    y[(m0 + m) * y_stride + n] = ya[m];
-                    y[(m0 + m) * y_stride + nb] = yb[m];
-                }
-            }
-        }
-    }
     free(xb);
     return 0;
 #endif
@@ -178,35 +182,9 @@ int qk_i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const int
     return 4;
 #else
     const int64_t pf = 2 * PF_ROWS * w_stride;  /* the same bytes ahead as the bf16 kernel */
-    #pragma omp parallel for schedule(static) num_threads(n_threads)
-    for (int64_t n0 = 0; n0 < N; n0 += ROWS_PER_TILE) {
-        int64_t n1 = n0 + ROWS_PER_TILE < N ? n0 + ROWS_PER_TILE : N;
-        for (int64_t m0 = 0; m0 < M; m0 += 8) {
-            int mb = M - m0 < 8 ? (int)(M - m0) : 8;
-            const float *xc = x + m0 * x_stride;
-            for (int64_t n = n0; n < n1; n += 2) {
-                int64_t nb = n + 1 < n1 ? n + 1 : n;  /* an odd last row pairs with itself */
-                float ya[8], yb[8];
-                const int8_t *wa = w + n * w_stride, *wb = w + nb * w_stride;
-#define PAIR(MB) i8_row_pair(MB, xc, x_stride, K, wa, wb, pf, ya, yb)
-                switch (mb) {
-                    case 1: PAIR(1); break;
-                    case 2: PAIR(2); break;
-                    case 3: PAIR(3); break;
-                    case 4: PAIR(4); break;
-                    case 5: PAIR(5); break;
-                    case 6: PAIR(6); break;
-                    case 7: PAIR(7); break;
-                    default: PAIR(8); break;
-                }
+#define PAIR(MB) i8_row_pair(MB, x + m0 * x_stride, x_stride, K, wa, wb, pf, ya, yb)
+    HEAD_ROWS(int8_t, scale[n], scale[nb]);
 #undef PAIR
-                for (int m = 0; m < mb; m++) {
-                    y[(m0 + m) * y_stride + n] = ya[m] * scale[n];
-                    y[(m0 + m) * y_stride + nb] = yb[m] * scale[nb];
-                }
-            }
-        }
-    }
     return 0;
 #endif
 }

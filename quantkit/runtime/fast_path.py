@@ -234,23 +234,19 @@ def set_act_dtype(model: CausalLM, dtype: torch.dtype) -> None:
             f"activation dtype: expected one of {', '.join(ACT_DTYPES)}, got {dtype}"
         )
     path = model.decode_path
-    if dtype == torch.bfloat16:
+    needs = {  # the narrower activations: what the CPU must have, and the check for it
+        torch.bfloat16: ("bfloat16", "AVX512-BF16", bf16_activations_available),
+        torch.int8: ("int8", "AVX512-VNNI", int8_activations_available),
+    }
+    if dtype in needs:
+        name, flag, available = needs[dtype]
         why = "no C decode path" if path is None else path.unsupported(model)
-        if why is None and not bf16_activations_available():
-            why = "a CPU without AVX512-BF16"
+        if why is None and not available():
+            why = f"a CPU without {flag}"
         if why is not None:
             raise GenerationError(
-                "activation dtype: bfloat16 needs an INT4 model on the C decode step and an "
-                f"AVX512-BF16 CPU, got {why}"
-            )
-    if dtype == torch.int8:
-        why = "no C decode path" if path is None else path.unsupported(model)
-        if why is None and not int8_activations_available():
-            why = "a CPU without AVX512-VNNI"
-        if why is not None:
-            raise GenerationError(
-                "activation dtype: int8 needs an INT4 model on the C decode step and an "
-                f"AVX512-VNNI CPU, got {why}"
+                f"activation dtype: {name} needs an INT4 model on the C decode step and an "
+                f"{flag} CPU, got {why}"
             )
     if path is not None and path.act_dtype != dtype:
         path.act_dtype = dtype
