@@ -174,3 +174,26 @@ def test_long_rows_split_over_chunks_match_pytorch(int4_ckpt: Path) -> None:
             out[fast] = model(torch.tensor([[42], [43]]), positions=at, mask=step_mask)
         model.decode_path = path
     torch.testing.assert_close(out[True], out[False], rtol=1e-4, atol=1e-4)
+
+
+@needs_c
+@pytest.mark.parametrize("prefix_mb", [0.0, 4.0], ids=["slots", "prefix-cache"])
+def test_serving_engine_with_an_int8_cache_gives_each_request_its_tokens(
+    int4_ckpt: Path, prefix_mb: float
+) -> None:
+    """The engine's slot store in int8 (codes and scales in one row), chunked prefill, and the
+    prefix cache copying those rows: each request gets the greedy tokens `generate` gives it
+    alone with the same cache format."""
+    from quantkit.serving.engine import EngineConfig, VirtualClock, run_engine
+    from quantkit.serving.workload import Request
+
+    model = load_model(int4_ckpt, tokenizer=False).model
+    model.kv_dtype = "int8"
+    shared = [5, 17, 99, 3, 250, 31, 7, 8] * 5  # 40 tokens: a whole 32-token prefix block
+    prompts = [shared + [11, 12], shared + [13], [21, 22, 23]]
+    requests = [Request(i, tuple(p), 6, float(i)) for i, p in enumerate(prompts)]
+    alone = [generate(model, [p], SamplingParams(max_new_tokens=6)).tokens[0] for p in prompts]
+    config = EngineConfig(batch_cap=2, chunk=8, prefix_cache_mb=prefix_mb)
+    result = run_engine(model, requests, config, clock=VirtualClock(step_s=1.0))
+    assert [r.tokens for r in result.requests] == alone
+    assert model.model.layers[0].self_attn.cache is None
