@@ -109,6 +109,33 @@ def test_act_dtype_option(int4_ckpt: Path, capsys) -> None:
     assert json.loads(out)["act_dtype"] == ("bfloat16" if bf16_activations_faster() else "float32")
 
 
+def test_kv_int8_head_and_act_options(int4_ckpt: Path, capsys) -> None:
+    """--kv-dtype int8: named in the JSON and the backend line, the roofline counts 68 bytes a
+    head and token; --head-dtype int8 halves the bf16 head's bytes (and its row scales);
+    --act-dtype int8 runs where the CPU has VNNI, else one clear line."""
+    from quantkit.runtime.fast_path import int8_activations_available
+
+    common = ["generate", str(int4_ckpt), "--prompt", "Flat is", "--max-new-tokens", "3", "--json"]
+    code, out, err = run(capsys, *common, "--kv-dtype", "int8", "--head-dtype", "int8")
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["kv_dtype"] == "int8" and "int8 KV cache" in data["backend"]
+    assert data["head_dtype"] == "int8" and data["bytes_lm_head"] == 512 * 64 + 512 * 4
+    code, out, err = run(capsys, *common, "--kv-dtype", "float32")
+    assert code == 0, err
+    cfg = json.loads((int4_ckpt / "config.json").read_text())
+    d = cfg["hidden_size"] // cfg["num_attention_heads"]
+    assert data["bytes_kv"] * 4 * d == json.loads(out)["bytes_kv"] * (d + 4)
+    code, out, err = run(capsys, *common, "--kv-dtype", "int4")
+    _one_line_error(code, err, "--kv-dtype")
+    code, out, err = run(capsys, *common, "--act-dtype", "int8")
+    if not int8_activations_available():
+        _one_line_error(code, err, "AVX512-VNNI")
+        return
+    assert code == 0, err
+    assert json.loads(out)["act_dtype"] == "int8"
+
+
 def test_default_model_is_the_cached_int4_checkpoint(
     int4_ckpt: Path, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
