@@ -75,9 +75,6 @@ static int64_t decode_gemv_scratch(const qk_decoder_layer *layers, int64_t n_lay
     return gemv;
 }
 
-/* Floats of work buffer `qk_decode_step` needs for these layers, R rows and n_threads threads
-   (the attention scores are one row of S per thread, not per row and head: a 1024-token prefill
-   of a 32-head model over 8192 slots would otherwise need 1 GB). */
 /* Long rows' attention is split over chunks of positions (flash-decoding): a row whose context
    spans >= 2 chunks becomes one work unit per (KV head, chunk), all its query heads together,
    each a partial that `attend_merge` combines. Chunks of 512 positions (at most 16 a row). A
@@ -86,35 +83,43 @@ static int64_t decode_gemv_scratch(const qk_decoder_layer *layers, int64_t n_lay
    Shorter rows keep the per-head units and compute exactly what they did. */
 static int64_t split_chunk(int64_t S) { return max64(512, (S + 15) / 16); }
 
+/* Chunks of `split_chunk(S)` positions that n positions take (a row splits at >= 2). */
+static int64_t chunks_of(int64_t n, int64_t S) {
+    return (n + split_chunk(S) - 1) / split_chunk(S);
+}
+
 /* Work units of one step's attention (`attention_units`): a row, its first query head, how
    many heads, the positions [j0, j1), and the partial slot (-1: the row is not split). */
 typedef struct { int64_t r, i0, nh, j0, j1, part; } attend_unit;
 
-static int64_t max_units(const qk_decoder_dims *d, int64_t R) {
-    const int64_t nch = (d->slots + split_chunk(d->slots) - 1) / split_chunk(d->slots);
-    return R * d->heads + R * d->kv_heads * nch;
-}
-
+/* Floats of work buffer `qk_decode_step` needs for these layers, R rows and n_threads threads
+   (the attention scores are one row of S per thread, not per row and head: a 1024-token prefill
+   of a 32-head model over 8192 slots would otherwise need 1 GB), with the split rows' partials
+   and the unit table. */
 int64_t qk_decode_work(const qk_decoder_layer *layers, int64_t n_layers,
                        const qk_decoder_dims *d, int64_t R, int n_threads) {
     int64_t qkv = (d->heads + 2 * d->kv_heads) * d->head_dim;
-    const int64_t nch = (d->slots + split_chunk(d->slots) - 1) / split_chunk(d->slots);
+    const int64_t nch = chunks_of(d->slots, d->slots);
+    const int64_t units = R * d->heads + R * d->kv_heads * nch;
     return decode_gemv_scratch(layers, n_layers, R)
            + R * (d->hidden * 2 + qkv + d->heads * d->head_dim + 2 * d->inter)
            + (int64_t)(n_threads > 0 ? n_threads : 1) * d->slots
            + R * d->heads * nch * (d->head_dim + 2)                            /* partials */
-           + max_units(d, R) * (int64_t)(sizeof(attend_unit) / sizeof(float)) + 64;
+           + units * (int64_t)(sizeof(attend_unit) / sizeof(float)) + 64;
 }
 
-/* The units of this step (the same for every layer), long rows' first; returns how many. */
+/* The units of this step (the same for every layer), long rows' first; returns how many and
+   sets *split when any row is split. */
 static int64_t attention_units(const qk_decoder_dims *d, int64_t R, const int64_t *pos,
-                               int64_t per_unit, attend_unit *units) {
+                               int64_t per_unit, attend_unit *units, int *split) {
     const int64_t Hq = d->heads, Hkv = d->kv_heads, group = Hq / Hkv;
-    const int64_t ch = split_chunk(d->slots), nch_max = (d->slots + ch - 1) / ch;
+    const int64_t ch = split_chunk(d->slots), nch_max = chunks_of(d->slots, d->slots);
     int64_t n = 0;
+    *split = 0;
     for (int64_t r = 0; r < R; r++) {
-        const int64_t npos = pos[r] + 1, nch = (npos + ch - 1) / ch;
+        const int64_t npos = pos[r] + 1, nch = chunks_of(npos, d->slots);
         if (nch < 2) continue;
+        *split = 1;
         for (int64_t g = 0; g < Hkv; g++)
             for (int64_t c = 0; c < nch; c++) {
                 const int64_t j1 = (c + 1) * ch < npos ? (c + 1) * ch : npos;
@@ -124,7 +129,8 @@ static int64_t attention_units(const qk_decoder_dims *d, int64_t R, const int64_
     }
     for (int64_t u = 0; u < R * Hq / per_unit; u++) {
         const int64_t r = u * per_unit / Hq, i0 = u * per_unit % Hq, npos = pos[r] + 1;
-        if ((npos + ch - 1) / ch < 2) units[n++] = (attend_unit){r, i0, per_unit, 0, npos, -1};
+        if (chunks_of(npos, d->slots) < 2)
+            units[n++] = (attend_unit){r, i0, per_unit, 0, npos, -1};
     }
     return n;
 }
@@ -231,7 +237,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
     float *qkv = t + R * H, *att = qkv + R * QKV, *gu = att + R * Hq * D;
     float *scores = gu + R * 2 * I, *parts = scores + (int64_t)n_threads * S;
     const int64_t n_chunks = (I + 255) / 256;
-    const int64_t ch = split_chunk(S), nch_max = (S + ch - 1) / ch;
+    const int64_t nch_max = chunks_of(S, S);
     attend_unit *units =
         (attend_unit *)(((uintptr_t)(parts + R * Hq * nch_max * (D + 2)) + 7) & ~(uintptr_t)7);
     /* Attention work units: a row's whole GQA group of query heads, which then reads its K/V
@@ -241,9 +247,8 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
        SmolLM2, 2 threads, A/B in one run: R=8 (context 61-110) 9.33 -> 8.48 ms, a 40-token
        prefill 32.3 -> 31.7 ms, R=1 unchanged. */
     const int64_t per_unit = R * Hkv >= 4 * n_threads ? group : 1;
-    const int64_t n_units = attention_units(d, R, pos, per_unit, units);
-    int split = 0;
-    for (int64_t r = 0; r < R; r++) split |= (pos[r] + 1 + ch - 1) / ch >= 2;
+    int split;
+    const int64_t n_units = attention_units(d, R, pos, per_unit, units, &split);
 
     if (phases_on) phase_calls++;
     #pragma omp parallel num_threads(n_threads)
@@ -291,7 +296,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         if (split) {
             #pragma omp for schedule(static)
             for (int64_t ri = 0; ri < R * Hq; ri++) {
-                const int64_t nch = (pos[ri / Hq] + 1 + ch - 1) / ch;
+                const int64_t nch = chunks_of(pos[ri / Hq] + 1, S);
                 if (nch >= 2) attend_merge(parts + ri * nch_max * (D + 2), nch, D, att + ri * D);
             }
         }

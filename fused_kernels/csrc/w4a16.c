@@ -548,6 +548,15 @@ static int gemv_x_dt(const qk_w4_layer *L, int want) {
 /* Floats at the start of the scratch for the activations: the permuted fp32 (or bf16) x, or
    the int8 form (`quantize_x_i8`: codes, chunk scales, lane sums), whichever is
    larger; the per-tile constants follow. */
+/* Where `quantize_x_i8` puts M rows' codes, chunk scales and lane sums, from xp on. */
+static inline void i8_parts(float *xp, int64_t M, int64_t K, int8_t **xq, float **tq,
+                            float **xl) {
+    const int64_t kc = (K + 127) / 128;
+    *xq = (int8_t *)xp;
+    *tq = xp + M * kc * 32;  /* after M * kc * 128 bytes of codes */
+    *xl = *tq + M * kc;
+}
+
 static int64_t xp_floats(const qk_w4_layer *L, int64_t M) {
     const int64_t nblk = (L->K + 31) / 32, kc = (L->K + 127) / 128;
     const int64_t i8 = kc * 32 + kc + kc * 16;
@@ -611,8 +620,9 @@ static void quantize_chunk16(const float *x, int64_t left, int8_t *dst, float *t
 static void quantize_x_i8(const void *x, int x_dt, int64_t M, int64_t K, int64_t x_stride,
                           float *xp, int one_row) {
     const int64_t kc = (K + 127) / 128;
-    int8_t *xq = (int8_t *)xp;
-    float *tq = xp + M * kc * 32, *xl = tq + M * kc;
+    int8_t *xq;
+    float *tq, *xl;
+    i8_parts(xp, M, K, &xq, &tq, &xl);
     #pragma omp for schedule(static)
     for (int64_t mc = 0; mc < M * kc; mc++) {
         const int64_t m = mc / kc, c = mc % kc;
@@ -712,14 +722,15 @@ static void gemv_rows(const qk_w4_layer *L, float *xp, int xp_dt, int64_t M, voi
     /* int8 activations: the codes, chunk scales, lane sums (`quantize_x_i8`); gsh1 = log2 of
        blocks per group (62 for one group per row), gidx the lane -> group-in-chunk map */
     const int64_t kc = (K + 127) / 128;
-    const int8_t *xq = (const int8_t *)xp;
-    const float *tq = xp + M * kc * 32, *xl = tq + M * kc;
+    int8_t *xq;
+    float *tq, *xl;
+    i8_parts(xp, M, K, &xq, &tq, &xl);
     const int gsh1 = n_groups == 1 ? 62 : gsh;  /* one group: (4 c) >> 62 = 0 */
-    const __m512i gidx = gsh == 0 ? _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6,
-                                        7, 8, 9, 10, 11, 12, 13, 14, 15), 2)
-                         : gsh == 1 ? _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6,
-                                          7, 8, 9, 10, 11, 12, 13, 14, 15), 3)
-                                    : _mm512_setzero_si512();
+    /* lane l holds elements 8l..8l+7: group (8 l) >> log2(group size) = l >> (gsh1 + 2), 0 for
+       groups of >= 128 and for one group (vpsrlvd gives 0 for counts past 31) */
+    const __m512i gidx = _mm512_srlv_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(gsh1 + 2));
 #endif
     /* Static split: each thread streams one contiguous run of row tiles, which the hardware
        prefetchers follow and the software prefetch (the next row tile) serves. Against
