@@ -20,6 +20,9 @@ groups of G input channels (G = K for per-channel):
 
 FP8 (compressed-tensors `float-quantized`): W [N, K] as float8_e4m3fn with a per-output-channel
 scale s [N, 1] = row absmax / 448 (448 is E4M3's largest finite value); W ~= w8 * s.
+
+INT8 per row (`int8_absmax`, the runtime's formats, never a checkpoint's: the int8 KV cache
+and the int8 lm_head): s = row absmax / 127, codes round(x / s) in [-127, 127]; x ~= q * s.
 """
 
 from __future__ import annotations
@@ -106,6 +109,18 @@ def fake_quantize_int4(
     scale, zero = int4_qparams(w, group_size=group_size, symmetric=symmetric, clip_ratio=clip_ratio)
     codes = int4_quantize(w, scale, zero, group_size=group_size)
     return int4_dequantize(codes, scale, zero, group_size=group_size, dtype=w.dtype)
+
+
+INT8_MAX = 127
+
+
+def int8_absmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., n] -> (codes int8 [..., n], scale fp32 [..., 1]): each row's absmax / 127, and
+    round(x / scale) to nearest even (an all-zero row: scale 0, codes 0)."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / INT8_MAX
+    q = xf / scale.clamp_min(torch.finfo(torch.float32).tiny)
+    return q.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
 def _to_int32_bits(words: torch.Tensor) -> torch.Tensor:

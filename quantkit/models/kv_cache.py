@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import GenerationError
+from quantkit.format.packing import int8_absmax
 
 __all__ = ["KV_DTYPE_NAMES", "KVCache", "KVFormat", "kv_format"]
 
@@ -56,12 +57,12 @@ class KVFormat:
         """x [..., D] (any float dtype) -> its stored form [..., E]."""
         if not self.scaled:
             return x.to(self.storage)
-        xf = x.float()
-        scale = xf.abs().amax(-1, keepdim=True) / self.qmax
-        q = xf / scale.clamp_min(_TINY)
         if self.storage == torch.int8:
-            codes = q.round().clamp(-127, 127).to(torch.int8)
+            codes, scale = int8_absmax(x)
         else:
+            xf = x.float()
+            scale = xf.abs().amax(-1, keepdim=True) / self.qmax
+            q = xf / scale.clamp_min(_TINY)
             codes = q.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
         return torch.cat([codes, scale.view(self.storage)], dim=-1)
 

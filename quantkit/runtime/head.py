@@ -22,6 +22,7 @@ from torch import nn
 from quantkit.cpu import has_bf16_dot
 from quantkit.errors import GenerationError
 from quantkit.format.dtypes import DTYPES
+from quantkit.format.packing import int8_absmax
 from quantkit.fused_kernels.bf16_gemv_cpu import (
     bf16_gemv,
     bf16_gemv_available,
@@ -55,10 +56,8 @@ class CastHead(nn.Module):
         super().__init__()
         w, scale = weight.detach(), None
         if dtype == torch.int8:
-            wf = w.float()
-            scale = (wf.abs().amax(-1) / 127).contiguous()
-            codes = torch.round(wf / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
-            w = codes.clamp(-127, 127).to(torch.int8)
+            w, scale = int8_absmax(w)
+            scale = scale.squeeze(-1).contiguous()
         self.scale: torch.Tensor | None
         self.register_buffer("scale", scale, persistent=False)
         self.weight = nn.Parameter(w.to(dtype).contiguous(), requires_grad=False)
