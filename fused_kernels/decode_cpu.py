@@ -197,9 +197,12 @@ class CpuDecodeStep:
         self._fn, self._work_fn = lib.qk_decode_step, lib.qk_decode_work
         self._args = (self._layers, len(layers), self._dims)  # layers, n_layers, d
         self._work = torch.empty(0, dtype=torch.float32)  # grown to the most rows seen
+        self._needs: dict[tuple[int, int], int] = {}  # floats of work by (rows, threads)
 
     def _work_for(self, rows: int, threads: int) -> torch.Tensor:
-        need = int(self._work_fn(*self._args, rows, threads))
+        need = self._needs.get((rows, threads))
+        if need is None:
+            need = self._needs[rows, threads] = int(self._work_fn(*self._args, rows, threads))
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=torch.float32)
         return self._work

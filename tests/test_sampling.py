@@ -18,6 +18,7 @@ from quantkit.runtime.sampling import (
     apply_top_k,
     apply_top_p,
     default_processors,
+    greedy_tokens,
     logits_to_probs,
     make_generator,
     sample,
@@ -46,6 +47,24 @@ def test_temperature_zero_is_argmax() -> None:
     probs = logits_to_probs(logits, params)
     assert torch.equal(probs.argmax(-1), logits.argmax(-1))
     assert torch.equal(probs.sum(-1), torch.ones(6))
+
+
+@pytest.mark.parametrize(
+    "logits",
+    [
+        torch.tensor([[1.0, 3.0, 3.0, 2.0]]),  # a tie: the first maximum
+        torch.tensor([[1.0, math.nan, 3.0, math.nan]]),  # NaN counts as the maximum
+        torch.full((2, 5), -INF),  # every token masked
+        torch.tensor([[INF, 0.0, INF]]),
+        torch.randn(3, 49152, generator=torch.Generator().manual_seed(0)),
+        torch.randn(4, 10, generator=torch.Generator().manual_seed(1))[:, ::2],  # strided
+        torch.randn(2, 7, dtype=torch.bfloat16),  # not fp32: torch's own argmax
+    ],
+)
+def test_greedy_tokens_is_torch_argmax(logits: torch.Tensor) -> None:
+    got = greedy_tokens(logits)
+    assert got.dtype == torch.int64
+    assert got.tolist() == logits.argmax(dim=-1).tolist()
 
 
 def test_greedy_draws_nothing_from_the_generator() -> None:

@@ -37,6 +37,7 @@ __all__ = [
     "apply_top_k",
     "apply_top_p",
     "default_processors",
+    "greedy_tokens",
     "logits_to_probs",
     "make_generator",
     "sample",
@@ -251,13 +252,22 @@ def sample(
     if logits.dim() != 2:
         raise GenerationError(f"sample: expected logits [B, V], got shape {tuple(logits.shape)}")
     if params.greedy:
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     probs = logits_to_probs(logits, params)
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)
     # exponential_ may return exactly 0 in float32; a 0 would turn a masked token's 0/0 into
     # NaN, which argmax treats as the maximum. Clamping keeps 0-probability tokens at 0.
     race.clamp_min_(torch.finfo(race.dtype).tiny)
-    return (probs / race).argmax(dim=-1)
+    return greedy_tokens(probs / race)
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)` (the first of tied maxima; a NaN counts as the maximum). On the CPU
+    through NumPy, whose argmax gives the same index: torch's took 85 us for one 49k-vocabulary
+    row against 4 us, a percent of a SmolLM2 INT4 decode step."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:

@@ -41,7 +41,7 @@ import torch
 from quantkit.errors import GenerationError
 from quantkit.models.decoder import CausalLM
 from quantkit.runtime.head import logits_of_rows
-from quantkit.runtime.sampling import SamplingParams, logits_to_probs
+from quantkit.runtime.sampling import SamplingParams, greedy_tokens, logits_to_probs
 
 __all__ = [
     "DraftPolicy",
@@ -314,7 +314,7 @@ def accept(
             f"accept: expected logits [{j + 1}, V] for {j} drafts, got {tuple(logits.shape)}"
         )
     if params.greedy:
-        best = logits.argmax(dim=-1).tolist()
+        best = greedy_tokens(logits).tolist()
         n = 0
         while n < j and drafts[n] == best[n]:
             n += 1
@@ -338,7 +338,7 @@ def _draw(p: torch.Tensor, generator: torch.Generator) -> int:
     """One token from unnormalised probabilities p [V] (the exponential race of `sample`)."""
     race = torch.empty_like(p).exponential_(1.0, generator=generator)
     race.clamp_min_(torch.finfo(race.dtype).tiny)
-    return int((p / race).argmax())
+    return int(greedy_tokens((p / race).unsqueeze(0))[0])
 
 
 def verify_logits(model: CausalLM, tokens: Sequence[int], start: int) -> torch.Tensor:
