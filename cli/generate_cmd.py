@@ -274,20 +274,20 @@ def _print_summary(summary: dict[str, Any]) -> None:
     type=click.Choice(["auto", *HEAD_DTYPES]),
     default="auto",
     show_default=True,
-    help="dtype of the lm_head matmul; auto = bfloat16 for an INT4/FP8 model on a CPU with bf16 "
-    "instructions (half the bytes of the largest read), else the model's. int8 (only when "
-    "named): rows rounded to int8 with a scale each, half the bytes of bfloat16.",
+    help="dtype of the lm_head matmul, for an INT4/FP8 model on a CPU; auto = int8 where "
+    "measured faster (Intel CPUs with AVX-512: rows rounded to int8 with a scale each, a "
+    "quarter of the fp32 bytes, perplexity +0.04%), else bfloat16 on a CPU with bf16 "
+    "instructions, else the model's.",
 )
 @click.option(
     "--act-dtype",
     type=click.Choice(["auto", *ACT_DTYPE_NAMES]),
     default="auto",
     show_default=True,
-    help="dtype of the activations inside the INT4 GEMVs of the CPU decode step; auto = "
-    "bfloat16 where it was measured faster (AMD CPUs with AVX512-BF16: prefill and batched "
-    "steps 1.3-1.45x on Zen 5), else float32 (an Intel Xeon with AVX512-BF16 ran 1.26-1.40x "
-    "slower with bfloat16). int8 (AVX512-VNNI CPUs, only when named): quantized per 128 "
-    "elements, multiplied in integers.",
+    help="dtype of the activations inside the INT4 GEMVs of the CPU decode step; auto = the "
+    "one measured fastest: int8 on Intel CPUs with AVX512-VNNI (quantized per 128 elements, "
+    "multiplied in integers: 1.14-1.22x, perplexity +0.08%), bfloat16 on AMD CPUs with "
+    "AVX512-BF16 (prefill and batched steps 1.3-1.45x on Zen 5), else float32.",
 )
 @kv_dtype_option
 @click.option("--compile", "compile_step", is_flag=True, help="torch.compile the decode step.")

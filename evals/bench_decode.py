@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import transformers
 
-    from quantkit.cpu import cpu_name, has_bf16_dot
+    from quantkit.cpu import cpu_name
     from quantkit.perf.hardware import local_hardware
     from quantkit.perf.roofline import model_kv_bytes_per_token, model_read_bytes
     from quantkit.quantize.embedded import ensure_embedded_int4
@@ -236,17 +236,20 @@ def main(argv: list[str] | None = None) -> None:
         hf = transformers.AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
         hf.eval()
     engines = [("int4", int4.model, f"{scheme}, fp32 head"), ("dense", dense, "fp32 dense")]
-    if has_bf16_dot() and "int4" not in args.skip:
-        # The head is half of the INT4 model's traffic: show both, not only the faster one.
-        # ... and the CLI's default: bf16 activations in the GEMVs too, where the C step runs.
+    if "int4" not in args.skip:
+        # The head is half of the INT4 model's traffic: show the CLI's default beside the fp32
+        # head, not only the faster one (its head and GEMV activations as `auto` picks them).
         from quantkit.runtime.fast_path import auto_act_dtype, set_act_dtype
+        from quantkit.runtime.head import auto_head_dtype
 
-        bf16 = load_model(args.int4 or ensure_embedded_int4(), tokenizer=False).model
-        set_head_dtype(bf16, torch.bfloat16)
-        act = auto_act_dtype(bf16, quantized=True)
-        set_act_dtype(bf16, act)
-        act_name = "bf16" if act == torch.bfloat16 else "fp32"
-        engines.insert(1, ("int4", bf16, f"{scheme}, bf16 head, {act_name} act"))
+        narrow = load_model(args.int4 or ensure_embedded_int4(), tokenizer=False).model
+        head, act = auto_head_dtype(narrow, quantized=True), auto_act_dtype(narrow, quantized=True)
+        set_head_dtype(narrow, head)
+        set_act_dtype(narrow, act)
+        names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int8: "int8"}
+        if (head, act) != (torch.float32, torch.float32):
+            label = f"{scheme}, {names[head]} head, {names[act]} act"
+            engines.insert(1, ("int4", narrow, label))
     modes = [False, True] if args.compile else [False]
     runners: list[tuple[Row, Callable[[], tuple[float, float]]]] = []
     for batch in args.batch:

@@ -69,11 +69,12 @@ def test_bench_table_json_and_plots(tiny_model_dir: Path, tmp_path: Path, capsys
 def test_bench_reports_the_activation_dtype(
     tiny_model_dir: Path, tmp_path: Path, capsys, act: str
 ) -> None:
-    """An INT4 model on the C step: `auto` takes bf16 activations where they were measured
-    faster (AMD with AVX512-BF16), and the roofline's compute roof is then a bf16 matmul's."""
+    """An INT4 model on the C step: `auto` takes the activations measured fastest here (int8
+    on Intel with AVX512-VNNI, bf16 on AMD with AVX512-BF16), and the roofline's compute roof
+    is a bf16 matmul's with bf16 ones (an fp32 matmul's otherwise)."""
     from quantkit.format.scheme import QuantScheme
     from quantkit.quantize.pipeline import quantize_model
-    from quantkit.runtime.fast_path import bf16_activations_faster
+    from quantkit.runtime.fast_path import bf16_activations_faster, int8_activations_faster
 
     outcome = quantize_model(tiny_model_dir, scheme=QuantScheme("int4", "auto"))
     ckpt = outcome.save(tmp_path / "int4", source_dir=tiny_model_dir)
@@ -84,13 +85,17 @@ def test_bench_reports_the_activation_dtype(
     )  # fmt: skip
     assert code == 0, err
     report = json.loads(report_path.read_text())
-    want = "bfloat16" if act == "auto" and bf16_activations_faster() else "float32"
-    assert report["meta"]["act_dtype"] == want and report["roofline"]["dtype"] == want
+    want = "float32"
+    if act == "auto":
+        want = "int8" if int8_activations_faster() else want
+        want = "bfloat16" if want == "float32" and bf16_activations_faster() else want
+    roof = "bfloat16" if want == "bfloat16" else "float32"
+    assert report["meta"]["act_dtype"] == want and report["roofline"]["dtype"] == roof
     assert (
         report["roofline"]["flops_source"]
-        == f"measured {want} 1024x1024 matmul (fastest repetition)"
+        == f"measured {roof} 1024x1024 matmul (fastest repetition)"
     )
-    assert (f"{want} activations in the INT4 GEMVs" in err) == (want == "bfloat16")
+    assert (f"{want} activations in the INT4 GEMVs" in err) == (want != "float32")
 
 
 @pytest.mark.parametrize(

@@ -89,13 +89,23 @@ def test_head_dtype_option(int4_ckpt: Path, capsys) -> None:
 
 
 def test_act_dtype_option(int4_ckpt: Path, capsys) -> None:
-    from quantkit.runtime.fast_path import bf16_activations_available, bf16_activations_faster
+    from quantkit.runtime.fast_path import (
+        bf16_activations_available,
+        bf16_activations_faster,
+        int8_activations_faster,
+    )
 
     common = ["generate", str(int4_ckpt), "--prompt", "Flat is", "--max-new-tokens", "3", "--json"]
     code, out, err = run(capsys, *common, "--act-dtype", "float32")
     assert code == 0, err
     data = json.loads(out)
     assert data["act_dtype"] == "float32" and "in the INT4 GEMVs" not in data["backend"]
+    code, out, err = run(capsys, *common)  # auto: the dtype measured fastest on this CPU
+    assert code == 0, err
+    want = "int8" if int8_activations_faster() else "float32"
+    if want == "float32" and bf16_activations_faster():
+        want = "bfloat16"
+    assert json.loads(out)["act_dtype"] == want
     code, out, err = run(capsys, *common, "--act-dtype", "bfloat16")
     if not bf16_activations_available():
         assert code != 0 and "AVX512-BF16" in err and "Traceback" not in err
@@ -104,9 +114,6 @@ def test_act_dtype_option(int4_ckpt: Path, capsys) -> None:
     data = json.loads(out)
     assert data["act_dtype"] == "bfloat16"
     assert "float32 activations (bfloat16 in the INT4 GEMVs)" in data["backend"]
-    code, out, err = run(capsys, *common)  # auto: bf16 for INT4 where measured faster (AMD)
-    assert code == 0, err
-    assert json.loads(out)["act_dtype"] == ("bfloat16" if bf16_activations_faster() else "float32")
 
 
 def test_kv_int8_head_and_act_options(int4_ckpt: Path, capsys) -> None:

@@ -239,6 +239,7 @@ def test_act_dtype_is_checked_and_rebinds(llama_ckpt: Path, tiny_llama_dir: Path
         auto_act_dtype,
         bf16_activations_available,
         bf16_activations_faster,
+        int8_activations_faster,
         set_act_dtype,
     )
 
@@ -249,14 +250,14 @@ def test_act_dtype_is_checked_and_rebinds(llama_ckpt: Path, tiny_llama_dir: Path
     with pytest.raises(GenerationError, match="got layer 0: a Linear is not INT4"):
         set_act_dtype(dense, torch.bfloat16)
     assert auto_act_dtype(dense, quantized=False) == torch.float32
+    # auto: int8 where measured faster (Intel with VNNI), else bf16 where it was (AMD)
+    want = torch.bfloat16 if bf16_activations_faster() else torch.float32
+    want = torch.int8 if int8_activations_faster() else want
+    assert auto_act_dtype(model, quantized=True) == want
     if not bf16_activations_available():
         with pytest.raises(GenerationError, match="got a CPU without AVX512-BF16"):
             set_act_dtype(model, torch.bfloat16)
-        assert auto_act_dtype(model, quantized=True) == torch.float32
         return
-    # auto: bf16 only where it was measured faster (AMD); the Intel Xeon measured slower.
-    want = torch.bfloat16 if bf16_activations_faster() else torch.float32
-    assert auto_act_dtype(model, quantized=True) == want
     model.setup_cache(batch=1, max_len=16)
     x = torch.tensor([PROMPTS[0]])
     pos = torch.arange(x.shape[1]).unsqueeze(0)
@@ -373,3 +374,24 @@ def test_int8_activations_step_is_close_to_fp32(llama_ckpt: Path) -> None:
     rel = ((int8 - fp32).norm() / fp32.norm()).item()
     assert 0 < rel < 2e-2
     assert _greedy(model, PROMPTS[0]).tokens[0]  # decode steps run on it too
+
+
+def test_auto_activations_follow_the_measured_vendor(
+    llama_ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """auto_act_dtype's policy on any machine: int8 on an Intel CPU with the VNNI build, bf16
+    on an AMD one with the BF16 build, fp32 where neither kernel exists."""
+    import quantkit.cpu
+    import quantkit.runtime.fast_path as fast_path
+
+    model = load_model(llama_ckpt, tokenizer=False).model
+    for vendor, int8, bf16, want in (
+        ("GenuineIntel", True, True, torch.int8),
+        ("GenuineIntel", False, True, torch.float32),  # bf16 measured slower on Intel
+        ("AuthenticAMD", True, True, torch.bfloat16),  # int8 not measured on AMD yet
+        ("AuthenticAMD", True, False, torch.float32),
+    ):
+        monkeypatch.setattr(quantkit.cpu, "cpu_vendor", lambda v=vendor: v)
+        monkeypatch.setattr(fast_path, "int8_activations_available", lambda i=int8: i)
+        monkeypatch.setattr(fast_path, "bf16_activations_available", lambda b=bf16: b)
+        assert fast_path.auto_act_dtype(model, quantized=True) == want, vendor

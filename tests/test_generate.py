@@ -341,7 +341,12 @@ def test_bf16_head_halves_its_bytes_and_keeps_the_logits(
     assert after.embedding == before.embedding  # the table stays fp32 for the embedding lookup
     with pytest.raises(GenerationError, match="head dtype: expected one of"):
         lm_head.set_head_dtype(model, torch.int16)
-    # auto: bf16 only for a quantized fp32 model on a CPU with bf16 instructions.
+    # auto, for a quantized fp32 model only: int8 where measured faster (Intel with the int8
+    # GEMV), else bf16 on a CPU with bf16 instructions, else fp32.
+    monkeypatch.setattr(lm_head, "int8_head_faster", lambda: True)
+    assert lm_head.auto_head_dtype(model, quantized=True) == torch.int8
+    assert lm_head.auto_head_dtype(model, quantized=False) == torch.float32
+    monkeypatch.setattr(lm_head, "int8_head_faster", lambda: False)
     monkeypatch.setattr(lm_head, "has_bf16_dot", lambda: True)
     assert lm_head.auto_head_dtype(model, quantized=True) == torch.bfloat16
     assert lm_head.auto_head_dtype(model, quantized=False) == torch.float32

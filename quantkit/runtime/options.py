@@ -23,10 +23,10 @@ ACT_DTYPE_NAMES = ("float32", "bfloat16", "int8")
 @dataclass(frozen=True)
 class RuntimeOptions:
     """dtype: the model's dense weights and activations ("auto": float32 on CPU, bfloat16 on a
-    GPU). head_dtype: the lm_head's ("auto": bf16 for a quantized fp32 model on a CPU with bf16
-    dot instructions, else the model's; "model": leave it). act_dtype: the C decode step's INT4
-    GEMV activations ("auto": bf16 for INT4 on such CPUs; "model": leave them fp32; "int8" only
-    when named). kv_dtype:
+    GPU). head_dtype: the lm_head's ("auto": for a quantized fp32 model on a CPU, int8 where
+    measured faster, else bf16 on a CPU with bf16 dot instructions, else the model's; "model":
+    leave it). act_dtype: the C decode step's INT4 GEMV activations ("auto": int8 or bf16 where
+    measured faster, `runtime.fast_path.auto_act_dtype`; "model": leave them fp32). kv_dtype:
     the KV cache's format ("auto": the model's dtype; int8 / fp8: codes with a scale per head
     and token, `quantkit.models.kv_cache`)."""
 
