@@ -40,6 +40,7 @@ class W4Layer(Structure):
         ("group_size", c_int64),
         ("bias", c_void_p),
         ("b_dt", c_int64),
+        ("zq", c_void_p),
     ]
 
 

@@ -21,6 +21,7 @@ import functools
 
 import torch
 
+from quantkit.format.packing import INT4_MIN, unpack_zero_points
 from quantkit.fused_kernels import cpu_launch
 from quantkit.fused_kernels.cpu_abi import W4Layer
 from quantkit.fused_kernels.cpu_build import DTYPE_CODES, cpu_flags, cpu_variant
@@ -191,11 +192,17 @@ class CpuInt4Layer(cpu_launch.BoundGemvLayer):
         self.in_features, self.out_features = in_features, wp.shape[0]
         self.group_size = group_size
         max_m = GEMV_MAX_M[_variant(variant)]
+        # the zero points one byte each as well (`qk_w4_layer.zq`): 1 byte a row and group
+        self._zq = None
+        if zp is not None:  # 8 + zero point, as stored
+            nibbles = unpack_zero_points(zp, wp.shape[0])[:, : scale.shape[1]] - INT4_MIN
+            self._zq = nibbles.to(torch.uint8).contiguous()
         layer = W4Layer(
             wp.data_ptr(), wp.shape[0], in_features, wp.stride(0),
             scale.data_ptr(), DTYPE_CODES[scale.dtype], scale.shape[1], scale.stride(0),
             None if zp is None else zp.data_ptr(), 0 if zp is None else zp.stride(0), group_size,
             None if b is None else b.data_ptr(), 0 if b is None else DTYPE_CODES[b.dtype],
+            None if self._zq is None else self._zq.data_ptr(),
         )  # fmt: skip
         self._bind(
             w4a16_linear_cpu, (PackedInt4(wp, scale, zp, in_features, group_size),),

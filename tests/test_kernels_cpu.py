@@ -332,3 +332,23 @@ def test_cpu_int8_activations_fall_back_to_fp32_where_groups_do_not_fit() -> Non
     layer = cpu.CpuInt4Layer(PackedInt4(wp, scale, zp, 384, g))
     x = torch.randn(3, 384, generator=torch.Generator().manual_seed(2))
     assert torch.equal(layer(x, int8_activations=True), layer(x))
+
+
+@pytest.mark.parametrize("case", [(1, 70, 576, 64), (8, 96, 1536, 64), (3, 41, 256, 32)])
+def test_cpu_layer_byte_zero_points_match_the_packed_ones_bit_for_bit(case: tuple) -> None:
+    """The bound layer reads its zero points one byte each (`qk_w4_layer.zq`, unpacked once at
+    binding); the unbound call reads the packed words. Same constants, so the same bits, with
+    fp32 and with int8 activations; and the bytes are the stored nibbles."""
+    from quantkit.format.packing import unpack_zero_points
+    from quantkit.fused_kernels.decode_cpu import int8_activations_available
+
+    m, n, k, group = case
+    wp, scale, zp, g = make_layer(n, k, group, symmetric=False, seed=m)
+    layer = cpu.CpuInt4Layer(PackedInt4(wp, scale, zp, k, g))
+    assert torch.equal(layer._zq.long(), unpack_zero_points(zp, n).long() + 8)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(layer(x), cpu.w4a16_linear_cpu(x, PackedInt4(wp, scale, zp, k, g)))
+    if int8_activations_available():  # the int8 tile reads the same constants
+        wrong = cpu.CpuInt4Layer(PackedInt4(wp, scale, zp, k, g))
+        wrong._zq.copy_(torch.where(wrong._zq > 0, wrong._zq - 1, wrong._zq + 1))
+        assert not torch.equal(wrong(x, int8_activations=True), layer(x, int8_activations=True))

@@ -30,6 +30,9 @@ typedef struct {
     int64_t zp_stride, group_size;
     const void *bias;
     int64_t b_dt;
+    /* optional, NULL: the zero points unpacked, one byte (0..15) a row and group, [N][n_groups]
+       contiguous; `tile_params` then reads them with a vector loop (see there) */
+    const uint8_t *zq;
 } qk_w4_layer;
 
 /* One decoder layer of the decode step (decode.c). */
