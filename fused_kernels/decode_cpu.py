@@ -22,7 +22,7 @@ from quantkit.errors import KernelUnavailableError
 from quantkit.fused_kernels.cpu_abi import DecoderDims as _Dims
 from quantkit.fused_kernels.cpu_abi import DecoderLayer as _DecoderLayer
 from quantkit.fused_kernels.cpu_launch import check_status
-from quantkit.fused_kernels.w4a16_cpu import CpuInt4Layer, _library
+from quantkit.fused_kernels.w4a16_cpu import ACT_CODES, CpuInt4Layer, _library
 
 __all__ = [
     "CACHE_FORMATS",
@@ -58,10 +58,6 @@ def int8_activations_available() -> bool:
         return bool(_library().qk_has_int8_dot())
     except KernelUnavailableError:
         return False
-
-
-# The GEMVs' activation dtypes and their act_dt codes (csrc/common.h).
-ACT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 3}
 
 
 def decode_phases(on: bool) -> tuple[dict[str, float], int]:

@@ -164,6 +164,12 @@ def has_bf16_matmul() -> bool:
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
+# The GEMVs' activation dtypes and their act_dt codes (csrc/common.h: DT_I8 = 3 names int8
+# activations, which only the INT4 GEMV takes), for `CpuInt4Layer` and the decode step.
+ACT_CODES = {torch.float32: DTYPE_CODES[torch.float32], torch.bfloat16: DTYPE_CODES[torch.bfloat16],
+             torch.int8: 3}  # fmt: skip
+
+
 class CpuInt4Layer(cpu_launch.BoundGemvLayer):
     """One INT4 linear bound to the C GEMV once; a call passes only x and the output.
 
@@ -225,4 +231,4 @@ class CpuInt4Layer(cpu_launch.BoundGemvLayer):
         weights in integers (`gemv_tile_i8`; where the build has AVX512-VNNI and the groups are
         powers of two or one per row; else fp32). A call too big for the GEMV ignores both."""
         act = torch.bfloat16 if bf16_activations else torch.float32
-        return self._gemv(x, 3 if int8_activations else DTYPE_CODES[act])
+        return self._gemv(x, ACT_CODES[torch.int8 if int8_activations else act])
