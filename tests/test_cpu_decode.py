@@ -10,7 +10,7 @@ import torch
 from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.decode_cpu import CpuDecodeStep, DecoderDims
 from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
-from quantkit.models.decoder import build_model
+from quantkit.models.decoder import CausalLM, build_model
 from quantkit.quantize.pipeline import quantize_model
 from quantkit.runtime.fusion import fuse_projections
 from quantkit.runtime.generate import generate
@@ -258,15 +258,7 @@ def test_act_dtype_is_checked_and_rebinds(llama_ckpt: Path, tiny_llama_dir: Path
         with pytest.raises(GenerationError, match="got a CPU without AVX512-BF16"):
             set_act_dtype(model, torch.bfloat16)
         return
-    model.setup_cache(batch=1, max_len=16)
-    x = torch.tensor([PROMPTS[0]])
-    pos = torch.arange(x.shape[1]).unsqueeze(0)
-    with torch.no_grad():
-        fp32 = model(x, positions=pos)
-        set_act_dtype(model, torch.bfloat16)
-        assert model.decode_path.step.act_dtype == torch.bfloat16  # rebound to the same cache
-        bf16 = model(x, positions=pos)
-    rel = ((bf16 - fp32).norm() / fp32.norm()).item()
+    rel = _rebound_logits_error(model, torch.bfloat16)
     assert 0 < rel < 2e-2  # rounded operands: close, not equal
 
 
@@ -352,6 +344,22 @@ def test_phase_timers_count_timed_steps_and_change_nothing(llama_ckpt: Path) -> 
     assert gemv["gate_up"] == 2 * gemv["down"]  # gate and up: each the size of down
 
 
+def _rebound_logits_error(model: CausalLM, dtype: torch.dtype) -> float:
+    """Relative error of a prefill's logits once set_act_dtype(model, dtype) has rebound the
+    step (checked: to the same cache, with the new dtype), against fp32 activations'."""
+    from quantkit.runtime.fast_path import set_act_dtype
+
+    model.setup_cache(batch=1, max_len=16)
+    x = torch.tensor([PROMPTS[0]])
+    pos = torch.arange(x.shape[1]).unsqueeze(0)
+    with torch.no_grad():
+        fp32 = model(x, positions=pos)
+        set_act_dtype(model, dtype)
+        assert model.decode_path.step.act_dtype == dtype  # rebound to the same cache
+        narrow = model(x, positions=pos)
+    return ((narrow - fp32).norm() / fp32.norm()).item()
+
+
 def test_int8_activations_step_is_close_to_fp32(llama_ckpt: Path) -> None:
     """int8 activations (VNNI): set_act_dtype rebinds the step; its logits stay close to the
     fp32 step's (int8 operands, int32 sums), and the prefill and decode both run it."""
@@ -363,15 +371,7 @@ def test_int8_activations_step_is_close_to_fp32(llama_ckpt: Path) -> None:
         with pytest.raises(GenerationError, match="got a CPU without AVX512-VNNI"):
             set_act_dtype(model, torch.int8)
         return
-    model.setup_cache(batch=1, max_len=16)
-    x = torch.tensor([PROMPTS[0]])
-    pos = torch.arange(x.shape[1]).unsqueeze(0)
-    with torch.no_grad():
-        fp32 = model(x, positions=pos)
-        set_act_dtype(model, torch.int8)
-        assert model.decode_path.step.act_dtype == torch.int8
-        int8 = model(x, positions=pos)
-    rel = ((int8 - fp32).norm() / fp32.norm()).item()
+    rel = _rebound_logits_error(model, torch.int8)
     assert 0 < rel < 2e-2
     assert _greedy(model, PROMPTS[0]).tokens[0]  # decode steps run on it too
 
