@@ -70,7 +70,7 @@ def test_bench_reports_the_activation_dtype(
     tiny_model_dir: Path, tmp_path: Path, capsys, act: str
 ) -> None:
     """An INT4 model on the C step: `auto` takes the activations measured fastest here (int8
-    on Intel with AVX512-VNNI, bf16 on AMD with AVX512-BF16), and the roofline's compute roof
+    with AVX512-VNNI, else bf16 on AMD with AVX512-BF16), and the roofline's compute roof
     is a bf16 matmul's with bf16 ones (an fp32 matmul's otherwise)."""
     from quantkit.format.scheme import QuantScheme
     from quantkit.quantize.pipeline import quantize_model
