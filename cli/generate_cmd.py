@@ -274,10 +274,10 @@ def _print_summary(summary: dict[str, Any]) -> None:
     type=click.Choice(["auto", *HEAD_DTYPES]),
     default="auto",
     show_default=True,
-    help="dtype of the lm_head matmul, for an INT4/FP8 model on a CPU; auto = int8 where "
-    "measured faster (Intel CPUs with AVX-512: rows rounded to int8 with a scale each, a "
-    "quarter of the fp32 bytes, perplexity +0.04%), else bfloat16 on a CPU with bf16 "
-    "instructions, else the model's.",
+    help="dtype of the lm_head matmul, for an INT4/FP8 model on a CPU; auto = int8 on CPUs "
+    "with AVX-512, where measured faster (rows rounded to int8 with a scale each, a quarter "
+    "of the fp32 bytes, perplexity +0.04%), else bfloat16 on a CPU with bf16 instructions, "
+    "else the model's.",
 )
 @click.option(
     "--act-dtype",
@@ -285,9 +285,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
     default="auto",
     show_default=True,
     help="dtype of the activations inside the INT4 GEMVs of the CPU decode step; auto = the "
-    "one measured fastest: int8 on Intel CPUs with AVX512-VNNI (quantized per 128 elements, "
-    "multiplied in integers: 1.14-1.22x, perplexity +0.08%), bfloat16 on AMD CPUs with "
-    "AVX512-BF16 (prefill and batched steps 1.3-1.45x on Zen 5), else float32.",
+    "one measured fastest: int8 on CPUs with AVX512-VNNI (quantized per block of <= 128 "
+    "elements, multiplied in integers; measured faster on Intel Xeon and AMD Zen 4, "
+    "perplexity +0.12%), else bfloat16 on AMD CPUs with AVX512-BF16, else float32.",
 )
 @kv_dtype_option
 @click.option("--compile", "compile_step", is_flag=True, help="torch.compile the decode step.")

@@ -41,6 +41,9 @@ class W4Layer(Structure):
         ("bias", c_void_p),
         ("b_dt", c_int64),
         ("zq", c_void_p),
+        ("wr", c_void_p),
+        ("sr", c_void_p),
+        ("zr", c_void_p),
     ]
 
 

@@ -161,6 +161,10 @@ class CpuDecodeStep:
         for i, p in enumerate(layers):
             _expect(f"layer {i} cache", (p.k_cache.dtype, tuple(p.k_cache.shape)), (kind, shape))
         self.cache_rows, self.slots = shape[0], shape[2]
+        if act_dtype == torch.int8:  # the int8 tile's interleaved copies, before the structs
+            for p in layers:
+                for layer in (p.qkv, p.o, p.gate_up, p.down):
+                    layer.interleave()
         self._keep = list(layers)  # the tensors behind the pointers stay alive
         self._layers = (_DecoderLayer * len(layers))()
         for dst, p in zip(self._layers, layers, strict=True):

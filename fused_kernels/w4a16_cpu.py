@@ -170,6 +170,22 @@ ACT_CODES = {torch.float32: DTYPE_CODES[torch.float32], torch.bfloat16: DTYPE_CO
              torch.int8: 3}  # fmt: skip
 
 
+def _i8_block(n_groups: int, group_size: int, in_features: int) -> int:
+    """The int8 tile's activation block (csrc/w4a16.c `i8_block`): the largest of 128, 64 and
+    32 elements dividing the group size (K with one group per row) and K; 0 when none does."""
+    group = in_features if n_groups == 1 else group_size
+    return next((a for a in (128, 64, 32) if group % a == 0 and in_features % a == 0), 0)
+
+
+def _interleave16(t: torch.Tensor) -> torch.Tensor:
+    """[N, C] -> [ceil(N / 16), C, 16] contiguous: element (j, l) of tile i is t[16 i + l, j];
+    rows past N are zeros."""
+    pad = -t.shape[0] % 16
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, t.shape[1])])
+    return t.view(-1, 16, t.shape[1]).transpose(1, 2).contiguous()
+
+
 class CpuInt4Layer(cpu_launch.BoundGemvLayer):
     """One INT4 linear bound to the C GEMV once; a call passes only x and the output.
 
@@ -197,6 +213,8 @@ class CpuInt4Layer(cpu_launch.BoundGemvLayer):
         self.bias = b
         self.in_features, self.out_features = in_features, wp.shape[0]
         self.group_size = group_size
+        self._wp, self._scale = wp, scale
+        self._rows16: tuple[torch.Tensor, ...] | None = None  # `interleave`
         max_m = GEMV_MAX_M[_variant(variant)]
         # the zero points one byte each as well (`qk_w4_layer.zq`): 1 byte a row and group
         self._zq = None
@@ -221,14 +239,39 @@ class CpuInt4Layer(cpu_launch.BoundGemvLayer):
                 f"group_size: expected a multiple of 32 or per-channel, got {group_size}"
             )
 
+    def interleave(self) -> bool:
+        """Bind the int8 tile's copy of the layer (`qk_w4_layer.wr`: the packed words of 16
+        rows interleaved, word j of row 16 t + l at [t, j, l]; the scales and zero-point bytes
+        likewise), made on the first use of int8 activations since it holds the weights a
+        second time. False where the int8 tile does not apply (no AVX512-VNNI build, or groups
+        not a multiple of 32 elements); those calls run on fp32 activations."""
+        if self._rows16 is not None:
+            return True
+        n_groups = self._scale.shape[1]
+        if not (
+            _library(self.variant).qk_has_int8_dot()
+            and _i8_block(n_groups, self.group_size, self.in_features)
+            and self._wp.shape[1] == self.in_features // 8
+        ):
+            return False
+        wr, sr = _interleave16(self._wp), _interleave16(self._scale[:, :n_groups])
+        zr = None if self._zq is None else _interleave16(self._zq)
+        self._rows16 = (wr, sr) if zr is None else (wr, sr, zr)
+        self._layer.wr, self._layer.sr = wr.data_ptr(), sr.data_ptr()
+        self._layer.zr = None if zr is None else zr.data_ptr()
+        return True
+
     def __call__(
         self, x: torch.Tensor, *, bf16_activations: bool = False, int8_activations: bool = False
     ) -> torch.Tensor:
         """x [..., K] @ dequant(W).T. bf16_activations: the GEMV rounds x (and the dequantized
         weights) to bf16 and sums the products in fp32, as the decode step's bf16 mode does
         (where the build has AVX512-BF16 and the groups are powers of two; else fp32).
-        int8_activations: x is quantized to int8 per 128 elements and multiplied by the 4-bit
-        weights in integers (`gemv_tile_i8`; where the build has AVX512-VNNI and the groups are
-        powers of two or one per row; else fp32). A call too big for the GEMV ignores both."""
+        int8_activations: x is quantized to int8 per block of 32-128 elements inside a group
+        and multiplied by the 4-bit weights in integers (`gemv_tile_i8`, on the `interleave`d
+        copy; where the build has AVX512-VNNI and the groups are multiples of 32 elements;
+        else fp32). A call too big for the GEMV ignores both."""
+        if int8_activations:
+            self.interleave()
         act = torch.bfloat16 if bf16_activations else torch.float32
         return self._gemv(x, ACT_CODES[torch.int8 if int8_activations else act])

@@ -279,16 +279,18 @@ def test_cpu_bf16_activations_fall_back_to_fp32_where_groups_do_not_fit() -> Non
     assert torch.equal(layer(x, bf16_activations=True), layer(x))
 
 
-def _int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """x as the int8 tile sees it: each row's 128-element chunks quantized on their own,
-    t = absmax / 127, q = round(x * (1 / t)) (ties to even), then t * q."""
+def _int8_rows(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the int8 tile sees it: each row's blocks quantized on their own, t = absmax / 127,
+    q = round(x * (1 / t)) (ties to even), then t * q. A block is the largest of 128, 64 and 32
+    elements dividing the group (the row, per channel) and the row."""
     m, k = x.shape
-    kc = -(-k // 128)
-    chunks = torch.nn.functional.pad(x, (0, kc * 128 - k)).view(m, kc, 128)
-    t = chunks.abs().amax(-1, keepdim=True) / 127
+    group = k if group == -1 else group
+    block = next(a for a in (128, 64, 32) if group % a == 0 and k % a == 0)
+    blocks = x.view(m, k // block, block)
+    t = blocks.abs().amax(-1, keepdim=True) / 127
     inv = torch.where(t > 0, 1 / t, torch.zeros_like(t))
-    q = torch.round(chunks * inv).clamp(-127, 127)
-    return (q * t).view(m, kc * 128)[:, :k]
+    q = torch.round(blocks * inv).clamp(-127, 127)
+    return (q * t).view(m, k)
 
 
 # (M, N, K, group, symmetric): chunks that split groups (g32, g64), groups spanning chunks
@@ -301,12 +303,13 @@ INT8_CASES = [
     (5, 33, 512, 256, False),
     (2, 40, 576, -1, False),
     (11, 24, 640, 128, True),
+    (3, 20, 384, 96, False),  # blocks of 32 inside groups of 96
 ]
 
 
 @pytest.mark.parametrize("case", INT8_CASES, ids=lambda c: "M{}-N{}-K{}-g{}-sym{}".format(*c))
 def test_cpu_int8_activations_multiply_the_quantized_rows(case: tuple) -> None:
-    """int8_activations=True: each row quantized per 128 elements (`_int8_rows`) times the
+    """int8_activations=True: each row quantized per block (`_int8_rows`) times the
     dequantized weights, equal to an fp64 product of the same operands within the
     fp32-summation tolerance, and measurably unlike the fp32 GEMV."""
     from quantkit.fused_kernels.decode_cpu import int8_activations_available
@@ -320,18 +323,39 @@ def test_cpu_int8_activations_multiply_the_quantized_rows(case: tuple) -> None:
     x[0, 5] = 40.0  # an outlier: its chunk gets a coarser step
     y = layer(x, int8_activations=True)
     w = dequantize_packed_int4(wp, scale, zp, in_features=k, group_size=g).float()
-    ref = (_int8_rows(x).double() @ w.double().T).float()
+    ref = (_int8_rows(x, group).double() @ w.double().T).float()
     tol = tolerances(x, w)
     torch.testing.assert_close(y, ref, **tol)
     assert (layer(x) - y).abs().max() > tol["atol"]  # the fp32 GEMV: not the same operands
 
 
+def test_cpu_int8_tile_rows_do_not_depend_on_the_others() -> None:
+    """The 16-row int8 tile sums integers per block, so a row's result is the same bits in a
+    call of 1, 3, 6 or 8 rows (the chunks take 1, 2 and 4 accumulators a row), and the
+    interleaved copy is the packed words transposed per 16 rows (70 rows: a padded tile)."""
+    from quantkit.fused_kernels.decode_cpu import int8_activations_available
+
+    if not int8_activations_available():
+        pytest.skip("int8 activations need a CPU with AVX512-VNNI")
+    wp, scale, zp, g = make_layer(70, 576, 64, False, seed=4)
+    layer = cpu.CpuInt4Layer(PackedInt4(wp, scale, zp, 576, g))
+    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(5))
+    alone = torch.cat([layer(x[i : i + 1], int8_activations=True) for i in range(8)])
+    for m in (3, 6, 8):
+        assert torch.equal(layer(x[:m], int8_activations=True), alone[:m])
+    words = layer._rows16[0]
+    assert tuple(words.shape) == (5, 72, 16) and torch.equal(words[1, :, 3], wp[19])
+    assert torch.equal(words[4, :, 6:], torch.zeros(72, 10, dtype=torch.int32))
+
+
 def test_cpu_int8_activations_fall_back_to_fp32_where_groups_do_not_fit() -> None:
-    """Groups of 96 (not a power of two): fp32 activations, bit for bit the fp32 GEMV."""
-    wp, scale, zp, g = make_layer(20, 384, 96, False)
-    layer = cpu.CpuInt4Layer(PackedInt4(wp, scale, zp, 384, g))
-    x = torch.randn(3, 384, generator=torch.Generator().manual_seed(2))
+    """One group per row of 200 elements (no block of 32 divides it): fp32 activations, bit
+    for bit the fp32 GEMV, and no interleaved copy made."""
+    wp, scale, zp, g = make_layer(20, 200, -1, False)
+    layer = cpu.CpuInt4Layer(PackedInt4(wp, scale, zp, 200, g))
+    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(2))
     assert torch.equal(layer(x, int8_activations=True), layer(x))
+    assert not layer.interleave() and layer._rows16 is None
 
 
 @pytest.mark.parametrize("case", [(1, 70, 576, 64), (8, 96, 1536, 64), (3, 41, 256, 32)])

@@ -262,7 +262,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) rmsnorm(x + r * H, L->in_norm, H, eps, h + r * H);
         PHASE_END(PH_NORM);
-        permute_x(h, DT_F32, R, H, H, xp, xq, row_invariant);
+        permute_x(h, DT_F32, &L->qkv, R, H, xp, xq, row_invariant);
         PHASE_END(PH_PERMUTE);
         gemv_rows(&L->qkv, xp, xq, R, qkv, DT_F32, QKV, row_invariant);
         PHASE_END(PH_QKV);
@@ -301,7 +301,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
             }
         }
         PHASE_END(PH_ATTENTION);
-        permute_x(att, DT_F32, R, Hq * D, Hq * D, xp, xo, row_invariant);
+        permute_x(att, DT_F32, &L->o, R, Hq * D, xp, xo, row_invariant);
         PHASE_END(PH_PERMUTE);
         gemv_rows(&L->o, xp, xo, R, t, DT_F32, H, row_invariant);
         PHASE_END(PH_O);
@@ -311,7 +311,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
             rmsnorm(x + r * H, L->post_norm, H, eps, h + r * H);
         }
         PHASE_END(PH_NORM);
-        permute_x(h, DT_F32, R, H, H, xp, xg, row_invariant);
+        permute_x(h, DT_F32, &L->gate_up, R, H, xp, xg, row_invariant);
         PHASE_END(PH_PERMUTE);
         gemv_rows(&L->gate_up, xp, xg, R, gu, DT_F32, 2 * I, row_invariant);
         PHASE_END(PH_GATE_UP);
@@ -322,7 +322,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
             silu_mul(g + i0, g + I + i0, i1 - i0);
         }
         PHASE_END(PH_SILU);
-        permute_x(gu, DT_F32, R, I, 2 * I, xp, xd, row_invariant);
+        permute_x(gu, DT_F32, &L->down, R, 2 * I, xp, xd, row_invariant);
         PHASE_END(PH_PERMUTE);
         gemv_rows(&L->down, xp, xd, R, t, DT_F32, H, row_invariant);
         PHASE_END(PH_DOWN);

@@ -33,6 +33,13 @@ typedef struct {
     /* optional, NULL: the zero points unpacked, one byte (0..15) a row and group, [N][n_groups]
        contiguous; `tile_params` then reads them with a vector loop (see there) */
     const uint8_t *zq;
+    /* optional, NULL: the int8 tile's copy of the layer (`gemv_rows_i8`), 16 rows interleaved.
+       wr [ceil(N / 16)][K / 8][16]: word l of group j is row 16 t + l's packed word j; sr
+       [ceil(N / 16)][n_groups][16] the scales (dtype s_dt), zr the same of zq (NULL with no
+       zero points). Rows past N are zeros. */
+    const int32_t *wr;
+    const void *sr;
+    const uint8_t *zr;
 } qk_w4_layer;
 
 /* One decoder layer of the decode step (decode.c). */
@@ -68,8 +75,9 @@ int qk_has_bf16_dot(void);
 int qk_has_int8_dot(void);
 
 /* out [M, N] = x [M, K] @ dequant(W).T (+ bias), W the layer bound in L. act_dt: 1 (bf16) rounds
-   x to bf16 for the bf16 tile, 3 (int8) quantizes it per 128 elements for the VNNI tile, where
-   the build and the layer's groups allow, else fp32. */
+   x to bf16 for the bf16 tile, 3 (int8) quantizes it per block of 32-128 elements for the
+   VNNI tile, where the build, the layer's groups and its interleaved copy (`wr`) allow, else
+   fp32. */
 int qk_w4a16_gemv_layer(const qk_w4_layer *L, const void *x, int x_dt, int64_t M,
                         int64_t x_stride, void *out, int o_dt, int64_t o_stride, int act_dt,
                         int n_threads);

@@ -429,77 +429,75 @@ static inline __attribute__((always_inline)) void gemv_tile2_bf16(
 #endif
 
 #if defined(__AVX512VNNI__)
-/* int8 activations (`quantize_x_i8`), VNNI: res[m] += sum over 128-element chunks [c0, c1) of
-   sum_k t[m][c] q[m][k] (u_k s_g + c_g), u the stored nibbles (0..15) and c_g = -(8 + zp) s_g
-   (`tile_params`), for MB (1..8) activation rows and one weight row. The c_g term is per lane:
-   lane l of a chunk holds 8 elements of one group, so it adds c_g times their sum t q,
-   which `quantize_x_i8` stores per lane (xl).
-   A chunk is 16 words, one 64-byte load: word l holds elements 8l..8l+7, byte b of it 8l+2b
-   (low nibble) and 8l+2b+1 (high). `& 0xF` and `>> 4 & 0xF` give two byte vectors of
-   unsigned nibbles, the even and the odd elements, and `quantize_x_i8` stores each chunk's
-   activations as its 64 even then its 64 odd codes, so two vpdpbusd (64 u8 x s8 products into
-   16 int32 lanes each) take the whole chunk, exactly. Lane l then holds elements 8l..8l+7,
-   which lie in one group (groups are >= 32 elements, powers of two): `gidx` maps lanes to the
-   chunk's groups, and one vpermps spreads their scales. Per 128 weights: a load, three ops to
-   split nibbles, two for the group constants, and per activation row two vpdpbusd, a
-   conversion, a multiply and two FMAs, against ~28 ops for the fp32 tile (and one FMA-pipe op
-   per 16 weights per row there, 64 here). Each row's sums run in the same order whatever MB is, so
-   the tile is row-invariant as it stands. */
+/* 16 scales (dtype dt: fp32, bf16 or fp16) as fp32. */
+static inline __m512 load16_f(const void *p, int dt) {
+    if (dt == DT_BF16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    if (dt == DT_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_loadu_ps(p);
+}
+
+static inline __m512i bcast_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* The int8 tile (VNNI): res[m] lane l = sum over k of x[m, k] w[16 t + l, k] for the 16 weight
+   rows of tile t (`qk_w4_layer.wr`: lane l of word j holds row 16 t + l's elements 8j..8j+7)
+   and MB (1..8) activation rows quantized per block of A elements (`quantize_x_i8`).
+   Per word j: one 64-byte load, `& 0xF` and `>> 4 & 0xF` give each lane's even and odd
+   elements as 4 unsigned bytes, and per activation row two vpdpbusd against its 4 even and 4
+   odd codes broadcast to every lane. Each lane sums integers over a whole block (A / 8 words),
+   so the fp32 work is per block, not per word: res += s (t_b acc - z xs_b), with s and z the
+   16 rows' scale and 8 + zero point of the block's group, t_b the block's activation scale
+   and xs_b = t_b sum(q) (`quantize_x_i8`). No horizontal sums: lane l is row l's result.
+   Integer sums are exact, so the accumulator count (more at small MB, for latency) does not
+   change a row's result: each row's result is the same whatever MB is (row-invariant). */
 static inline __attribute__((always_inline)) void gemv_tile_i8(
-    int MB, const int8_t *xq, const float *tq, const float *xl, int64_t c0, int64_t c1,
-    int gsh1, __m512i gidx, const int32_t *wrow, int64_t words, const float *s, const float *cz,
-    int64_t pf, float *res)
+    int MB, const int32_t *w, const int8_t *xq, const float *ta, const float *xs,
+    const char *sr, int s_dt, int64_t s_bytes, const uint8_t *zr, int64_t W, int64_t cpb,
+    int64_t bpg, __m512 *res)
 {
-    __m512 acc[MAX_MB][2];
     const __m512i nib = _mm512_set1_epi8(0x0F);
-    for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-    /* alt: which of a row's two accumulators (a literal: a runtime index spills them). The
-       chunk's rows sit together (`quantize_x_i8`), so row m is a constant offset from one
-       pointer: with a pointer per row, 8 rows spilled the integer registers. */
-#define GEMV_CHUNK_I8(c, alt, km)                                                             \
+    enum { NA = 4 };  /* accumulators a row: 4 at MB = 1, 2 up to MB = 4, else 1 (a literal) */
+    const int na = MB == 1 ? 4 : MB <= 4 ? 2 : 1;
+    for (int m = 0; m < MB; m++) res[m] = _mm512_setzero_ps();
+    for (int64_t j0 = 0, b = 0; j0 < W; j0 += cpb, b++) {
+        __m512i acc[MAX_MB][NA];
+        for (int m = 0; m < MB; m++)
+            for (int a = 0; a < na; a++) acc[m][a] = _mm512_setzero_si512();
+#define GEMV_WORD_I8(j, u)                                                                    \
     do {                                                                                      \
-        __builtin_prefetch((const char *)(wrow + (c) * 16) + pf, 0, 2);                       \
-        __m512i wv = _mm512_maskz_loadu_epi32(km, wrow + (c) * 16);                           \
+        __m512i wv = _mm512_loadu_si512((const void *)(w + (j) * 16));                        \
         __m512i lo = _mm512_and_si512(wv, nib);                                               \
         __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), nib);                         \
-        const int64_t g_ = (4 * (c)) >> gsh1;                                                 \
-        /* past K (a last half chunk) the lanes read no group: zeroed, not garbage x 0 */     \
-        __m512 sv = _mm512_maskz_permutexvar_ps(km, gidx, _mm512_loadu_ps(s + g_));           \
-        __m512 cv = _mm512_maskz_permutexvar_ps(km, gidx, _mm512_loadu_ps(cz + g_));          \
-        const int8_t *xc_ = xq + (c) * MB * 128;                                              \
-        const float *tc_ = tq + (c) * MB, *lc_ = xl + (c) * MB * 16;                          \
+        const int8_t *xj = xq + (j) * MB * 8;                                                 \
+        const int ae = na == 4 ? 2 * (u) : 0, ao = na >= 2 ? ae + 1 : 0;                      \
         _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {                                \
-            __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo,                       \
-                                            _mm512_loadu_si512((const void *)(xc_ + m * 128))); \
-            d = _mm512_dpbusd_epi32(d, hi, _mm512_loadu_si512((const void *)(xc_ + m * 128 + 64))); \
-            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(d), _mm512_set1_ps(tc_[m]));          \
-            acc[m][alt] = _mm512_fmadd_ps(f, sv, acc[m][alt]);                                \
-            acc[m][alt] = _mm512_fmadd_ps(_mm512_loadu_ps(lc_ + m * 16), cv, acc[m][alt]);    \
+            acc[m][ae] = _mm512_dpbusd_epi32(acc[m][ae], lo, bcast_i32(xj + m * 8));          \
+            acc[m][ao] = _mm512_dpbusd_epi32(acc[m][ao], hi, bcast_i32(xj + m * 8 + 4));      \
         }                                                                                     \
     } while (0)
-    const int64_t full = words / 16 < c1 ? words / 16 : c1;  /* chunks of 16 whole words */
-    const __mmask16 all = 0xFFFF;
-    int64_t c = c0;
-    for (; c + 1 < full; c += 2) {
-        GEMV_CHUNK_I8(c, 0, all);
-        GEMV_CHUNK_I8(c + 1, 1, all);
+        for (int64_t j = j0; j < j0 + cpb; j += 2) {  /* cpb = A / 8: 4, 8 or 16 */
+            GEMV_WORD_I8(j, 0);
+            GEMV_WORD_I8(j + 1, 1);
+        }
+#undef GEMV_WORD_I8
+        const int64_t g = b / bpg;
+        const __m512 s = load16_f(sr + g * 16 * s_bytes, s_dt);
+        const __m512 z = zr ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                  _mm_loadu_si128((const __m128i *)(zr + g * 16))))
+                            : _mm512_set1_ps(8.0f);
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {
+            __m512i a = acc[m][0];
+            for (int k = 1; k < na; k++) a = _mm512_add_epi32(a, acc[m][k]);
+            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(ta[b * MB + m]));
+            f = _mm512_fnmadd_ps(z, _mm512_set1_ps(xs[b * MB + m]), f);
+            res[m] = _mm512_fmadd_ps(f, s, res[m]);
+        }
     }
-    if (c < full) {
-        GEMV_CHUNK_I8(c, 0, all);
-        c++;
-    }
-    if (c < c1) {
-        const __mmask16 part = (__mmask16)((1u << (words - c * 16)) - 1u);
-        GEMV_CHUNK_I8(c, 1, part);
-    }
-#undef GEMV_CHUNK_I8
-    __m512 t[MAX_MB];
-    for (int m = 0; m < MB; m++) t[m] = _mm512_add_ps(acc[m][0], acc[m][1]);
-    if (MB == 8) {  /* one shuffle tree for the 8 rows: at K = 576 a chunk loop is 4.5 chunks */
-        hsum8_add(t, res);
-        return;
-    }
-    for (int m = 0; m < MB; m++) res[m] += _mm512_reduce_add_ps(t[m]);
 }
 #endif
 
@@ -541,34 +539,42 @@ int qk_has_int8_dot(void) {
 #endif
 }
 
+/* The int8 tile's activation block (`quantize_x_i8`): the largest of 128, 64 and 32 elements
+   that divides the group size (K with one group per row), so a block lies in one group; 0 when
+   none does. */
+static int64_t i8_block(const qk_w4_layer *L) {
+    const int64_t g = L->n_groups == 1 ? L->K : L->group_size;
+    for (int64_t a = 128; a >= 32; a /= 2)
+        if (g % a == 0 && L->K % a == 0) return a;
+    return 0;
+}
+
 /* The dtype `permute_x` should give the activations of a GEMV over L: DT_BF16 or DT_I8 when the
-   caller asks for it and that tile applies (this build has it; power-of-two groups, or one group
-   per row for int8), else DT_F32. */
+   caller asks for it and that tile applies (this build has it; power-of-two groups for bf16;
+   for int8 the layer's interleaved copy `wr` and groups of a multiple of 32), else DT_F32. */
 static int gemv_x_dt(const qk_w4_layer *L, int want) {
     int64_t bpg;
     int gsh;
     if (group_layout(L, &bpg, &gsh)) return DT_F32;
     if (want == DT_BF16 && qk_has_bf16_dot() && gsh >= 0) return DT_BF16;
-    if (want == DT_I8 && qk_has_int8_dot() && (gsh >= 0 || L->n_groups == 1)) return DT_I8;
+    if (want == DT_I8 && qk_has_int8_dot() && L->wr && i8_block(L)) return DT_I8;
     return DT_F32;
 }
 
-/* Floats at the start of the scratch for the activations: the permuted fp32 (or bf16) x, or
-   the int8 form (`quantize_x_i8`: codes, chunk scales, lane sums), whichever is
-   larger; the per-tile constants follow. */
-/* Where `quantize_x_i8` puts M rows' codes, chunk scales and lane sums, from xp on. */
-static inline void i8_parts(float *xp, int64_t M, int64_t K, int8_t **xq, float **tq,
-                            float **xl) {
-    const int64_t kc = (K + 127) / 128;
+/* Where `quantize_x_i8` puts M rows' codes (K bytes a row), block scales and block sums, from
+   xp on (A: `i8_block`). */
+static inline void i8_parts(float *xp, int64_t M, int64_t K, int64_t A, int8_t **xq, float **ta,
+                            float **xs) {
     *xq = (int8_t *)xp;
-    *tq = xp + M * kc * 32;  /* after M * kc * 128 bytes of codes */
-    *xl = *tq + M * kc;
+    *ta = xp + M * K / 4;
+    *xs = *ta + M * (K / A);
 }
 
+/* Floats at the start of the scratch for the activations: the permuted fp32 (or bf16) x; the
+   int8 form (`i8_parts`: K / 4 + 2 K / A floats a row, A >= 32) fits in the same. The
+   per-tile constants follow. */
 static int64_t xp_floats(const qk_w4_layer *L, int64_t M) {
-    const int64_t nblk = (L->K + 31) / 32, kc = (L->K + 127) / 128;
-    const int64_t i8 = kc * 32 + kc + kc * 16;
-    return M * (nblk * 32 > i8 ? nblk * 32 : i8);
+    return M * ((L->K + 31) / 32) * 32;
 }
 
 /* Floats of scratch a GEMV over L needs: the permuted x (M rows, `permute_x`) and after it the
@@ -577,90 +583,71 @@ static int64_t gemv_scratch(const qk_w4_layer *L, int64_t M) {
     return xp_floats(L, M) + (L->N + RT) * 2 * L->n_groups + 16;
 }
 
-#if defined(__AVX512F__)
-/* One chunk of `quantize_x_i8` from fp32 x (left: elements of it inside K, the rest read as 0),
-   the same arithmetic in vectors: absmax, codes by vcvtps2dq (nearest even), even and odd
-   elements split by two-vector permutes, each lane's 8 codes summed by in-lane shuffles. */
-static void quantize_chunk16(const float *x, int64_t left, int8_t *dst, float *tq, float *xl) {
-    __m512 v[8], amax = _mm512_setzero_ps();
-    for (int i = 0; i < 8; i++) {
-        v[i] = _mm512_maskz_loadu_ps(tail_mask(left - 16 * i), x + 16 * i);
-        amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
-    }
-    const float t = _mm512_reduce_max_ps(amax) / 127.0f, inv = t > 0.0f ? 1.0f / t : 0.0f;
-    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
-    __m512i q[8];
-    int32_t sums[16];
-    for (int i = 0; i < 8; i++) {
-        q[i] = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)));
-        q[i] = _mm512_min_epi32(_mm512_max_epi32(q[i], lo), hi);
-        __m512i p = _mm512_add_epi32(q[i], _mm512_shuffle_epi32(q[i], (_MM_PERM_ENUM)0xB1));
-        p = _mm512_add_epi32(p, _mm512_shuffle_epi32(p, (_MM_PERM_ENUM)0x4E));
-        p = _mm512_add_epi32(p, _mm512_shuffle_i32x4(p, p, 0xB1));
-        sums[2 * i] = _mm_cvtsi128_si32(_mm512_castsi512_si128(p));
-        sums[2 * i + 1] = _mm_cvtsi128_si32(_mm512_extracti32x4_epi32(p, 2));
-    }
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
-                                           28, 30);
-    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-    for (int i = 0; i < 4; i++) {
-        _mm_storeu_si128((__m128i *)(dst + 16 * i),
-                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(q[2 * i], even,
-                                                                        q[2 * i + 1])));
-        _mm_storeu_si128((__m128i *)(dst + 64 + 16 * i),
-                         _mm512_cvtepi32_epi8(_mm512_permutex2var_epi32(q[2 * i], odd,
-                                                                        q[2 * i + 1])));
-    }
-    *tq = t;
-    _mm512_storeu_ps(xl, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512(sums)),
-                                       _mm512_set1_ps(t)));
-}
-#endif
-
-/* x -> int8 codes for `gemv_tile_i8`, at xp (`xp_floats`): per row, kc = ceil(K / 128) chunks
-   of 128 elements (K padded with zeros), each quantized on its own, t = absmax / 127 and
-   q = round(x * (1 / t)) to nearest even (t = 0: all codes 0), and stored as its 64 even-indexed
-   then its 64 odd-indexed codes; then the chunk scales t and, for each chunk's 16 lanes of 8
-   elements, t times the sum of their codes (the zero points' term). Each row chunk
-   (`row_chunk`: rows m0..m0 + mb) keeps its rows together per chunk: codes at
-   (m0 kc + c mb + m - m0) * 128 bytes, scales at m0 kc + c mb + m - m0, lane sums 16 times
-   that. An orphaned `omp for`, as `permute_x`. */
-static void quantize_x_i8(const void *x, int x_dt, int64_t M, int64_t K, int64_t x_stride,
-                          float *xp, int one_row) {
-    const int64_t kc = (K + 127) / 128;
+/* x -> the int8 tile's activations at xp (`i8_parts`): per row, blocks of A = `i8_block(L)`
+   elements each quantized on its own, t = absmax / 127 and q = round(x * (1 / t)) to nearest
+   even, clamped to +-127 (t = 0: all codes 0). The codes of each 8 elements j (one word of the
+   weights) are stored as the 4 even-indexed then the 4 odd-indexed ones, so that `vpdpbusd`
+   broadcasts each half; per block, t and t * sum(q) (the zero points' term). Each row chunk
+   (`row_chunk`: rows m0..m0 + mb) keeps its rows together: row m's codes of word j at
+   (m0 K / 8 + j mb + m - m0) * 8 bytes, its block b's t and sum at m0 nb + b mb + m - m0.
+   An orphaned `omp for`, as `permute_x`. */
+static void quantize_x_i8(const void *x, int x_dt, const qk_w4_layer *L, int64_t M,
+                          int64_t x_stride, float *xp, int one_row) {
+    const int64_t K = L->K, A = i8_block(L), nb = K / A;
     int8_t *xq;
-    float *tq, *xl;
-    i8_parts(xp, M, K, &xq, &tq, &xl);
+    float *ta, *xs;
+    i8_parts(xp, M, K, A, &xq, &ta, &xs);
+    /* block-major: each thread writes one run of words and scales (row-major, the threads'
+       writes shared cache lines: at batch 8 the quantization took 5x as long) */
     #pragma omp for schedule(static)
-    for (int64_t mc = 0; mc < M * kc; mc++) {
-        const int64_t m = mc / kc, c = mc % kc;
+    for (int64_t bm = 0; bm < nb * M; bm++) {
+        const int64_t b = bm / M, m = bm % M;
         int64_t m0, mb;
         row_chunk(m, M, one_row, &m0, &mb);
-        const int64_t at = m0 * kc + c * mb + (m - m0);
+        int8_t *dst = xq + m0 * K + (m - m0) * 8 + b * (A / 8) * mb * 8;  /* + word * mb * 8 */
+        const int64_t at = m0 * nb + b * mb + (m - m0);
 #if defined(__AVX512F__)
-        if (x_dt == DT_F32) {  /* the decode step's case: 8 vectors, no scalar pass */
-            quantize_chunk16((const float *)x + m * x_stride + c * 128, K - c * 128,
-                             xq + at * 128, tq + at, xl + at * 16);
+        if (x_dt == DT_F32) {  /* the decode step's case: A / 16 vectors, no scalar pass */
+            const float *src = (const float *)x + m * x_stride + b * A;
+            __m512 v[8], amax = _mm512_setzero_ps();
+            for (int i = 0; i < A / 16; i++) {
+                v[i] = _mm512_loadu_ps(src + 16 * i);
+                amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+            }
+            const float t = _mm512_reduce_max_ps(amax) / 127.0f, inv = t > 0.0f ? 1.0f / t : 0.0f;
+            const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+            /* two words' codes, each as its 4 even then its 4 odd elements */
+            const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11,
+                                                    13, 15);
+            __m512i sum = _mm512_setzero_si512();
+            for (int i = 0; i < A / 16; i++) {
+                __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)));
+                c = _mm512_min_epi32(_mm512_max_epi32(c, lo), hi);
+                sum = _mm512_add_epi32(sum, c);
+                __m128i bytes = _mm512_cvtepi32_epi8(_mm512_permutexvar_epi32(order, c));
+                _mm_storel_epi64((__m128i *)(dst + (2 * i) * mb * 8), bytes);
+                _mm_storeh_pd((double *)(dst + (2 * i + 1) * mb * 8), _mm_castsi128_pd(bytes));
+            }
+            ta[at] = t;
+            xs[at] = t * (float)_mm512_reduce_add_epi32(sum);
             continue;
         }
 #endif
         float v[128], amax = 0.0f;
-        for (int e = 0; e < 128; e++) {
-            int64_t k = c * 128 + e;
-            v[e] = k < K ? load_f(x, m * x_stride + k, x_dt) : 0.0f;
+        for (int64_t e = 0; e < A; e++) {
+            v[e] = load_f(x, m * x_stride + b * A + e, x_dt);
             amax = fmaxf(amax, fabsf(v[e]));
         }
         const float t = amax / 127.0f, inv = t > 0.0f ? 1.0f / t : 0.0f;
-        int8_t *dst = xq + at * 128;
-        int32_t sums[16] = {0};
-        for (int e = 0; e < 128; e++) {
+        int32_t sum = 0;
+        for (int64_t e = 0; e < A; e++) {
             int q = (int)__builtin_rintf(v[e] * inv);
             q = q < -127 ? -127 : q > 127 ? 127 : q;
-            dst[(e & 1) * 64 + e / 2] = (int8_t)q;
-            sums[e / 8] += q;
+            dst[(e / 8) * mb * 8 + (e & 1) * 4 + (e % 8) / 2] = (int8_t)q;
+            sum += q;
         }
-        tq[at] = t;
-        for (int l = 0; l < 16; l++) xl[at * 16 + l] = t * (float)sums[l];
+        ta[at] = t;
+        xs[at] = t * (float)sum;
     }
 }
 
@@ -671,13 +658,13 @@ static void quantize_x_i8(const void *x, int x_dt, int64_t M, int64_t K, int64_t
    An orphaned `omp for` over (row, block), like `gemv_rows`: inside a parallel region the team
    shares it (with one thread the other would wait at the next barrier), outside one the
    calling thread does it all. */
-static void permute_x(const void *x, int x_dt, int64_t M, int64_t K, int64_t x_stride,
-                      float *xp, int xp_dt, int one_row) {
+static void permute_x(const void *x, int x_dt, const qk_w4_layer *L, int64_t M,
+                      int64_t x_stride, float *xp, int xp_dt, int one_row) {
     if (xp_dt == DT_I8) {
-        quantize_x_i8(x, x_dt, M, K, x_stride, xp, one_row);
+        quantize_x_i8(x, x_dt, L, M, x_stride, xp, one_row);
         return;
     }
-    const int64_t nblk = (K + 31) / 32, kp = nblk * 32;
+    const int64_t K = L->K, nblk = (K + 31) / 32, kp = nblk * 32;
     #pragma omp for schedule(static)
     for (int64_t mb_i = 0; mb_i < M * nblk; mb_i++) {
         int64_t m = mb_i / nblk, b = mb_i % nblk, m0, mb;
@@ -713,6 +700,51 @@ static void permute_x(const void *x, int x_dt, int64_t M, int64_t K, int64_t x_s
     }
 }
 
+#if defined(__AVX512VNNI__)
+/* gemv_rows for int8 activations (`quantize_x_i8` at xp): the 16-row tiles of `wr` split
+   statically over the team (an orphaned `omp for`), each tile against every row chunk in turn
+   (its weights stay in L1/L2 after the first). */
+static void gemv_rows_i8(const qk_w4_layer *L, float *xp, int64_t M, void *out, int o_dt,
+                         int64_t o_stride, int one_row) {
+    const int64_t K = L->K, N = L->N, G = L->n_groups, A = i8_block(L), nb = K / A;
+    const int64_t W = K / 8, cpb = A / 8, bpg = G == 1 ? nb : L->group_size / A;
+    const int s_dt = (int)L->s_dt;
+    const int64_t s_bytes = s_dt == DT_F32 ? 4 : 2;
+    int8_t *xq;
+    float *ta, *xs;
+    i8_parts(xp, M, K, A, &xq, &ta, &xs);
+    #pragma omp for schedule(static)
+    for (int64_t t = 0; t < (N + 15) / 16; t++) {
+        const int32_t *w = L->wr + t * W * 16;
+        const char *sr = (const char *)L->sr + t * G * 16 * s_bytes;
+        const uint8_t *zr = L->zr ? L->zr + t * G * 16 : NULL;
+        for (int64_t m0 = 0, mb; m0 < M; m0 += mb) {
+            row_chunk(m0, M, one_row, &m0, &mb);
+            __m512 res[MAX_MB];
+#define TILE_I8(MB) gemv_tile_i8(MB, w, xq + m0 * K, ta + m0 * nb, xs + m0 * nb, sr, s_dt, \
+                                 s_bytes, zr, W, cpb, bpg, res)
+            if (mb == 1) TILE_I8(1);
+            else if (mb == 2) TILE_I8(2);
+            else if (mb == 3) TILE_I8(3);
+            else if (mb == 4) TILE_I8(4);
+            else if (mb == 5) TILE_I8(5);
+            else if (mb == 6) TILE_I8(6);
+            else if (mb == 7) TILE_I8(7);
+            else TILE_I8(MAX_MB);
+#undef TILE_I8
+            float r[MAX_MB][16];
+            for (int64_t i = 0; i < mb; i++) _mm512_storeu_ps(r[i], res[i]);
+            for (int64_t l = 0; l < 16 && 16 * t + l < N; l++) {
+                const int64_t n = 16 * t + l;
+                const float bn = L->bias ? load_f(L->bias, n, (int)L->b_dt) : 0.0f;
+                for (int64_t i = 0; i < mb; i++)
+                    store_f(out, (m0 + i) * o_stride + n, o_dt, r[i][l] + bn);
+            }
+        }
+    }
+}
+#endif
+
 /* out [M, N] = xp (permuted, see permute_x) @ dequant(W).T (+ bias). The row-tile loop is an
    orphaned `omp for`: inside a parallel region the team shares it (and meets at its implicit
    barrier), outside one it runs on the calling thread. xp is the start of `gemv_scratch(L, M)`
@@ -722,23 +754,15 @@ static void gemv_rows(const qk_w4_layer *L, float *xp, int xp_dt, int64_t M, voi
                       int o_dt, int64_t o_stride, int one_row) {
     const int64_t K = L->K, N = L->N, n_groups = L->n_groups, wq_stride = L->wq_stride;
     const int32_t *wq = L->wq;
-    int64_t nblk = (K + 31) / 32, kp = nblk * 32, words = (K + 7) / 8, bpg;
+    int64_t nblk = (K + 31) / 32, kp = nblk * 32, words = (K + 7) / 8, bpg = 1;
     float *params = xp + xp_floats(L, M);
-    int gsh;
+    int gsh = -1;
     group_layout(L, &bpg, &gsh);
 #if defined(__AVX512VNNI__)
-    /* int8 activations: the codes, chunk scales, lane sums (`quantize_x_i8`); gsh1 = log2 of
-       blocks per group (62 for one group per row), gidx the lane -> group-in-chunk map */
-    const int64_t kc = (K + 127) / 128;
-    int8_t *xq;
-    float *tq, *xl;
-    i8_parts(xp, M, K, &xq, &tq, &xl);
-    const int gsh1 = n_groups == 1 ? 62 : gsh;  /* one group: (4 c) >> 62 = 0 */
-    /* lane l holds elements 8l..8l+7: group (8 l) >> log2(group size) = l >> (gsh1 + 2), 0 for
-       groups of >= 128 and for one group (vpsrlvd gives 0 for counts past 31) */
-    const __m512i gidx = _mm512_srlv_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(gsh1 + 2));
+    if (xp_dt == DT_I8) {
+        gemv_rows_i8(L, xp, M, out, o_dt, o_stride, one_row);
+        return;
+    }
 #endif
     /* Static split: each thread streams one contiguous run of row tiles, which the hardware
        prefetchers follow and the software prefetch (the next row tile) serves. Against
@@ -768,24 +792,6 @@ static void gemv_rows(const qk_w4_layer *L, float *xp, int xp_dt, int64_t M, voi
                 int64_t b1 = b0 + kt < nblk ? b0 + kt : nblk, g0 = b0 / bpg;
                 const float *xc = xp + m0 * kp;
                 int64_t n = n0;
-#if defined(__AVX512VNNI__)
-                for (; xp_dt == DT_I8 && n < n1; n++) {
-                    const int32_t *wrow = wq + n * wq_stride;
-                    const float *sn = s + (n - n0) * n_groups, *cn = c + (n - n0) * n_groups;
-                    const int64_t c0 = b0 / 4, c1 = (b1 + 3) / 4;
-#define TILE_I8(MB) gemv_tile_i8(MB, xq + m0 * kc * 128, tq + m0 * kc, xl + m0 * kc * 16, \
-                                 c0, c1, gsh1, gidx, wrow, words, sn, cn, pf, res[n - n0])
-                    if (mb == 1) TILE_I8(1);
-                    else if (mb == 2) TILE_I8(2);
-                    else if (mb == 3) TILE_I8(3);
-                    else if (mb == 4) TILE_I8(4);
-                    else if (mb == 5) TILE_I8(5);
-                    else if (mb == 6) TILE_I8(6);
-                    else if (mb == 7) TILE_I8(7);
-                    else TILE_I8(MAX_MB);
-#undef TILE_I8
-                }
-#endif
 #if defined(__AVX512BF16__)
                 /* bf16 activations (`gemv_x_dt`: power-of-two groups): rows in pairs, an odd
                    last row paired with itself and its second result dropped */
@@ -878,7 +884,7 @@ int qk_w4a16_gemv_layer(const qk_w4_layer *L, const void *x, int x_dt, int64_t M
     const int xp_dt = gemv_x_dt(L, act_dt);
     #pragma omp parallel num_threads(n_threads)
     {
-        permute_x(x, x_dt, M, L->K, x_stride, work, xp_dt, 0);
+        permute_x(x, x_dt, L, M, x_stride, work, xp_dt, 0);
         gemv_rows(L, work, xp_dt, M, out, o_dt, o_stride, 0);
     }
     free(work);
@@ -893,7 +899,7 @@ int qk_w4a16_gemv(
     const void *bias, int b_dt, void *out, int o_dt, int64_t o_stride, int n_threads)
 {
     qk_w4_layer L = {wq, N, K, wq_stride, scale, s_dt, n_groups, s_stride, zp, zp_stride,
-                     group_size, bias, b_dt, NULL};
+                     group_size, bias, b_dt, NULL, NULL, NULL, NULL};
     return qk_w4a16_gemv_layer(&L, x, x_dt, M, x_stride, out, o_dt, o_stride, DT_F32,
                                n_threads);
 }

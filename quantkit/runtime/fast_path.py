@@ -14,12 +14,14 @@ threads: see ARCHITECTURE.md / the decode benchmark.
 Activations. The GEMVs take fp32 activations by default, which the tests hold to the PyTorch
 path within 1e-5. `set_act_dtype(model, torch.bfloat16)` rounds them to bf16 inside the GEMVs
 (W4A16 in the strict sense; vdpbf16ps on AVX512-BF16 CPUs, sums in fp32, the rest of each
-layer fp32). `set_act_dtype(model, torch.int8)` quantizes them to int8 per 128 elements and
-multiplies them by the 4-bit weights in integers (vpdpbusd on AVX512-VNNI CPUs). Which is
+layer fp32). `set_act_dtype(model, torch.int8)` quantizes them to int8 per block of 32-128
+elements inside a group (64 at SmolLM2's g64) and multiplies them by the 4-bit weights in
+integers (vpdpbusd on AVX512-VNNI CPUs, over a copy of the weights with 16 rows interleaved).
+Which is
 fastest depends on the CPU, so `auto_act_dtype` (the CLI's `auto`) picks each only where it
 was measured faster: int8 on CPUs with AVX512-VNNI, Intel and AMD (`int8_activations_faster`),
 else bf16 on AMD ones with AVX512-BF16 (`bf16_activations_faster`), else fp32. What each costs in
-perplexity is measured by `quantkit.evals.act_precision` (int8: +0.08% on SmolLM2 INT4).
+perplexity is measured by `quantkit.evals.act_precision` (int8: +0.12% on SmolLM2 INT4).
 """
 
 from __future__ import annotations
@@ -241,7 +243,9 @@ def int8_activations_faster() -> bool:
     - AMD EPYC Zen 4 (family 25 model 17, AVX512-VNNI and -BF16), five rounds: 173.8 tok/s
       against 134.1 with bf16 activations (the previous AMD default), both with a bf16 head;
       217.5 with the int8 head too.
-    Not measured on Zen 5, where bf16 was tuned. Held-out perplexity +0.08%."""
+    Not measured on Zen 5, where bf16 was tuned. Held-out perplexity +0.12% (16352 tokens,
+    `evals.act_precision`). The 16-row int8 tile then made the Zen 4's batch-1 step 3.8 ms
+    instead of 5.2 (`evals.decode_phases`)."""
     return int8_activations_available()
 
 
