@@ -28,6 +28,7 @@ from quantkit.format.checkpoint import (
     save_checkpoint,
 )
 from quantkit.format.scheme import QuantScheme
+from quantkit.fused_kernels.bf16_gemv_cpu import I8I8_MAX_M, i8i8_gemv
 from quantkit.models.decoder import build_model
 from quantkit.quantize.calibration import heldout_tokens
 from quantkit.quantize.embedded import ensure_embedded_int4
@@ -38,6 +39,23 @@ from quantkit.sources.tokenizer import load_tokenizer
 def _head_tensors(weight: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype) -> dict:
     fmt = scheme.format
     return fmt.store(fmt.round_to_nearest(weight.float(), scheme), scheme, dtype=dtype)
+
+
+class _Int8Int8Head(nn.Module):
+    """The int8 head as a VNNI CPU runs it in a decode step (`i8i8_gemv`: the activations
+    quantized to int8 per block too, the products in integers), over any number of rows,
+    `I8I8_MAX_M` at a time: perplexity scores every position, which `CastHead` would send to
+    the BLAS with fp32 activations."""
+
+    def __init__(self, head: CastHead) -> None:
+        super().__init__()
+        assert head._i8i8 is not None
+        self.packed = head._i8i8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+        out = torch.cat([i8i8_gemv(part, self.packed) for part in rows.split(I8I8_MAX_M)])
+        return out.view(*x.shape[:-1], -1)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -62,6 +80,8 @@ def run(args: argparse.Namespace) -> dict:
             int8.weight_bytes(),
         ),
     }
+    if int8._i8i8 is not None:  # what a decode step runs on a CPU with AVX512-VNNI
+        heads["int8 per row, int8 activations (VNNI)"] = (_Int8Int8Head(int8), int8.weight_bytes())
     for label, s in ((f"{scheme.describe()} RTN", scheme), ("fp8 per-channel RTN", None)):
         s = s or QuantScheme("fp8")
         s = s.resolve([("lm_head", head.shape[1])])
@@ -76,8 +96,11 @@ def run(args: argparse.Namespace) -> dict:
     results: dict = {"ckpt": str(ckpt), "scheme": scheme.describe(), "eval_tokens": held.numel()}
     rows = []
     for label, (w, nbytes) in heads.items():
-        model.lm_head = nn.Linear(w.shape[1], w.shape[0], bias=False)
-        model.lm_head.weight = nn.Parameter(w, requires_grad=False)
+        if isinstance(w, nn.Module):
+            model.lm_head = w
+        else:
+            model.lm_head = nn.Linear(w.shape[1], w.shape[0], bias=False)
+            model.lm_head.weight = nn.Parameter(w, requires_grad=False)
         ppl = perplexity(model, held, window=512, progress=True).ppl
         rows.append({"head": label, "head_mb_per_step": nbytes / 1e6, "ppl": ppl})
         print(f"{label:<40} head {nbytes / 1e6:6.1f} MB/step  ppl {ppl:.3f}", flush=True)

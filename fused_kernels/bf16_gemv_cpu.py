@@ -14,7 +14,18 @@ import torch
 from quantkit.errors import KernelUnavailableError
 from quantkit.fused_kernels import cpu_abi
 
-__all__ = ["bf16_gemv", "bf16_gemv_available", "i8_gemv", "i8_gemv_available"]
+__all__ = [
+    "I8I8Weight",
+    "bf16_gemv",
+    "bf16_gemv_available",
+    "i8_gemv",
+    "i8_gemv_available",
+    "i8i8_gemv",
+    "i8i8_gemv_available",
+]
+
+# Rows one `qk_i8i8_gemv` call takes.
+I8I8_MAX_M = 16
 
 
 @functools.cache
@@ -35,6 +46,65 @@ def i8_gemv_available() -> bool:
     """True if the int8 kernel builds here (an AVX-512 CPU)."""
     lib = _library()
     return lib is not None and bool(lib.qk_i8_gemv_available())
+
+
+def i8i8_gemv_available() -> bool:
+    """True if the int8 x int8 kernel builds here (a CPU with AVX512-VNNI)."""
+    lib = _library()
+    return lib is not None and bool(lib.qk_i8i8_gemv_available())
+
+
+class I8I8Weight:
+    """An int8 weight [N, K] with a scale per row, laid out for `qk_i8i8_gemv`: W8 + 128 as
+    uint8 with 16 rows interleaved (lane l of word j: row 16 t + l's elements 4j..4j+3), the
+    scales padded to whole tiles, and the activation block (the largest of 128, 64, 32
+    dividing K). `block` is 0 where none divides K: the kernel does not apply."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        n, k = weight.shape
+        self.out_features, self.in_features = n, k
+        self.block = next((a for a in (128, 64, 32) if k % a == 0), 0)
+        if not self.block:
+            return
+        pad = -n % 16
+        u8 = (weight.to(torch.int16) + 128).to(torch.uint8)
+        if pad:
+            u8 = torch.cat([u8, u8.new_full((pad, k), 128)])
+        words = u8.contiguous().view(torch.int32)  # [N16, K / 4]
+        self.words = words.view(-1, 16, k // 4).transpose(1, 2).contiguous()
+        self.scale = torch.cat([scale.float(), scale.new_zeros(pad, dtype=torch.float32)])
+
+    def nbytes(self) -> int:
+        return 0 if not self.block else self.words.numel() * 4 + self.scale.numel() * 4
+
+
+def i8i8_gemv(x: torch.Tensor, weight: I8I8Weight) -> torch.Tensor:
+    """fp32 [M, N] = q(x) [M, K] @ (W8 * scale[:, None]).T: x (fp32 [M, K], contiguous rows,
+    M <= `I8I8_MAX_M`) quantized to int8 per `weight.block` elements, multiplied in
+    integers (`qk_i8i8_gemv`)."""
+    if not i8i8_gemv_available():
+        raise KernelUnavailableError("int8 x int8 GEMV: expected a CPU with AVX512-VNNI, got none")
+    lib = _library()
+    assert lib is not None
+    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or not x.is_cpu:
+        raise ValueError(
+            f"x: expected fp32 [M, K] on the CPU with contiguous rows, got {x.dtype} "
+            f"{tuple(x.shape)} on {x.device}"
+        )
+    m, k = x.shape
+    if k != weight.in_features or not weight.block or not 1 <= m <= I8I8_MAX_M:
+        raise ValueError(
+            f"x: expected 1 to {I8I8_MAX_M} rows of {weight.in_features} (a multiple of 32), "
+            f"got {tuple(x.shape)}"
+        )
+    n = weight.out_features
+    y = torch.empty(m, n, dtype=torch.float32)
+    status = lib.qk_i8i8_gemv(
+        x.data_ptr(), m, k, x.stride(0), weight.words.data_ptr(), weight.scale.data_ptr(), n,
+        weight.block, y.data_ptr(), n, torch.get_num_threads(),
+    )  # fmt: skip
+    _status(status, "int8 x int8 GEMV")
+    return y
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> tuple[int, int, int]:

@@ -301,6 +301,21 @@ FUNCTIONS: dict[str, Fn] = {
         y_stride=c_int64,
         n_threads=c_int,
     ),
+    "qk_i8i8_gemv_available": fn(c_int),
+    "qk_i8i8_gemv": fn(
+        c_int,
+        x=c_void_p,
+        M=c_int64,
+        K=c_int64,
+        x_stride=c_int64,
+        wr=c_void_p,
+        scale=c_void_p,
+        N=c_int64,
+        block=c_int64,
+        y=c_void_p,
+        y_stride=c_int64,
+        n_threads=c_int,
+    ),
 }
 
 # --------------------------------------------------------------------------------------- libraries
@@ -341,7 +356,14 @@ LIBRARIES: dict[str, Library] = {
     ),
     "qk_bf16_gemv": Library(
         "bf16_gemv.c",
-        ("qk_bf16_gemv_available", "qk_bf16_gemv", "qk_i8_gemv_available", "qk_i8_gemv"),
+        (
+            "qk_bf16_gemv_available",
+            "qk_bf16_gemv",
+            "qk_i8_gemv_available",
+            "qk_i8_gemv",
+            "qk_i8i8_gemv_available",
+            "qk_i8i8_gemv",
+        ),  # fmt: skip
     ),
 }
 

@@ -188,3 +188,142 @@ int qk_i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const int
     return 0;
 #endif
 }
+
+/* ---- int8 x int8: y [M, N] = q(x) [M, K] @ (W8 * scale[:, None]).T (`qk_i8i8_gemv`) ----
+
+   The int8 head on VNNI: x quantized to int8 per block (t = absmax / 127, q = round(x / t) to
+   nearest even, clamped to +-127), W8 + 128 as unsigned bytes with 16 rows interleaved, so one
+   64-byte load is 4 elements of 16 rows and one vpdpbusd per activation row multiplies them by
+   its 4 codes broadcast to all lanes. Each lane sums integers over a block; per block the fp32
+   work is t (acc - 128 sum(q)) (the + 128 undone), and the row scales multiply once at the end.
+   No horizontal sums: lane l is row l's result. A row's result does not depend on the others
+   in the call (integer sums are exact, the fp32 work is per row), so it is row-invariant. */
+
+#define I8I8_MAX_M 16
+#define I8I8_MB 8
+
+int qk_i8i8_gemv_available(void) {
+#if defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512VNNI__)
+static inline __attribute__((always_inline)) void i8i8_tile(
+    int MB, const int32_t *w, const int8_t *xq, const float *xt, int64_t W, int64_t wpb,
+    __m512 *res)
+{
+    enum { NA = 2 };
+    const int na = MB <= 4 ? 2 : 1;  /* accumulators a row (latency at small MB) */
+    for (int m = 0; m < MB; m++) res[m] = _mm512_setzero_ps();
+    for (int64_t j0 = 0, b = 0; j0 < W; j0 += wpb, b++) {
+        __m512i acc[I8I8_MB][NA];
+        for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
+        for (int64_t j = j0; j < j0 + wpb; j += 2) {  /* wpb = block / 4: 8, 16 or 32 */
+            __m512i w0 = _mm512_loadu_si512((const void *)(w + j * 16));
+            __m512i w1 = _mm512_loadu_si512((const void *)(w + (j + 1) * 16));
+            _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {
+                int32_t c0, c1;
+                memcpy(&c0, xq + (j * MB + m) * 4, 4);
+                memcpy(&c1, xq + ((j + 1) * MB + m) * 4, 4);
+                acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], w0, _mm512_set1_epi32(c0));
+                acc[m][na - 1] = _mm512_dpbusd_epi32(acc[m][na - 1], w1, _mm512_set1_epi32(c1));
+            }
+        }
+        _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {
+            __m512i a = na == 2 ? _mm512_add_epi32(acc[m][0], acc[m][1]) : acc[m][0];
+            /* t acc - 128 t sum(q): xt holds t and 128 t sum(q) per block and row */
+            res[m] = _mm512_add_ps(res[m], _mm512_fmsub_ps(
+                _mm512_cvtepi32_ps(a), _mm512_set1_ps(xt[(b * MB + m) * 2]),
+                _mm512_set1_ps(xt[(b * MB + m) * 2 + 1])));
+        }
+    }
+}
+#endif
+
+int qk_i8i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const uint8_t *wr,
+                 const float *scale, int64_t N, int64_t block, float *y, int64_t y_stride,
+                 int n_threads)
+{
+#if !defined(__AVX512VNNI__)
+    (void)x; (void)M; (void)K; (void)x_stride; (void)wr; (void)scale; (void)N; (void)block;
+    (void)y; (void)y_stride; (void)n_threads;
+    return 4;
+#else
+    if (M < 1 || M > I8I8_MAX_M || K % block || block % 32 || block > 128) return 1;
+    const int64_t nb = K / block, W = K / 4, wpb = block / 4;
+    /* codes [chunk of <= 8 rows][word j][row][4], per block and row t and 128 t sum(q) */
+    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)(M * K + 64));
+    float *xt = (float *)aligned_alloc(64, (size_t)(M * nb * 2 * 4 + 64));
+    if (!xq || !xt) {
+        free(xq);
+        free(xt);
+        return 2;
+    }
+    #pragma omp parallel num_threads(n_threads)
+    {
+        /* block-major, so each thread writes one run (rows interleave per word) */
+        #pragma omp for schedule(static)
+        for (int64_t bm = 0; bm < nb * M; bm++) {
+            const int64_t b = bm / M, m = bm % M, m0 = m - m % I8I8_MB;
+            const int64_t mb = M - m0 < I8I8_MB ? M - m0 : I8I8_MB;
+            const float *src = x + m * x_stride + b * block;
+            __m512 v[8], amax = _mm512_setzero_ps();
+            for (int i = 0; i < block / 16; i++) {
+                v[i] = _mm512_loadu_ps(src + 16 * i);
+                amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+            }
+            const float t = _mm512_reduce_max_ps(amax) / 127.0f, inv = t > 0.0f ? 1.0f / t : 0.0f;
+            __m512i sum = _mm512_setzero_si512();
+            int8_t *dst = xq + m0 * K + (m - m0) * 4;
+            for (int i = 0; i < block / 16; i++) {
+                __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)));
+                c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_set1_epi32(-127)),
+                                     _mm512_set1_epi32(127));
+                sum = _mm512_add_epi32(sum, c);
+                int32_t words[4];
+                _mm_storeu_si128((__m128i *)words, _mm512_cvtepi32_epi8(c));
+                for (int u = 0; u < 4; u++) {  /* 4 words of 4 codes */
+                    const int64_t j = b * (block / 4) + 4 * i + u;
+                    memcpy(dst + j * mb * 4, &words[u], 4);
+                }
+            }
+            float *o = xt + (m0 * nb + b * mb + (m - m0)) * 2;
+            o[0] = t;
+            o[1] = 128.0f * t * (float)_mm512_reduce_add_epi32(sum);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t tl = 0; tl < (N + 15) / 16; tl++) {
+            const int32_t *w = (const int32_t *)wr + tl * W * 16;
+            const __m512 s = _mm512_loadu_ps(scale + tl * 16);
+            for (int64_t m0 = 0; m0 < M; m0 += I8I8_MB) {
+                const int64_t mb = M - m0 < I8I8_MB ? M - m0 : I8I8_MB;
+                __m512 res[I8I8_MB];
+                const int8_t *xc = xq + m0 * K;
+                const float *tc = xt + m0 * nb * 2;
+#define TILE(MB) i8i8_tile(MB, w, xc, tc, W, wpb, res)
+                if (mb == 1) TILE(1);
+                else if (mb == 2) TILE(2);
+                else if (mb == 3) TILE(3);
+                else if (mb == 4) TILE(4);
+                else if (mb == 5) TILE(5);
+                else if (mb == 6) TILE(6);
+                else if (mb == 7) TILE(7);
+                else TILE(8);
+#undef TILE
+                for (int64_t i = 0; i < mb; i++) {
+                    float r[16];
+                    _mm512_storeu_ps(r, _mm512_mul_ps(res[i], s));
+                    const int64_t n0 = tl * 16, nl = N - n0 < 16 ? N - n0 : 16;
+                    memcpy(y + (m0 + i) * y_stride + n0, r, (size_t)nl * 4);
+                }
+            }
+        }
+    }
+    free(xq);
+    free(xt);
+    return 0;
+#endif
+}

@@ -158,4 +158,15 @@ int qk_i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const int
                const float *scale, int64_t N, int64_t w_stride, float *y, int64_t y_stride,
                int n_threads);
 
+/* 1 when this build has the int8 x int8 kernel (AVX512-VNNI), else 0. */
+int qk_i8i8_gemv_available(void);
+
+/* y [M, N] (fp32) = q(x) [M, K] @ (W8 * scale[:, None]).T with x quantized to int8 per block
+   of `block` elements (32, 64 or 128, dividing K) and W8 held as wr: uint8 W8 + 128, 16 rows
+   interleaved, [ceil(N / 16)][K / 4][16] words (word j of lane l: row 16 t + l's elements
+   4j..4j+3), scale fp32 [ceil(N / 16) * 16]. M <= 16. */
+int qk_i8i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const uint8_t *wr,
+                 const float *scale, int64_t N, int64_t block, float *y, int64_t y_stride,
+                 int n_threads);
+
 #endif /* QUANTKIT_KERNELS_H */
