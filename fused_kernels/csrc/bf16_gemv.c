@@ -304,14 +304,7 @@ int qk_i8i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
                 const int8_t *xc = xq + m0 * K;
                 const float *tc = xt + m0 * nb * 2;
 #define TILE(MB) i8i8_tile(MB, w, xc, tc, W, wpb, res)
-                if (mb == 1) TILE(1);
-                else if (mb == 2) TILE(2);
-                else if (mb == 3) TILE(3);
-                else if (mb == 4) TILE(4);
-                else if (mb == 5) TILE(5);
-                else if (mb == 6) TILE(6);
-                else if (mb == 7) TILE(7);
-                else TILE(8);
+                QK_ROWS_1_TO_8(mb, TILE);
 #undef TILE
                 for (int64_t i = 0; i < mb; i++) {
                     float r[16];

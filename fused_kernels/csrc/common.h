@@ -125,6 +125,22 @@ static inline void hsum8_add(const __m512 *v, float *r) {
     }
 }
 
+/* T(mb) for a row count mb of 1..8 (8 for anything larger), each case a literal so that an
+   always-inline tile is specialised per row count. */
+#define QK_ROWS_1_TO_8(mb, T) \
+    do {                       \
+        switch (mb) {          \
+        case 1: T(1); break;   \
+        case 2: T(2); break;   \
+        case 3: T(3); break;   \
+        case 4: T(4); break;   \
+        case 5: T(5); break;   \
+        case 6: T(6); break;   \
+        case 7: T(7); break;   \
+        default: T(8); break;  \
+        }                      \
+    } while (0)
+
 /* The lanes of a 16-lane load or store that hold elements, with `left` elements to go. */
 static inline __mmask16 tail_mask(int64_t left) {
     if (left <= 0) return 0;

@@ -723,14 +723,7 @@ static void gemv_rows_i8(const qk_w4_layer *L, float *xp, int64_t M, void *out, 
             __m512 res[MAX_MB];
 #define TILE_I8(MB) gemv_tile_i8(MB, w, xq + m0 * K, ta + m0 * nb, xs + m0 * nb, sr, s_dt, \
                                  s_bytes, zr, W, cpb, bpg, res)
-            if (mb == 1) TILE_I8(1);
-            else if (mb == 2) TILE_I8(2);
-            else if (mb == 3) TILE_I8(3);
-            else if (mb == 4) TILE_I8(4);
-            else if (mb == 5) TILE_I8(5);
-            else if (mb == 6) TILE_I8(6);
-            else if (mb == 7) TILE_I8(7);
-            else TILE_I8(MAX_MB);
+            QK_ROWS_1_TO_8(mb, TILE_I8);  /* MAX_MB is 8 with AVX-512 */
 #undef TILE_I8
             float r[MAX_MB][16];
             for (int64_t i = 0; i < mb; i++) _mm512_storeu_ps(r[i], res[i]);
