@@ -13,6 +13,7 @@ import torch
 
 from quantkit.errors import KernelUnavailableError
 from quantkit.fused_kernels import cpu_abi
+from quantkit.fused_kernels.cpu_launch import int8_block, interleave16
 
 __all__ = [
     "I8I8Weight",
@@ -63,15 +64,12 @@ class I8I8Weight:
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
         n, k = weight.shape
         self.out_features, self.in_features = n, k
-        self.block = next((a for a in (128, 64, 32) if k % a == 0), 0)
+        self.block = int8_block(k, k)
         if not self.block:
             return
+        u8 = (weight.to(torch.int16) + 128).to(torch.uint8).contiguous()
+        self.words = interleave16(u8.view(torch.int32))  # rows past N: computed, never stored
         pad = -n % 16
-        u8 = (weight.to(torch.int16) + 128).to(torch.uint8)
-        if pad:
-            u8 = torch.cat([u8, u8.new_full((pad, k), 128)])
-        words = u8.contiguous().view(torch.int32)  # [N16, K / 4]
-        self.words = words.view(-1, 16, k // 4).transpose(1, 2).contiguous()
         self.scale = torch.cat([scale.float(), scale.new_zeros(pad, dtype=torch.float32)])
 
     def nbytes(self) -> int:

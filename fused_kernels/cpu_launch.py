@@ -1,9 +1,12 @@
-"""What the CPU launchers (`w4a16_cpu`, `fp8_cpu`) share around their compiled C kernels.
+"""What the CPU launchers (`w4a16_cpu`, `fp8_cpu`, `bf16_gemv_cpu`) share around their compiled
+C kernels.
 
 - `library_loader(name)`: the loader of one library of `cpu_abi` (built on first use, loaded
   once per variant), and `loads(library)`: whether it builds and loads here.
 - `check_status`: the kernels' return values (`csrc/quantkit_kernels.h`) as exceptions.
 - `rows_stride`: a tensor with unit stride along its last dim (the kernels index rows by stride).
+- `int8_block`, `interleave16`: the int8 tiles' activation block and weight layout (16 rows
+  interleaved), for the INT4 GEMV and the int8 head alike.
 - `BoundGemvLayer`: the call of one linear bound to its C GEMV once (`CpuInt4Layer`,
   `CpuFp8Layer`): per call only x and the output are passed; what the GEMV does not take goes
   to the layer's launcher, unbound.
@@ -21,6 +24,22 @@ import torch
 from quantkit.errors import KernelUnavailableError
 from quantkit.fused_kernels import cpu_abi
 from quantkit.fused_kernels.cpu_build import DTYPE_CODES
+
+
+def int8_block(group: int, in_features: int) -> int:
+    """The int8 tiles' activation block (csrc/w4a16.c `i8_block`): the largest of 128, 64 and
+    32 elements dividing the group (a row's K with one group per row) and K; 0 when none does
+    (the tile does not apply)."""
+    return next((a for a in (128, 64, 32) if group % a == 0 and in_features % a == 0), 0)
+
+
+def interleave16(t: torch.Tensor, *, fill: int = 0) -> torch.Tensor:
+    """[N, C] -> [ceil(N / 16), C, 16] contiguous: element (j, l) of tile i is t[16 i + l, j];
+    rows past N hold `fill`."""
+    pad = -t.shape[0] % 16
+    if pad:
+        t = torch.cat([t, t.new_full((pad, t.shape[1]), fill)])
+    return t.view(-1, 16, t.shape[1]).transpose(1, 2).contiguous()
 
 
 def library_loader(name: str) -> Callable[..., ctypes.CDLL]:

@@ -170,22 +170,6 @@ ACT_CODES = {torch.float32: DTYPE_CODES[torch.float32], torch.bfloat16: DTYPE_CO
              torch.int8: 3}  # fmt: skip
 
 
-def _i8_block(n_groups: int, group_size: int, in_features: int) -> int:
-    """The int8 tile's activation block (csrc/w4a16.c `i8_block`): the largest of 128, 64 and
-    32 elements dividing the group size (K with one group per row) and K; 0 when none does."""
-    group = in_features if n_groups == 1 else group_size
-    return next((a for a in (128, 64, 32) if group % a == 0 and in_features % a == 0), 0)
-
-
-def _interleave16(t: torch.Tensor) -> torch.Tensor:
-    """[N, C] -> [ceil(N / 16), C, 16] contiguous: element (j, l) of tile i is t[16 i + l, j];
-    rows past N are zeros."""
-    pad = -t.shape[0] % 16
-    if pad:
-        t = torch.cat([t, t.new_zeros(pad, t.shape[1])])
-    return t.view(-1, 16, t.shape[1]).transpose(1, 2).contiguous()
-
-
 class CpuInt4Layer(cpu_launch.BoundGemvLayer):
     """One INT4 linear bound to the C GEMV once; a call passes only x and the output.
 
@@ -250,12 +234,15 @@ class CpuInt4Layer(cpu_launch.BoundGemvLayer):
         n_groups = self._scale.shape[1]
         if not (
             _library(self.variant).qk_has_int8_dot()
-            and _i8_block(n_groups, self.group_size, self.in_features)
+            and cpu_launch.int8_block(
+                self.in_features if n_groups == 1 else self.group_size, self.in_features
+            )
             and self._wp.shape[1] == self.in_features // 8
         ):
             return False
-        wr, sr = _interleave16(self._wp), _interleave16(self._scale[:, :n_groups])
-        zr = None if self._zq is None else _interleave16(self._zq)
+        wr = cpu_launch.interleave16(self._wp)
+        sr = cpu_launch.interleave16(self._scale[:, :n_groups])
+        zr = None if self._zq is None else cpu_launch.interleave16(self._zq)
         self._rows16 = (wr, sr) if zr is None else (wr, sr, zr)
         self._layer.wr, self._layer.sr = wr.data_ptr(), sr.data_ptr()
         self._layer.zr = None if zr is None else zr.data_ptr()

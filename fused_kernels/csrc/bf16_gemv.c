@@ -33,16 +33,7 @@
                 int64_t nb = n + 1 < n1 ? n + 1 : n; /* an odd last row pairs with itself */ \
                 float ya[8], yb[8];                                                        \
                 const WT *wa = w + n * w_stride, *wb = w + nb * w_stride;                  \
-                switch (mb) {                                                              \
-                    case 1: PAIR(1); break;                                                \
-                    case 2: PAIR(2); break;                                                \
-                    case 3: PAIR(3); break;                                                \
-                    case 4: PAIR(4); break;                                                \
-                    case 5: PAIR(5); break;                                                \
-                    case 6: PAIR(6); break;                                                \
-                    case 7: PAIR(7); break;                                                \
-                    default: PAIR(8); break;                                               \
-                }                                                                          \
+                QK_ROWS_1_TO_8(mb, PAIR);                                                  \
                 for (int m = 0; m < mb; m++) {                                             \
                     y[(m0 + m) * y_stride + n] = ya[m] * (sa);                             \
                     y[(m0 + m) * y_stride + nb] = yb[m] * (sb);                            \
@@ -225,11 +216,9 @@ static inline __attribute__((always_inline)) void i8i8_tile(
             __m512i w0 = _mm512_loadu_si512((const void *)(w + j * 16));
             __m512i w1 = _mm512_loadu_si512((const void *)(w + (j + 1) * 16));
             _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {
-                int32_t c0, c1;
-                memcpy(&c0, xq + (j * MB + m) * 4, 4);
-                memcpy(&c1, xq + ((j + 1) * MB + m) * 4, 4);
-                acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], w0, _mm512_set1_epi32(c0));
-                acc[m][na - 1] = _mm512_dpbusd_epi32(acc[m][na - 1], w1, _mm512_set1_epi32(c1));
+                acc[m][0] = _mm512_dpbusd_epi32(acc[m][0], w0, bcast_i32(xq + (j * MB + m) * 4));
+                acc[m][na - 1] = _mm512_dpbusd_epi32(acc[m][na - 1], w1,
+                                                     bcast_i32(xq + ((j + 1) * MB + m) * 4));
             }
         }
         _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {
@@ -269,22 +258,13 @@ int qk_i8i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
         for (int64_t bm = 0; bm < nb * M; bm++) {
             const int64_t b = bm / M, m = bm % M, m0 = m - m % I8I8_MB;
             const int64_t mb = M - m0 < I8I8_MB ? M - m0 : I8I8_MB;
-            const float *src = x + m * x_stride + b * block;
-            __m512 v[8], amax = _mm512_setzero_ps();
-            for (int i = 0; i < block / 16; i++) {
-                v[i] = _mm512_loadu_ps(src + 16 * i);
-                amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
-            }
-            const float t = _mm512_reduce_max_ps(amax) / 127.0f, inv = t > 0.0f ? 1.0f / t : 0.0f;
-            __m512i sum = _mm512_setzero_si512();
+            __m512i q[8];
+            int32_t sum;
+            const float t = quantize_block_i8(x + m * x_stride + b * block, (int)block, q, &sum);
             int8_t *dst = xq + m0 * K + (m - m0) * 4;
             for (int i = 0; i < block / 16; i++) {
-                __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)));
-                c = _mm512_min_epi32(_mm512_max_epi32(c, _mm512_set1_epi32(-127)),
-                                     _mm512_set1_epi32(127));
-                sum = _mm512_add_epi32(sum, c);
                 int32_t words[4];
-                _mm_storeu_si128((__m128i *)words, _mm512_cvtepi32_epi8(c));
+                _mm_storeu_si128((__m128i *)words, _mm512_cvtepi32_epi8(q[i]));
                 for (int u = 0; u < 4; u++) {  /* 4 words of 4 codes */
                     const int64_t j = b * (block / 4) + 4 * i + u;
                     memcpy(dst + j * mb * 4, &words[u], 4);
@@ -292,7 +272,7 @@ int qk_i8i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
             }
             float *o = xt + (m0 * nb + b * mb + (m - m0)) * 2;
             o[0] = t;
-            o[1] = 128.0f * t * (float)_mm512_reduce_add_epi32(sum);
+            o[1] = 128.0f * t * (float)sum;
         }
         #pragma omp for schedule(static)
         for (int64_t tl = 0; tl < (N + 15) / 16; tl++) {

@@ -92,6 +92,22 @@ static inline uint8_t float_to_fp8(float f) {
     return (uint8_t)(sign | ((r >> 20) - (120u << 3)));
 }
 
+/* T(mb) for a row count mb of 1..8 (8 for anything larger), each case a literal so that an
+   always-inline tile is specialised per row count. */
+#define QK_ROWS_1_TO_8(mb, T) \
+    do {                       \
+        switch (mb) {          \
+        case 1: T(1); break;   \
+        case 2: T(2); break;   \
+        case 3: T(3); break;   \
+        case 4: T(4); break;   \
+        case 5: T(5); break;   \
+        case 6: T(6); break;   \
+        case 7: T(7); break;   \
+        default: T(8); break;  \
+        }                      \
+    } while (0)
+
 /* VEC fp32 lanes per vector (8 in the plain-C build, whose loops are scalar). */
 #if defined(__AVX512F__)
 #define VEC 16
@@ -125,21 +141,33 @@ static inline void hsum8_add(const __m512 *v, float *r) {
     }
 }
 
-/* T(mb) for a row count mb of 1..8 (8 for anything larger), each case a literal so that an
-   always-inline tile is specialised per row count. */
-#define QK_ROWS_1_TO_8(mb, T) \
-    do {                       \
-        switch (mb) {          \
-        case 1: T(1); break;   \
-        case 2: T(2); break;   \
-        case 3: T(3); break;   \
-        case 4: T(4); break;   \
-        case 5: T(5); break;   \
-        case 6: T(6); break;   \
-        case 7: T(7); break;   \
-        default: T(8); break;  \
-        }                      \
-    } while (0)
+/* A block of A (16, 32, ..., 128) fp32 values as the int8 GEMVs quantize them: t = absmax / 127,
+   q = round(x * (1 / t)) to nearest even (vcvtps2dq), clamped to +-127 (t = 0: all codes 0).
+   q[i] holds elements 16i..16i+15 as int32, *sum the sum of all codes; returns t. */
+static inline float quantize_block_i8(const float *x, int A, __m512i *q, int32_t *sum) {
+    __m512 v[8], amax = _mm512_setzero_ps();
+    for (int i = 0; i < A / 16; i++) {
+        v[i] = _mm512_loadu_ps(x + 16 * i);
+        amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
+    }
+    const float t = _mm512_reduce_max_ps(amax) / 127.0f, inv = t > 0.0f ? 1.0f / t : 0.0f;
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    __m512i s = _mm512_setzero_si512();
+    for (int i = 0; i < A / 16; i++) {
+        q[i] = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)));
+        q[i] = _mm512_min_epi32(_mm512_max_epi32(q[i], lo), hi);
+        s = _mm512_add_epi32(s, q[i]);
+    }
+    *sum = _mm512_reduce_add_epi32(s);
+    return t;
+}
+
+/* 4 int8 codes (one int32) broadcast to the 16 lanes, for vpdpbusd. */
+static inline __m512i bcast_i32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
 
 /* The lanes of a 16-lane load or store that hold elements, with `left` elements to go. */
 static inline __mmask16 tail_mask(int64_t left) {

@@ -438,12 +438,6 @@ static inline __m512 load16_f(const void *p, int dt) {
     return _mm512_loadu_ps(p);
 }
 
-static inline __m512i bcast_i32(const int8_t *p) {
-    int32_t v;
-    memcpy(&v, p, 4);
-    return _mm512_set1_epi32(v);
-}
-
 /* The int8 tile (VNNI): res[m] lane l = sum over k of x[m, k] w[16 t + l, k] for the 16 weight
    rows of tile t (`qk_w4_layer.wr`: lane l of word j holds row 16 t + l's elements 8j..8j+7)
    and MB (1..8) activation rows quantized per block of A elements (`quantize_x_i8`).
@@ -608,28 +602,20 @@ static void quantize_x_i8(const void *x, int x_dt, const qk_w4_layer *L, int64_t
         const int64_t at = m0 * nb + b * mb + (m - m0);
 #if defined(__AVX512F__)
         if (x_dt == DT_F32) {  /* the decode step's case: A / 16 vectors, no scalar pass */
-            const float *src = (const float *)x + m * x_stride + b * A;
-            __m512 v[8], amax = _mm512_setzero_ps();
-            for (int i = 0; i < A / 16; i++) {
-                v[i] = _mm512_loadu_ps(src + 16 * i);
-                amax = _mm512_max_ps(amax, _mm512_abs_ps(v[i]));
-            }
-            const float t = _mm512_reduce_max_ps(amax) / 127.0f, inv = t > 0.0f ? 1.0f / t : 0.0f;
-            const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+            __m512i q[8];
+            int32_t sum;
+            const float t = quantize_block_i8((const float *)x + m * x_stride + b * A, (int)A, q,
+                                              &sum);
             /* two words' codes, each as its 4 even then its 4 odd elements */
             const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11,
                                                     13, 15);
-            __m512i sum = _mm512_setzero_si512();
             for (int i = 0; i < A / 16; i++) {
-                __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(v[i], _mm512_set1_ps(inv)));
-                c = _mm512_min_epi32(_mm512_max_epi32(c, lo), hi);
-                sum = _mm512_add_epi32(sum, c);
-                __m128i bytes = _mm512_cvtepi32_epi8(_mm512_permutexvar_epi32(order, c));
+                __m128i bytes = _mm512_cvtepi32_epi8(_mm512_permutexvar_epi32(order, q[i]));
                 _mm_storel_epi64((__m128i *)(dst + (2 * i) * mb * 8), bytes);
                 _mm_storeh_pd((double *)(dst + (2 * i + 1) * mb * 8), _mm_castsi128_pd(bytes));
             }
             ta[at] = t;
-            xs[at] = t * (float)_mm512_reduce_add_epi32(sum);
+            xs[at] = t * (float)sum;
             continue;
         }
 #endif
