@@ -213,6 +213,8 @@ static inline __attribute__((always_inline)) void i8i8_tile(
         __m512i acc[I8I8_MB][NA];
         for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = _mm512_setzero_si512();
         for (int64_t j = j0; j < j0 + wpb; j += 2) {  /* wpb = block / 4: 8, 16 or 32 */
+            prefetch_words(w, j);
+            prefetch_words(w, j + 1);
             __m512i w0 = _mm512_loadu_si512((const void *)(w + j * 16));
             __m512i w1 = _mm512_loadu_si512((const void *)(w + (j + 1) * 16));
             _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {

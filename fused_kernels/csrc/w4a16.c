@@ -475,6 +475,8 @@ static inline __attribute__((always_inline)) void gemv_tile_i8(
         }                                                                                     \
     } while (0)
         for (int64_t j = j0; j < j0 + cpb; j += 2) {  /* cpb = A / 8: 4, 8 or 16 */
+            prefetch_words(w, j);
+            prefetch_words(w, j + 1);
             GEMV_WORD_I8(j, 0);
             GEMV_WORD_I8(j + 1, 1);
         }
