@@ -288,12 +288,11 @@ int qk_i8i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
 #define TILE(MB) i8i8_tile(MB, w, xc, tc, W, wpb, res)
                 QK_ROWS_1_TO_8(mb, TILE);
 #undef TILE
-                for (int64_t i = 0; i < mb; i++) {
-                    float r[16];
-                    _mm512_storeu_ps(r, _mm512_mul_ps(res[i], s));
-                    const int64_t n0 = tl * 16, nl = N - n0 < 16 ? N - n0 : 16;
-                    memcpy(y + (m0 + i) * y_stride + n0, r, (size_t)nl * 4);
-                }
+                /* a row's 16 results straight into y, one masked store (as the INT4 tile) */
+                const int64_t n0 = tl * 16;
+                for (int64_t i = 0; i < mb; i++)
+                    _mm512_mask_storeu_ps(y + (m0 + i) * y_stride + n0, tail_mask(N - n0),
+                                          _mm512_mul_ps(res[i], s));
             }
         }
     }
