@@ -1,7 +1,7 @@
 """`quantkit bench [CKPT]`: throughput against latency on this machine. A synthetic workload is
 replayed through the continuous-batching engine at several batch caps and arrival rates, static
 batching beside it, and long prompts with and without chunked prefill (see
-`quantkit.evals.bench_serving`); a table, `--json FILE` and `--plot DIR` report it."""
+`quantkit.evals.speed.serving`); a table, `--json FILE` and `--plot DIR` report it."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ from typing import Any
 import click
 import torch
 
+from quantkit.batching.metrics import SLO, parse_duration
+from quantkit.batching.types import check_prefix_cache_mb
+from quantkit.batching.workload import LengthDist, parse_rate
 from quantkit.cli.generate_cmd import (
     _act_dtype,
     _device,
@@ -22,21 +25,18 @@ from quantkit.cli.generate_cmd import (
     kv_dtype_option,
 )
 from quantkit.errors import GenerationError
-from quantkit.evals.bench_serving import (
+from quantkit.evals.common import write_json_atomic
+from quantkit.evals.speed.serving import (
     BenchConfig,
     Setting,
     format_summary,
     format_table,
     run_bench,
-    write_json_atomic,
 )
 from quantkit.format.dtypes import DTYPES, name_of
 from quantkit.runtime.loader import LoadedModel
 from quantkit.runtime.options import ACT_DTYPE_NAMES, RuntimeOptions
 from quantkit.runtime.speculate import parse_speculate
-from quantkit.serving.metrics import SLO, parse_duration
-from quantkit.serving.types import check_prefix_cache_mb
-from quantkit.serving.workload import LengthDist, parse_rate
 
 
 def _caps(text: str) -> tuple[int, ...]:
@@ -312,7 +312,7 @@ def bench_cmd(
         )
         return
     if plot_dir is not None:
-        from quantkit.evals.plots import require_matplotlib
+        from quantkit.evals.speed.plots import require_matplotlib
 
         require_matplotlib()  # fail now, not after minutes of benchmarking
         if Path(plot_dir).exists() and not Path(plot_dir).is_dir():
@@ -337,7 +337,7 @@ def bench_cmd(
         write_json_atomic(Path(json_file), report)
         click.echo(f"wrote {json_file}")
     if plot_dir is not None:
-        from quantkit.evals.plots import write_plots
+        from quantkit.evals.speed.plots import write_plots
 
         for path in write_plots(report, Path(plot_dir)):
             click.echo(f"wrote {path}")
@@ -414,9 +414,9 @@ def _bench_server(
     """`bench --server URL`: the base workload at each rate, over HTTP, in the same table. The
     tokenizer and config come from CKPT (the model the server runs) so that the prompts are the
     very token ids the in-process bench feeds the engine."""
-    from quantkit.server.loadgen import probe, replay, warm_up
-    from quantkit.serving.metrics import summarize
-    from quantkit.serving.workload import make_workload
+    from quantkit.batching.metrics import summarize
+    from quantkit.batching.workload import make_workload
+    from quantkit.http_api.loadgen import probe, replay, warm_up
     from quantkit.sources.resolve import read_config, resolve_model
     from quantkit.sources.tokenizer import load_tokenizer
 

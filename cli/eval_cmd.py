@@ -8,9 +8,9 @@ import click
 import torch
 
 from quantkit.errors import EvalError
-from quantkit.evals.compare import compare_models, format_table, write_json
-from quantkit.evals.harness import check_limit
-from quantkit.evals.task_data import LOCAL_TASKS
+from quantkit.evals.accuracy.compare import compare_models, format_table, write_json
+from quantkit.evals.accuracy.harness import check_limit
+from quantkit.evals.accuracy.task_data import LOCAL_TASKS
 from quantkit.paths import quantkit_home
 
 

@@ -1,6 +1,6 @@
 """`quantkit generate [MODEL_OR_CKPT] --prompt TEXT`: stream a completion, then say how close the
 decode came to the machine's bandwidth ceiling. `--schema FILE.json | --regex PATTERN | --choice A
---choice B ...` constrain the output (see `quantkit.grammar.cli_support`)."""
+--choice B ...` constrain the output (see `quantkit.cli.grammar_run`)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from typing import Any
 import click
 import torch
 
+from quantkit.cli.grammar_run import GrammarRun, write_atomic
 from quantkit.errors import GenerationError, HardwareError
 from quantkit.format.dtypes import DTYPES, name_of
-from quantkit.grammar.cli_support import GrammarRun, write_atomic
 from quantkit.grammar.compiler import DEFAULT_ENGINE, DEFAULT_TIMEOUT_S, ENGINES
 from quantkit.models.kv_cache import KV_DTYPE_NAMES, kv_format
 from quantkit.perf.hardware import local_hardware

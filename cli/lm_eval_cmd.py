@@ -1,15 +1,16 @@
 """`quantkit lm-eval ARGS...`: lm-eval's own command line with quantkit's model and tasks.
 
 lm-eval discovers no plugins from its command line, so this command registers the "quantkit"
-model, puts the offline tasks (quantkit_arc_easy, ... see `quantkit.evals.task_data`) on the task
-path, and hands every argument to lm-eval unchanged; `--model` defaults to quantkit.
+model, puts the offline tasks (quantkit_arc_easy, ... see
+`quantkit.evals.accuracy.task_data`) on the task path, and hands every argument to lm-eval
+unchanged; `--model` defaults to quantkit.
 """
 
 from __future__ import annotations
 
 import click
 
-from quantkit.evals.harness import run_lm_eval_cli
+from quantkit.evals.accuracy.harness import run_lm_eval_cli
 
 
 @click.command(

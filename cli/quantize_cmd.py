@@ -10,7 +10,7 @@ import click
 from tqdm.auto import tqdm
 
 from quantkit.errors import SchemeError
-from quantkit.evals.perplexity import perplexity
+from quantkit.evals.accuracy.perplexity import perplexity
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import CausalLM
 from quantkit.quantize.algorithms import (
@@ -73,7 +73,7 @@ def _group_size(value: str) -> int | str:
 )
 @click.option("--calib", type=click.Path(path_type=Path), help=".txt or .jsonl ('text').")
 # 64 x 512, not AWQ's 128 x 512: on SmolLM2-135M, 64 samples closed 56-57% of the RTN gap on
-# every seed measured while 128 gave 13-55% (evals/awq_quality.py), and it halves the time.
+# every seed measured while 128 gave 13-55% (evals/studies/awq_quality.py), and it halves the time.
 # GPTQ takes 128 (quantize.GPTQ_CALIB_SAMPLES): its Hessians kept gaining.
 @click.option(
     "--calib-samples",

@@ -1,6 +1,6 @@
 """`quantkit serve [MODEL_OR_CKPT]`: an OpenAI-compatible HTTP server (/v1/completions,
 /v1/chat/completions, /v1/models, /health, /metrics) on the continuous-batching engine, with
-`response_format` JSON schemas through the grammar layer (see `quantkit.server`)."""
+`response_format` JSON schemas through the grammar layer (see `quantkit.http_api`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import TypeVar
 
 import click
 
+from quantkit.batching.types import check_prefix_cache_mb
 from quantkit.cli.generate_cmd import (
     _device,
     _device_name,
@@ -25,7 +26,6 @@ from quantkit.runtime.fast_path import pytorch_path_reason
 from quantkit.runtime.generate import eos_token_ids
 from quantkit.runtime.options import ACT_DTYPE_NAMES, RuntimeOptions
 from quantkit.runtime.speculate import parse_speculate
-from quantkit.serving.types import check_prefix_cache_mb
 
 # KV positions per slot when --context is not given: the model's window, at most this (the
 # cache holds batch_cap x context positions of every layer; 2048 keeps the embedded model's
@@ -173,8 +173,8 @@ def serve_cmd(
 ) -> None:
     """Serve MODEL_OR_CKPT (default: the embedded model as INT4) over OpenAI's API."""
     _require_extra()
-    from quantkit.server.app import ServerSettings, create_app
-    from quantkit.server.run import bind, serve
+    from quantkit.http_api.app import ServerSettings, create_app
+    from quantkit.http_api.run import bind, serve
 
     _at_least(batch_cap, "--batch-cap", 1)
     _at_least(chunk, "--chunk", 0)

@@ -1,11 +1,15 @@
-"""Accuracy checks: perplexity, quantized-vs-reference comparison, the lm-eval adapter and its
-offline tasks, end-to-end benchmarks.
+"""Every measurement, by what it measures: `accuracy/` (perplexity, compare, the lm-eval adapter
+and its offline tasks), `speed/` (decode, serving, the per-phase breakdown), `kernels/`,
+`grammar/`, `peers/` (llama.cpp side by side) and `studies/` (one-off experiments behind a
+decision); `common` holds what they share (commit id, atomic JSON reports). The engine packages
+hold no benchmark. A module that commands import is library and has no `__main__`; a benchmark
+or study runs with `python -m`.
 
 Importing this package registers `QuantkitLM` with lm-eval under the name "quantkit" (when
 lm-eval is installed), so `lm_eval.simple_evaluate(model="quantkit", ...)` finds it. The
 registration is a lazy "module:Class" placeholder: neither lm-eval's evaluator nor the adapter
 module is imported until lm-eval asks for the model, and without lm-eval nothing happens, so
-`quantkit.evals.perplexity` keeps working on a core install.
+`quantkit.evals.accuracy.perplexity` keeps working on a core install.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ def _register_with_lm_eval() -> None:
     except ImportError:  # lm-eval is the optional [eval] extra
         return
     if "quantkit" not in model_registry:
-        model_registry.register("quantkit", target="quantkit.evals.lm_eval_model:QuantkitLM")
+        model_registry.register(
+            "quantkit", target="quantkit.evals.accuracy.lm_eval_model:QuantkitLM"
+        )
 
 
 _register_with_lm_eval()

@@ -23,8 +23,7 @@ import torch
 
 from quantkit.errors import SchemeError
 from quantkit.format.scheme import QuantScheme
-from quantkit.fused_kernels.fp8_checks import check_fp8_weights
-from quantkit.fused_kernels.w4a16_checks import check_int4_weights, resolve_group_size
+from quantkit.fused_kernels.checks import check_fp8_weights, check_int4_weights, resolve_group_size
 
 __all__ = ["PackedFp8", "PackedInt4", "PackedWeights", "packed_weights"]
 

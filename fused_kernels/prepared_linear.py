@@ -28,9 +28,9 @@ import torch
 
 from quantkit.errors import SchemeError
 from quantkit.format.scheme import QuantScheme
+from quantkit.fused_kernels.checks import check_int4_operands, check_prepared_input
 from quantkit.fused_kernels.kernel_registry import choose_kernel
 from quantkit.fused_kernels.packed_weights import PackedFp8, PackedInt4, PackedWeights
-from quantkit.fused_kernels.w4a16_checks import check_int4_operands, check_prepared_input
 
 __all__ = [
     "PreparedLinear",

@@ -8,7 +8,7 @@ Engines (`ENGINES`; `compile_grammar(engine=...)`, the CLI's --grammar-engine):
   narrowed: each narrowing is a note, shown as a warning);
 - "auto", the default. The rule, from JSONSchemaBench (225 schemas, 15 categories x 15, the
   embedded model's tokenizer, 10 s limit, 2 shared vCPUs; `python -m
-  quantkit.grammar.bench_jsonschema --no-generate --no-cache --compile-timeout 10`):
+  quantkit.evals.grammar.jsonschema --no-generate --no-cache --compile-timeout 10`):
   llguidance compiled 78% of the schemas against outlines-core's 73%, in 1.5/7.8 ms p50/p90
   against 407/2882 ms, accepted 98% of the valid test instances against 83% (outlines-core's
   rejections are its own narrowing), both rejected every invalid one, mask fill 50 us mean
@@ -60,10 +60,10 @@ from quantkit.grammar.cache_file import (
     write_entry,
 )
 from quantkit.grammar.constraints import Grammar
-from quantkit.grammar.llg_engine import compile_llguidance, llg_tokenizer
-from quantkit.grammar.lowering import lower_schema
+from quantkit.grammar.llguidance.engine import compile_llguidance, llg_tokenizer
 from quantkit.grammar.narrowing import property_order_note
-from quantkit.grammar.outlines_row import OutlinesRow
+from quantkit.grammar.outlines.lowering import lower_schema
+from quantkit.grammar.outlines.row import OutlinesRow
 from quantkit.grammar.vocabulary import TokenVocabulary, import_outlines_core
 from quantkit.grammar.worker_client import run_worker
 from quantkit.paths import quantkit_home

@@ -17,8 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import GrammarError
-from quantkit.grammar.json_schema import WHITESPACE, check_schema, schema_to_regex
-from quantkit.grammar.regex_parts import escape_literal
+from quantkit.grammar.outlines.schema_regex.json_schema import (
+    WHITESPACE,
+    check_schema,
+    schema_to_regex,
+)
+from quantkit.grammar.outlines.schema_regex.regex_parts import escape_literal
 
 __all__ = [
     "Grammar",

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from quantkit.grammar.acceptance import accepts_tokens
 from quantkit.grammar.compiler import CompiledGrammar, compile_grammar
 from quantkit.grammar.constraints import schema_grammar, validate_json
-from quantkit.grammar.llg_engine import _greedy_encoder
+from quantkit.grammar.llguidance.engine import _greedy_encoder
 from quantkit.grammar.vocabulary import TokenVocabulary
 
 EOS = (0,)

@@ -33,7 +33,7 @@ from quantkit.format.packing import (
     quantize_fp8_per_token,
 )
 from quantkit.format.scheme import QuantScheme
-from quantkit.fused_kernels.fp8_reference import fp8_linear_reference
+from quantkit.fused_kernels.reference.fp8 import fp8_linear_reference
 from quantkit.runtime.quant_linear import QuantLinear
 
 N, K = 20, 64

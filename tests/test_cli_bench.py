@@ -135,7 +135,7 @@ def test_bad_input_is_one_line_and_a_non_zero_exit(
 
 def test_plot_labels_of_coinciding_caps_are_merged() -> None:
     """At an arrival-bound rate every cap lands on one point: one label names them all."""
-    from quantkit.evals.plots import _merge_close
+    from quantkit.evals.speed.plots import _merge_close
 
     points = [(3.8, 207.1, 1), (4.0, 233.8, 4), (4.05, 234.2, 8), (6.4, 835.8, 16)]
     assert _merge_close(points, 0.5, 6.0) == [

@@ -286,7 +286,7 @@ def test_checkpoint_without_tokenizer(capsys, tiny_model_dir, rtn_ckpt, tmp_path
 
 
 def test_eval_cache_reuses_answers(capsys, tiny_model_dir: Path, tmp_path, monkeypatch, no_wiki):
-    from quantkit.evals.lm_eval_model import QuantkitLM
+    from quantkit.evals.accuracy.lm_eval_model import QuantkitLM
 
     same = shutil.copytree(tiny_model_dir, tmp_path / "same")
     args = ["eval", str(same), "--reference", str(tiny_model_dir), "--tasks", "arc_easy"]

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from quantkit.format.scheme import QuantScheme
-from quantkit.fused_kernels.decode_cpu import CpuDecodeStep, DecoderDims
-from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
+from quantkit.fused_kernels.cpu.decode import CpuDecodeStep, DecoderDims
+from quantkit.fused_kernels.cpu.w4a16 import cpu_kernel_available
 from quantkit.models.decoder import CausalLM, build_model
 from quantkit.quantize.pipeline import quantize_model
 from quantkit.runtime.fusion import fuse_projections
@@ -265,7 +265,7 @@ def test_act_dtype_is_checked_and_rebinds(llama_ckpt: Path, tiny_llama_dir: Path
 def test_act_precision_scores_windows_through_the_step(llama_ckpt: Path) -> None:
     """The perplexity benchmark's logits: one window as a causal prefill through the C step,
     equal to the PyTorch layers' logits (fp32 activations); a second window reuses the model."""
-    from quantkit.evals.act_precision import format_rows, step_logits
+    from quantkit.evals.studies.act_precision import format_rows, step_logits
 
     model = load_model(llama_ckpt, tokenizer=False).model
     ids = torch.tensor([PROMPTS[0] + PROMPTS[1] + PROMPTS[0]])
@@ -320,8 +320,8 @@ def test_row_invariant_rows_equal_one_row_calls_bit_for_bit(llama_ckpt: Path, ac
 
 
 def test_phase_timers_count_timed_steps_and_change_nothing(llama_ckpt: Path) -> None:
-    from quantkit.evals.decode_phases import measure, weight_bytes_by_phase
-    from quantkit.fused_kernels.decode_cpu import PHASES, decode_phases
+    from quantkit.evals.speed.decode_phases import measure, weight_bytes_by_phase
+    from quantkit.fused_kernels.cpu.decode import PHASES, decode_phases
 
     model = load_model(llama_ckpt, tokenizer=False).model
     plain = _greedy(model, PROMPTS[0]).tokens

@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantkit.batching.engine import EngineConfig, VirtualClock, run_engine
+from quantkit.batching.workload import Request
 from quantkit.errors import GenerationError
 from quantkit.format.scheme import QuantScheme
-from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
+from quantkit.fused_kernels.cpu.w4a16 import cpu_kernel_available
 from quantkit.models.decoder import CausalLM
 from quantkit.quantize.pipeline import quantize_model
 from quantkit.runtime.generate import generate
@@ -19,8 +21,6 @@ from quantkit.runtime.loader import load_model
 from quantkit.runtime.options import RuntimeOptions
 from quantkit.runtime.sampling import SamplingParams
 from quantkit.runtime.speculate import SpecConfig
-from quantkit.serving.engine import EngineConfig, VirtualClock, run_engine
-from quantkit.serving.workload import Request
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),

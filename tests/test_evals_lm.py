@@ -17,7 +17,7 @@ pytest.importorskip("lm_eval")
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from quantkit.errors import EvalError  # noqa: E402
-from quantkit.evals.perplexity import perplexity  # noqa: E402
+from quantkit.evals.accuracy.perplexity import perplexity  # noqa: E402
 
 ZEN = [
     "Beautiful is better than ugly.",
@@ -68,7 +68,7 @@ def hflm(tiny_model_dir: Path):
 
 
 def _qlm(path: Path, **kwargs):
-    from quantkit.evals.lm_eval_model import QuantkitLM
+    from quantkit.evals.accuracy.lm_eval_model import QuantkitLM
 
     return QuantkitLM(pretrained=str(path), progress=False, **kwargs)
 
@@ -141,7 +141,7 @@ def test_add_bos_token(tiny_model_dir: Path) -> None:
 
 
 def test_plan_batches_respects_both_budgets() -> None:
-    from quantkit.evals.continuations import plan_batches
+    from quantkit.evals.accuracy.continuations import plan_batches
 
     g = torch.Generator().manual_seed(0)
     groups = [
@@ -166,7 +166,7 @@ def test_registered_with_lm_eval_and_keeps_builtin_models() -> None:
     from lm_eval.api.registry import get_model
 
     import quantkit.evals  # noqa: F401
-    from quantkit.evals.lm_eval_model import QuantkitLM
+    from quantkit.evals.accuracy.lm_eval_model import QuantkitLM
 
     assert get_model("quantkit") is QuantkitLM
     assert get_model("hf").__name__ == "HFLM"

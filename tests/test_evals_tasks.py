@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from quantkit.errors import EvalError
-from quantkit.evals.task_data import (
+from quantkit.evals.accuracy.task_data import (
     DATA_ENV,
     LOCAL_TASKS,
     TASKS_DIR,
@@ -119,7 +119,7 @@ def data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def test_local_task_manager_renders_prompts(data: Path) -> None:
-    from quantkit.evals.harness import local_task_manager
+    from quantkit.evals.accuracy.harness import local_task_manager
 
     manager = local_task_manager(["quantkit_piqa"])
     assert set(LOCAL_TASKS.values()) <= set(manager.all_tasks)
@@ -131,7 +131,7 @@ def test_local_task_manager_renders_prompts(data: Path) -> None:
 
 
 def test_unknown_local_task_fails_fast(data: Path) -> None:
-    from quantkit.evals.harness import local_task_manager
+    from quantkit.evals.accuracy.harness import local_task_manager
 
     with pytest.raises(EvalError, match="unknown task 'quantkit_nope': expected one of"):
         local_task_manager(["quantkit_nope"])
@@ -143,7 +143,7 @@ def test_real_benchmark_files_render(monkeypatch: pytest.MonkeyPatch) -> None:
     """The shipped YAMLs on real items: the subset in tests/data, found through $QUANTKIT_DATA."""
     pytest.importorskip("lm_eval")
     monkeypatch.setenv(DATA_ENV, str(FIXTURE_DATA))
-    from quantkit.evals.harness import local_task_manager
+    from quantkit.evals.accuracy.harness import local_task_manager
 
     names = [n for n in LOCAL_TASKS.values() if n != "quantkit_wikipedia"]
     tasks = local_task_manager(names).load(names)["tasks"]

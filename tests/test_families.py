@@ -200,7 +200,7 @@ def test_pipeline_quantizes_it_looking_the_family_up_once(toy, monkeypatch) -> N
 
 
 def test_c_decode_step_runs_it(toy, tmp_path: Path, monkeypatch) -> None:
-    from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
+    from quantkit.fused_kernels.cpu.w4a16 import cpu_kernel_available
     from quantkit.runtime.generate import generate
     from quantkit.runtime.loader import load_model
     from quantkit.runtime.sampling import SamplingParams

@@ -42,7 +42,7 @@ def test_roofline_counts_the_real_parameters(family_dir) -> None:
 
 
 def test_decode_step_is_the_c_one_or_says_why_not(family_dir, tmp_path: Path, monkeypatch) -> None:
-    from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
+    from quantkit.fused_kernels.cpu.w4a16 import cpu_kernel_available
 
     name, path = family_dir
     if name in C_STEP and C_STEP[name]:

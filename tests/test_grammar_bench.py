@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from quantkit.errors import EvalError
-from quantkit.grammar.acceptance import accepts_text
-from quantkit.grammar.bench_data import (
+from quantkit.evals.grammar.data import (
     BENCH_ENV,
     DATA_ENV,
     category_of,
@@ -19,7 +18,8 @@ from quantkit.grammar.bench_data import (
     default_bench_dir,
     sample_schemas,
 )
-from quantkit.grammar.bench_report import print_report, recompile_summary, totals
+from quantkit.evals.grammar.report import print_report, recompile_summary, totals
+from quantkit.grammar.acceptance import accepts_text
 from quantkit.grammar.constraints import json_schema_grammar
 
 # A JSONSchemaBench subset in the benchmark's layout: 3 schemas per category, 1 of Github_ultra
@@ -52,7 +52,7 @@ def test_bench_dir_comes_from_the_variables_or_the_error_names_them(
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("no JSONSchemaBench data: pass --data DIR")
     assert BENCH_ENV in msg and DATA_ENV in msg
-    from quantkit.grammar.bench_jsonschema import main
+    from quantkit.evals.grammar.jsonschema import main
 
     assert main(["--no-generate"]) == 2
     assert capsys.readouterr().err == f"error: {msg}\n"
@@ -157,7 +157,7 @@ def test_small_subset_is_sound_on_its_test_instances(bench_dir: Path) -> None:
 def test_generation_on_the_embedded_model(monkeypatch: pytest.MonkeyPatch, bench_dir: Path) -> None:
     """Two small schemas, 32 new tokens, the real model from the shared cache (converting it
     again into a temporary home would take longer than the test); no index is cached."""
-    from quantkit.grammar.bench_jsonschema import SchemaResult, run_bench
+    from quantkit.evals.grammar.jsonschema import SchemaResult, run_bench
 
     if _REAL_HOME is None:
         monkeypatch.delenv("QUANTKIT_HOME", raising=False)
@@ -178,7 +178,7 @@ def test_generation_on_the_embedded_model(monkeypatch: pytest.MonkeyPatch, bench
 
 
 def test_table_shares_round_down_so_a_target_is_never_shown_met() -> None:
-    from quantkit.grammar.bench_report import _cell
+    from quantkit.evals.grammar.report import _cell
 
     assert _cell(5804, 5951) == "5804/5951  97.5%"
     assert _cell(4999, 5000).endswith(" 99.9%") and _cell(49, 50).endswith(" 98.0%")

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from quantkit.grammar.distinct_items import DistinctItems, all_arrays_unique, canonical
+from quantkit.grammar.llguidance.distinct_items import DistinctItems, all_arrays_unique, canonical
 from quantkit.grammar.vocabulary import TokenVocabulary
 from tests.hand_vocab import accepts, agrees, vocab_of
 from tests.hand_vocab import llguidance as llg

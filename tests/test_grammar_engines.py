@@ -207,7 +207,7 @@ def test_fast_forward_is_token_identical(tiny_model_dir: Path, one_thread: None)
     ids=["types", "number-integer", "discriminator", "closed", "open", "ref"],
 )  # fmt: skip
 def test_one_of_exclusive(branches, exclusive) -> None:
-    from quantkit.grammar.llg_schema import one_of_exclusive
+    from quantkit.grammar.llguidance.schema import one_of_exclusive
 
     schema = {"$defs": {"s": {"type": "string"}}, "oneOf": branches}
     assert one_of_exclusive(schema) is exclusive
@@ -225,7 +225,7 @@ def test_exclusive_one_of_compiles_with_llguidance_and_stays_sound(vocab) -> Non
 
 
 def test_exact_rewrites_and_noted_dependencies(vocab) -> None:
-    from quantkit.grammar.llg_schema import (
+    from quantkit.grammar.llguidance.schema import (
         ref_siblings_dropped,
         simplify_not,
         without_dependencies,

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from quantkit.grammar import schema_order
 from quantkit.grammar.constraints import validate_json
-from quantkit.grammar.schema_order import any_order
+from quantkit.grammar.llguidance import order as schema_order
+from quantkit.grammar.llguidance.order import any_order
 from quantkit.grammar.vocabulary import TokenVocabulary
 from tests.hand_vocab import accepts, vocab_of
 from tests.hand_vocab import llguidance as llg
@@ -62,7 +62,7 @@ def test_every_key_order_is_accepted_and_nothing_invalid(vocab) -> None:
 
 def test_a_duplicate_key_is_rejected(vocab) -> None:
     from quantkit.grammar.acceptance import accepts_tokens
-    from quantkit.grammar.llg_engine import _greedy_encoder
+    from quantkit.grammar.llguidance.engine import _greedy_encoder
 
     compiled = llg(CALL, vocab)
     text = b'{"size":1,"shape":"circle","size":2}'
@@ -181,7 +181,7 @@ def test_definitions_and_annotations_stay_on_the_node() -> None:
 def test_too_large_for_llguidance_compiles_as_written(
     vocab, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from quantkit.grammar import llg_engine
+    from quantkit.grammar.llguidance import engine as llg_engine
 
     def too_many_copies(schema: Any, **_: Any) -> tuple[Any, schema_order.Orders]:
         """As if the copies had grown past llguidance's size limit ("schema too large")."""
@@ -198,7 +198,7 @@ def test_too_large_for_llguidance_compiles_as_written(
 
 
 def _walk(compiled: Any, text: bytes) -> Any:
-    from quantkit.grammar.llg_engine import _greedy_encoder
+    from quantkit.grammar.llguidance.engine import _greedy_encoder
 
     row = compiled.new_row()
     assert all(row.advance(t) for t in _greedy_encoder(compiled.vocabulary)(text)), text
@@ -241,13 +241,13 @@ def test_a_key_made_a_pattern_is_not_repeated(closed: bool) -> None:
 
 def accepts_text_tokens(compiled: Any, text: bytes) -> bool:
     from quantkit.grammar.acceptance import accepts_tokens
-    from quantkit.grammar.llg_engine import _greedy_encoder
+    from quantkit.grammar.llguidance.engine import _greedy_encoder
 
     return accepts_tokens(compiled, _greedy_encoder(compiled.vocabulary)(text))
 
 
 def test_keys_repeat_only_within_one_object() -> None:
-    from quantkit.grammar.distinct_items import DistinctItems
+    from quantkit.grammar.llguidance.distinct_items import DistinctItems
 
     ok = b'{"a":{"a":1,"b":"a"},"b":[{"a":1},{"a":1}],"c":{"\\"a":1,"a":2}}'
     assert DistinctItems(items=False, keys=True).feed(ok)

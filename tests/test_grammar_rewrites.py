@@ -13,13 +13,13 @@ from quantkit.errors import GrammarError
 from quantkit.grammar import compiler
 from quantkit.grammar.compiler import compile_grammar
 from quantkit.grammar.constraints import schema_grammar
-from quantkit.grammar.llg_schema import (
+from quantkit.grammar.llguidance.negation import negation
+from quantkit.grammar.llguidance.schema import (
     llguidance_schema,
     simplify_not,
     unique_items_listed,
     without_negation,
 )
-from quantkit.grammar.schema_negation import negation
 from quantkit.grammar.vocabulary import TokenVocabulary
 from tests.hand_vocab import accepts, agrees, vocab_of
 

@@ -15,19 +15,19 @@ from pathlib import Path
 import pytest
 
 from quantkit.errors import EvalError, GrammarError
+from quantkit.evals.grammar.data import DATA_ENV
+from quantkit.evals.grammar.testsuite import SUITE_ENV, default_suite_dir, main, run_suite
 from quantkit.grammar.acceptance import accepts_text
-from quantkit.grammar.bench_data import DATA_ENV
-from quantkit.grammar.bench_testsuite import SUITE_ENV, default_suite_dir, main, run_suite
 from quantkit.grammar.constraints import choice_grammar, json_schema_grammar, validate_json
-from quantkit.grammar.json_schema import schema_to_regex
-from quantkit.grammar.regex_parts import (
+from quantkit.grammar.outlines.schema_regex.json_schema import schema_to_regex
+from quantkit.grammar.outlines.schema_regex.regex_parts import (
     FORMATS,
     integer_regex,
     json_literal_regex,
     number_regex,
     string_length_regex,
 )
-from quantkit.grammar.regex_pattern import pattern_string_regex
+from quantkit.grammar.outlines.schema_regex.regex_pattern import pattern_string_regex
 
 
 def full(regex: str, text: str) -> bool:

@@ -54,10 +54,11 @@ import atexit, json, os, resource, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C at the terminal is for the cases
 import quantkit.cli.commands  # noqa: F401 - what every command imports, once for all cases
 from quantkit.cli.main import main
-from quantkit.evals.harness import offline_env
+from quantkit.evals.accuracy.harness import offline_env
 
 offline_env()  # eval and lm-eval import lm-eval and datasets lazily: 2 s, paid here instead
-import lm_eval._cli, lm_eval.evaluator, quantkit.evals.compare, quantkit.evals.lm_eval_model
+import lm_eval._cli, lm_eval.evaluator
+import quantkit.evals.accuracy.compare, quantkit.evals.accuracy.lm_eval_model
 # transformers loads these lazily, on the first tokenizer or config, and torch its dynamo, on
 # the first model built on the meta device: 2.5 + 2.5 s more, once.
 from transformers import AutoConfig, AutoTokenizer, LlamaConfig, PreTrainedTokenizerFast
@@ -1162,7 +1163,7 @@ def test_an_unexpected_error_is_one_line_and_a_log(ckpt: Path, tmp_path: Path, c
 
 
 def test_a_damaged_kernel_library_is_rebuilt_with_one_warning(tmp_path: Path) -> None:
-    from quantkit.fused_kernels import cpu_build
+    from quantkit.fused_kernels.cpu import build as cpu_build
 
     source = "int answer(void) { return 42; }\n"
     lib = cpu_build.build_library("hostile", source)
@@ -1267,8 +1268,8 @@ def test_atomic_files_are_whole_or_absent_with_ordinary_permissions(tmp_path: Pa
     cache) goes through `paths.atomic_file`: the result has what open() would give (mkstemp's
     0600 before), and a failure leaves the old file and no temporary one."""
     from quantkit import paths
-    from quantkit.evals.bench_serving import write_json_atomic
-    from quantkit.grammar.cli_support import write_atomic
+    from quantkit.cli.grammar_run import write_atomic
+    from quantkit.evals.common import write_json_atomic
 
     umask = os.umask(0)
     os.umask(umask)

@@ -15,15 +15,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import quantkit.fused_kernels.fp8_cpu as fc
-import quantkit.fused_kernels.w4a16_cpu as wc
+import quantkit.fused_kernels.cpu.fp8 as fc
+import quantkit.fused_kernels.cpu.w4a16 as wc
 from quantkit.errors import KernelUnavailableError, SchemeError
 from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels import kernel_registry
 from quantkit.fused_kernels.kernel_registry import BACKENDS, KERNELS, Kernel, choose_kernel
 from quantkit.fused_kernels.packed_weights import PackedFp8, PackedInt4, packed_weights
 from quantkit.fused_kernels.prepared_linear import PreparedLinear, prepare_int4, prepare_linear
-from quantkit.fused_kernels.w4a16_reference import w4a16_linear_reference
+from quantkit.fused_kernels.reference.w4a16 import w4a16_linear_reference
 from quantkit.runtime.quant_linear import QuantLinear
 
 INT4 = QuantScheme("int4", group_size=64)

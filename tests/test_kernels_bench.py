@@ -6,8 +6,8 @@ import csv
 
 import pytest
 
-import quantkit.fused_kernels.w4a16_cpu as cpu
-from quantkit.fused_kernels import bench
+import quantkit.fused_kernels.cpu.w4a16 as cpu
+from quantkit.evals.kernels import bench_w4a16 as bench
 
 
 @pytest.fixture(autouse=True)

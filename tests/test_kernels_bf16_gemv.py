@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantkit.fused_kernels.bf16_gemv_cpu import bf16_gemv, bf16_gemv_available
+from quantkit.fused_kernels.cpu.bf16_gemv import bf16_gemv, bf16_gemv_available
 from quantkit.runtime.head import HEAD_GEMV_MAX_M, CastHead
 
 pytestmark = pytest.mark.skipif(

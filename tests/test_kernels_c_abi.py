@@ -1,4 +1,4 @@
-"""The ctypes declarations of the CPU kernels (`quantkit.fused_kernels.cpu_abi`) against the C
+"""The ctypes declarations of the CPU kernels (`quantkit.fused_kernels.cpu.abi`) against the C
 header that declares them (`fused_kernels/csrc/quantkit_kernels.h`).
 
 ctypes trusts whatever argtypes it is given: an int64_t declared c_int, or two int64_t parameters
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.fused_kernels import cpu_abi
-from quantkit.fused_kernels.cpu_build import _VARIANTS, _build, kernel_sources
+from quantkit.fused_kernels.cpu import abi as cpu_abi
+from quantkit.fused_kernels.cpu.build import _VARIANTS, _build, kernel_sources
 
 HEADER = "quantkit_kernels.h"
 
@@ -40,7 +40,7 @@ _SCALARS: dict[str, type | None] = {
 
 
 def header_text() -> str:
-    root = importlib.resources.files("quantkit.fused_kernels").joinpath("csrc")
+    root = importlib.resources.files("quantkit.fused_kernels.cpu").joinpath("csrc")
     return root.joinpath(HEADER).read_text(encoding="utf-8")
 
 

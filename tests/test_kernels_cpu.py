@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import quantkit.fused_kernels.w4a16_cpu as cpu
+import quantkit.fused_kernels.cpu.w4a16 as cpu
 from quantkit.errors import KernelUnavailableError
 from quantkit.format.packing import (
     dequantize_packed_int4,
@@ -20,9 +20,9 @@ from quantkit.format.packing import (
     pack_int4,
     pack_zero_points,
 )
-from quantkit.fused_kernels.cpu_build import build_library, supported_variants
+from quantkit.fused_kernels.cpu.build import build_library, supported_variants
 from quantkit.fused_kernels.packed_weights import PackedInt4
-from quantkit.fused_kernels.w4a16_reference import w4a16_linear_reference
+from quantkit.fused_kernels.reference.w4a16 import w4a16_linear_reference
 
 VARIANTS = supported_variants()
 
@@ -254,7 +254,7 @@ def test_cpu_bf16_activations_sum_bf16_operands_in_fp32(case: tuple) -> None:
     """bf16_activations=True: x and the dequantized weights each rounded to bf16 (the operands
     vdpbf16ps takes), their exact products summed in fp32: equal to an fp64 sum of the same
     products within the fp32-summation tolerance, and measurably unlike the fp32 GEMV."""
-    from quantkit.fused_kernels.decode_cpu import bf16_activations_available
+    from quantkit.fused_kernels.cpu.decode import bf16_activations_available
 
     if not bf16_activations_available():
         pytest.skip("bf16 activations need a CPU with AVX512-BF16")
@@ -312,7 +312,7 @@ def test_cpu_int8_activations_multiply_the_quantized_rows(case: tuple) -> None:
     """int8_activations=True: each row quantized per block (`_int8_rows`) times the
     dequantized weights, equal to an fp64 product of the same operands within the
     fp32-summation tolerance, and measurably unlike the fp32 GEMV."""
-    from quantkit.fused_kernels.decode_cpu import int8_activations_available
+    from quantkit.fused_kernels.cpu.decode import int8_activations_available
 
     if not int8_activations_available():
         pytest.skip("int8 activations need a CPU with AVX512-VNNI")
@@ -333,7 +333,7 @@ def test_cpu_int8_tile_rows_do_not_depend_on_the_others() -> None:
     """The 16-row int8 tile sums integers per block, so a row's result is the same bits in a
     call of 1, 3, 6 or 8 rows (the chunks take 1, 2 and 4 accumulators a row), and the
     interleaved copy is the packed words transposed per 16 rows (70 rows: a padded tile)."""
-    from quantkit.fused_kernels.decode_cpu import int8_activations_available
+    from quantkit.fused_kernels.cpu.decode import int8_activations_available
 
     if not int8_activations_available():
         pytest.skip("int8 activations need a CPU with AVX512-VNNI")
@@ -364,7 +364,7 @@ def test_cpu_layer_byte_zero_points_match_the_packed_ones_bit_for_bit(case: tupl
     binding); the unbound call reads the packed words. Same constants, so the same bits, with
     fp32 and with int8 activations; and the bytes are the stored nibbles."""
     from quantkit.format.packing import unpack_zero_points
-    from quantkit.fused_kernels.decode_cpu import int8_activations_available
+    from quantkit.fused_kernels.cpu.decode import int8_activations_available
 
     m, n, k, group = case
     wp, scale, zp, g = make_layer(n, k, group, symmetric=False, seed=m)

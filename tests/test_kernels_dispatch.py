@@ -11,14 +11,14 @@ import warnings
 import pytest
 import torch
 
-import quantkit.fused_kernels.w4a16_cpu as cpu
+import quantkit.fused_kernels.cpu.w4a16 as cpu
 from quantkit.errors import KernelUnavailableError, SchemeError
 from quantkit.format.packing import int4_qparams, int4_quantize, pack_int4, pack_zero_points
 from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.kernel_registry import choose_kernel, resolve_backend
 from quantkit.fused_kernels.packed_weights import PackedInt4
 from quantkit.fused_kernels.prepared_linear import PreparedLinear, int4_linear, prepare_int4
-from quantkit.fused_kernels.w4a16_reference import w4a16_linear_reference
+from quantkit.fused_kernels.reference.w4a16 import w4a16_linear_reference
 
 SCHEME = QuantScheme("int4", group_size=64)
 

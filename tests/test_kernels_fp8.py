@@ -17,14 +17,14 @@ import warnings
 import pytest
 import torch
 
-import quantkit.fused_kernels.fp8_cpu as fc
+import quantkit.fused_kernels.cpu.fp8 as fc
 from quantkit.errors import KernelUnavailableError, SchemeError
 from quantkit.format.packing import dequantize_fp8, quantize_fp8, quantize_fp8_per_token
 from quantkit.format.scheme import QuantScheme
-from quantkit.fused_kernels.cpu_build import supported_variants
-from quantkit.fused_kernels.fp8_reference import fp8_linear_reference
+from quantkit.fused_kernels.cpu.build import supported_variants
 from quantkit.fused_kernels.kernel_registry import Kernel, resolve_backend
 from quantkit.fused_kernels.prepared_linear import fp8_linear, prepare_fp8
+from quantkit.fused_kernels.reference.fp8 import fp8_linear_reference
 
 VARIANTS = supported_variants()
 W8A16 = QuantScheme("fp8")
@@ -327,7 +327,7 @@ def test_quant_linear_runs_the_cpu_kernel_once_prepared() -> None:
 
 
 def test_bench_fp8_rows(capsys) -> None:
-    from quantkit.fused_kernels import bench
+    from quantkit.evals.kernels import bench_w4a16 as bench
 
     args = ["--device", "cpu", "--shapes", "64x256,72x128", "--m", "1,40", "--budget", "0"]
     rows = bench.main([*args, "--impls", "fp8,fp8-w8a8,dense-bf16", "--sweep-mb", "0.05"])

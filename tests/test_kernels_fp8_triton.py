@@ -28,7 +28,7 @@ import torch
 
 from quantkit.errors import KernelUnavailableError
 from quantkit.format.packing import dequantize_fp8, quantize_fp8, quantize_fp8_per_token
-from quantkit.fused_kernels.fp8_reference import fp8_linear_reference
+from quantkit.fused_kernels.reference.fp8 import fp8_linear_reference
 from tests.test_kernels_fp8 import fixed_token
 from tests.test_kernels_triton import pairwise_cases
 
@@ -37,7 +37,7 @@ if importlib.util.find_spec("triton") is None:
         "triton is not installed (pip install 'quantkit[kernels]')", allow_module_level=True
     )
 
-MODULE = "quantkit.fused_kernels.fp8_triton"
+MODULE = "quantkit.fused_kernels.triton.fp8"
 AXES: dict[str, tuple] = {
     "m": (1, 3, 16, 33),
     "n": (64, 200, 576),
@@ -194,7 +194,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    import quantkit.fused_kernels.fp8_triton as T
+    import quantkit.fused_kernels.triton.fp8 as T
     import triton.language as tl
 
     def compile(kernel, pointers, constants, arch=90, **options):
@@ -243,8 +243,8 @@ def test_fp8_kernels_compile_for_hopper(tmp_path) -> None:
 _GPU_SCRIPT = textwrap.dedent(
     """
     import torch
-    from quantkit.fused_kernels.fp8_triton import fp8_dot_supported, fp8_linear_triton
-    from quantkit.fused_kernels.fp8_triton import quantize_per_token_triton
+    from quantkit.fused_kernels.triton.fp8 import fp8_dot_supported, fp8_linear_triton
+    from quantkit.fused_kernels.triton.fp8 import quantize_per_token_triton
     from quantkit.format.packing import quantize_fp8, quantize_fp8_per_token
 
     acts = [False] + ([True] if fp8_dot_supported(torch.device("cuda")) else [])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantkit.fused_kernels.bf16_gemv_cpu import (
+from quantkit.fused_kernels.cpu.bf16_gemv import (
     I8I8Weight,
     i8_gemv,
     i8_gemv_available,

@@ -43,7 +43,7 @@ from quantkit.format.packing import (
     unpack_zero_points,
 )
 from quantkit.fused_kernels.packed_weights import PackedInt4
-from quantkit.fused_kernels.w4a16_reference import w4a16_linear_reference
+from quantkit.fused_kernels.reference.w4a16 import w4a16_linear_reference
 
 # find_spec, not import: importing triton here would decorate its library before a later
 # module of the session could set TRITON_INTERPRET.
@@ -52,7 +52,7 @@ if importlib.util.find_spec("triton") is None:
         "triton is not installed (pip install 'quantkit[kernels]')", allow_module_level=True
     )
 
-MODULE = "quantkit.fused_kernels.w4a16_triton"
+MODULE = "quantkit.fused_kernels.triton.w4a16"
 AXES: dict[str, tuple] = {
     "m": (1, 3, 16, 33),
     "n": (64, 200, 576),
@@ -124,7 +124,7 @@ def test_interpreter_suite() -> None:
 
 @pytest.fixture(scope="module")
 def tk():
-    """quantkit.fused_kernels.w4a16_triton, imported in interpreter mode."""
+    """quantkit.fused_kernels.triton.w4a16, imported in interpreter mode."""
     module = importlib.import_module(MODULE)
     assert module.is_interpreted()
     return module
@@ -272,7 +272,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    import quantkit.fused_kernels.w4a16_triton as T
+    import quantkit.fused_kernels.triton.w4a16 as T
 
     def compile(kernel, pointers, constants, **options):
         sig = {n: "constexpr" if n in constants else pointers.get(n, "i32")
@@ -314,7 +314,7 @@ _GPU_SCRIPT = textwrap.dedent(
     import torch
     from quantkit.format.packing import dequantize_packed_int4
     from quantkit.fused_kernels.packed_weights import PackedInt4
-    from quantkit.fused_kernels.w4a16_triton import is_interpreted, w4a16_linear_triton
+    from quantkit.fused_kernels.triton.w4a16 import is_interpreted, w4a16_linear_triton
     from quantkit.format.packing import int4_qparams, int4_quantize, pack_int4, pack_zero_points
 
     assert not is_interpreted()

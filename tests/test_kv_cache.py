@@ -10,7 +10,7 @@ import torch
 
 from quantkit.errors import GenerationError
 from quantkit.format.scheme import QuantScheme
-from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
+from quantkit.fused_kernels.cpu.w4a16 import cpu_kernel_available
 from quantkit.models.kv_cache import KV_DTYPE_NAMES, KVCache, kv_format
 from quantkit.quantize.pipeline import quantize_model
 from quantkit.runtime.generate import generate
@@ -184,8 +184,8 @@ def test_serving_engine_with_an_int8_cache_gives_each_request_its_tokens(
     """The engine's slot store in int8 (codes and scales in one row), chunked prefill, and the
     prefix cache copying those rows: each request gets the greedy tokens `generate` gives it
     alone with the same cache format."""
-    from quantkit.serving.engine import EngineConfig, VirtualClock, run_engine
-    from quantkit.serving.workload import Request
+    from quantkit.batching.engine import EngineConfig, VirtualClock, run_engine
+    from quantkit.batching.workload import Request
 
     model = load_model(int4_ckpt, tokenizer=False).model
     model.kv_dtype = "int8"

@@ -42,20 +42,22 @@ RULES: dict[str, frozenset[str]] = {
     "runtime": frozenset({*_CORE, "fused_kernels"}),
     "quantize": frozenset({*_CORE, "fused_kernels", "runtime"}),
     "perf": frozenset({*_CORE, "fused_kernels", "runtime"}),
-    "serving": frozenset({*_CORE, "fused_kernels", "runtime", "perf"}),
-    # The core never imports grammar (generate takes any LogitsProcessor); evals and grammar
-    # stand side by side and do not import each other.
-    "grammar": frozenset({*_CORE, "fused_kernels", "runtime", "quantize", "perf", "serving"}),
-    "evals": frozenset({*_CORE, "fused_kernels", "runtime", "quantize", "perf", "serving"}),
+    "batching": frozenset({*_CORE, "fused_kernels", "runtime", "perf"}),
+    # The core never imports grammar (generate takes any LogitsProcessor); evals measures
+    # everything below the HTTP layer, grammar included (evals/grammar/ benchmarks it).
+    "grammar": frozenset({*_CORE, "fused_kernels", "runtime", "quantize", "perf", "batching"}),
+    "evals": frozenset(
+        {*_CORE, "fused_kernels", "runtime", "quantize", "perf", "batching", "grammar"}
+    ),
     # The HTTP server: the serving engine plus grammar for `response_format`.
-    "server": frozenset(
-        {*_CORE, "fused_kernels", "runtime", "quantize", "perf", "serving", "grammar"}
+    "http_api": frozenset(
+        {*_CORE, "fused_kernels", "runtime", "quantize", "perf", "batching", "grammar"}
     ),
     "cli": frozenset(
         {
             *_CORE,
-            *("fused_kernels", "runtime", "quantize", "perf", "serving", "grammar", "evals"),
-            "server",
+            *("fused_kernels", "runtime", "quantize", "perf", "batching", "grammar", "evals"),
+            "http_api",
         }
     ),
 }
@@ -130,19 +132,172 @@ def test_no_forbidden_imports(module: str, path: Path) -> None:
     [
         # a lower package reaching up: format must not know the runtime
         ("quantkit.format.checkpoint", "from quantkit.runtime.quant_linear import Q", 1),
-        ("quantkit.models.decoder", "import quantkit.serving.engine", 1),
+        ("quantkit.models.decoder", "import quantkit.batching.engine", 1),
         ("quantkit.fused_kernels.dispatch", "from quantkit.runtime import fast_path", 1),
         ("quantkit.runtime.loader", "from quantkit.quantize.awq import awq_quantize", 1),
-        ("quantkit.perf.roofline", "from quantkit.serving.types import DecodeStep", 1),
-        ("quantkit.grammar.compiler", "from quantkit.evals.harness import x", 1),
-        ("quantkit.evals.harness", "from quantkit import grammar", 1),
+        ("quantkit.perf.roofline", "from quantkit.batching.types import DecodeStep", 1),
+        ("quantkit.grammar.compiler", "from quantkit.evals.accuracy.harness import x", 1),
+        ("quantkit.evals.accuracy.harness", "from quantkit.http_api import app", 1),
         ("quantkit.runtime.generate", "from quantkit.nowhere import x", 1),
         # allowed: downward, sideways into itself, the version
         ("quantkit.runtime.loader", "from quantkit.format.checkpoint import load_checkpoint", 0),
-        ("quantkit.serving.metrics", "from quantkit.perf.roofline import DecodeRoofline", 0),
+        ("quantkit.batching.metrics", "from quantkit.perf.roofline import DecodeRoofline", 0),
         ("quantkit.cli.main", "from quantkit import __version__", 0),
         ("quantkit.quantize.awq", "from quantkit.quantize.rtn import rtn_quantize_weight", 0),
     ],
 )
 def test_the_rules_catch_a_bad_import(module: str, source: str, expected: int) -> None:
     assert len(violations(module, source)) == expected
+
+
+# --- inside a package: no cycles between modules, and one rule per sub-package ---------------
+
+
+def _graph() -> dict[str, set[str]]:
+    """module -> the project modules it imports, every import counted: at module top, inside a
+    function, under `if TYPE_CHECKING:`. "from quantkit.a import b" is an edge to quantkit.a.b
+    when that is a module, and to quantkit.a (its __init__) either way."""
+    known = dict(_modules())
+    graph: dict[str, set[str]] = {}
+    for module, path in known.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                edges.add(node.module)
+                edges |= {f"{node.module}.{a.name}" for a in node.names}
+        graph[module] = {e for e in edges if e in known and e != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles_between_modules() -> None:
+    # A package's __init__ that re-exports its modules would close a cycle with each of them;
+    # the project's __init__ files import nothing of it, so every edge counts.
+    assert cycles(_graph()) == []
+
+
+def test_the_cycle_check_sees_a_type_checking_import() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from quantkit.x import y\n"
+    assert imports_of(source) == [(3, "quantkit.x")]
+
+
+# Sub-packages: module prefix -> the modules (or sub-packages, by prefix) of its own package that
+# it may import besides itself. Backends sit under the shared types; engines under the front.
+_FK = "quantkit.fused_kernels"
+_GR = "quantkit.grammar"
+SUBRULES: dict[str, tuple[str, ...]] = {
+    # fused_kernels: a backend imports the shared value types and checks, never another
+    # backend or the registry that chooses between them (it looks backends up lazily).
+    f"{_FK}.reference": (f"{_FK}.packed_weights", f"{_FK}.checks"),
+    f"{_FK}.triton": (f"{_FK}.packed_weights", f"{_FK}.checks"),
+    f"{_FK}.cpu": (f"{_FK}.packed_weights", f"{_FK}.checks"),
+    # grammar: an engine imports the front's value modules, never the compiler or processor
+    # that pick engines, and never the other engine.
+    f"{_GR}.llguidance": (f"{_GR}.constraints", f"{_GR}.vocabulary", f"{_GR}.narrowing"),
+    f"{_GR}.outlines": (f"{_GR}.constraints", f"{_GR}.vocabulary"),
+    # the schema-to-regex lowering is a pure function of the schema: it needs the vocabulary's
+    # whitespace rule and nothing else of grammar.
+    f"{_GR}.outlines.schema_regex": (f"{_GR}.vocabulary",),
+    # evals: each area stands alone on the shared helpers; the speed benchmarks may reuse the
+    # kernel benchmark's timers and the accuracy library (perplexity), nothing else of evals.
+    "quantkit.evals.accuracy": ("quantkit.evals.common",),
+    "quantkit.evals.speed": ("quantkit.evals.common", "quantkit.evals.kernels"),
+    "quantkit.evals.kernels": ("quantkit.evals.common",),
+    "quantkit.evals.grammar": ("quantkit.evals.common",),
+    "quantkit.evals.peers": ("quantkit.evals.common",),
+    "quantkit.evals.studies": ("quantkit.evals.common", "quantkit.evals.accuracy"),
+}
+
+
+def _subrule_of(module: str) -> tuple[str, tuple[str, ...]] | None:
+    """The most specific SUBRULES entry that `module` is in, if any."""
+    best = None
+    for prefix, allowed in SUBRULES.items():
+        if (module == prefix or module.startswith(prefix + ".")) and (
+            best is None or len(prefix) > len(best[0])
+        ):
+            best = (prefix, allowed)
+    return best
+
+
+def _within(module: str, prefixes: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+
+def sub_violations(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, targets in sorted(graph.items()):
+        rule = _subrule_of(module)
+        if rule is None:
+            continue
+        prefix, allowed = rule
+        package = ".".join(prefix.split(".")[:2])  # the top-level package: quantkit.grammar
+        for target in sorted(targets):
+            if not target.startswith(package + ".") or _within(target, (prefix,)):
+                continue  # another package (the layer rule's business) or itself
+            if _within(target, allowed) or target in _parents(prefix):
+                continue
+            bad.append(f"{module} imports {target}: {prefix} may import only {allowed}")
+    return bad
+
+
+def _parents(prefix: str) -> set[str]:
+    """The package __init__ modules above `prefix` (importing a sub-module runs them)."""
+    parts = prefix.split(".")
+    return {".".join(parts[:i]) for i in range(2, len(parts))}
+
+
+def test_every_sub_package_has_a_rule() -> None:
+    packages = {m for m, path in _modules() if path.name == "__init__.py" and m.count(".") >= 2}
+    assert packages <= set(SUBRULES), sorted(packages - set(SUBRULES))
+
+
+def test_sub_packages_keep_their_rules() -> None:
+    assert sub_violations(_graph()) == []
+
+
+def test_the_sub_rules_catch_a_bad_import() -> None:
+    graph = {
+        f"{_FK}.cpu.w4a16": {f"{_FK}.triton.launch", f"{_FK}.checks", "quantkit.errors"},
+        f"{_GR}.llguidance.engine": {f"{_GR}.compiler", f"{_GR}.constraints"},
+        f"{_GR}.outlines.schema_regex.objects": {f"{_GR}.outlines.lowering"},
+    }
+    assert len(sub_violations(graph)) == 3

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from quantkit.evals.perplexity import _windows, compare_logits, perplexity
+from quantkit.evals.accuracy.perplexity import _windows, compare_logits, perplexity
 
 
 def _bigram_lm(table: torch.Tensor):

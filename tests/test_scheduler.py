@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantkit.batching.engine import EngineConfig, RunResult, VirtualClock, run_engine
+from quantkit.batching.workload import Request
 from quantkit.errors import GenerationError
 from quantkit.runtime.generate import generate
 from quantkit.runtime.loader import LoadedModel, load_model
 from quantkit.runtime.sampling import SamplingParams
-from quantkit.serving.engine import EngineConfig, RunResult, VirtualClock, run_engine
-from quantkit.serving.workload import Request
 
 # (prompt tokens, max new tokens, arrival in engine steps): arrivals staggered so that requests
 # join while others decode, more requests than slots, prompts longer than the chunks below.
@@ -206,8 +206,8 @@ def test_decode_steps_take_the_models_one_call_path(
     """Also with bf16 activations in the GEMVs (`set_act_dtype`): the engine and `generate`
     alone share the mode, and every request still gets the tokens it gets alone."""
     from quantkit.format.scheme import QuantScheme
-    from quantkit.fused_kernels.decode_cpu import CpuDecodeStep
-    from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
+    from quantkit.fused_kernels.cpu.decode import CpuDecodeStep
+    from quantkit.fused_kernels.cpu.w4a16 import cpu_kernel_available
     from quantkit.quantize.pipeline import quantize_model
     from quantkit.runtime.fast_path import ACT_DTYPES, bf16_activations_available, set_act_dtype
 

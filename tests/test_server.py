@@ -434,7 +434,7 @@ def test_speculation_and_prefix_cache_keep_the_completions(
     answers without them (greedy), reuses a shared prompt prefix, and counts both in
     /metrics."""
     from quantkit.format.scheme import QuantScheme
-    from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
+    from quantkit.fused_kernels.cpu.w4a16 import cpu_kernel_available
     from quantkit.quantize.pipeline import quantize_model
 
     if not cpu_kernel_available():

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from quantkit.batching.engine import DecodeStep, EngineConfig, RequestResult, RunResult
+from quantkit.batching.metrics import SLO, StepCost, decode_points, parse_duration, summarize
 from quantkit.errors import GenerationError
 from quantkit.runtime.loader import load_model
-from quantkit.serving.engine import DecodeStep, EngineConfig, RequestResult, RunResult
-from quantkit.serving.metrics import SLO, StepCost, decode_points, parse_duration, summarize
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ import torch
 
 from quantkit.errors import GenerationError
 from quantkit.format.scheme import QuantScheme
-from quantkit.fused_kernels.w4a16_cpu import cpu_kernel_available
+from quantkit.fused_kernels.cpu.w4a16 import cpu_kernel_available
 from quantkit.quantize.pipeline import quantize_model
 from quantkit.runtime.generate import encode_prompt, eos_token_ids, generate
 from quantkit.runtime.loader import load_model
@@ -283,8 +283,8 @@ def test_embedded_model_speculation_and_prefix_cache_are_lossless(embedded_int4:
 def test_embedded_model_engine_reuse_is_batch_invariant(embedded_int4: Path) -> None:
     """The serving engine at cap 4, batch-invariant, with speculation and the prefix cache:
     every request gets exactly the tokens `generate` gives it alone on the embedded model."""
-    from quantkit.serving.engine import EngineConfig, VirtualClock, run_engine
-    from quantkit.serving.workload import Request
+    from quantkit.batching.engine import EngineConfig, VirtualClock, run_engine
+    from quantkit.batching.workload import Request
 
     loaded = load_model(embedded_int4, options=RuntimeOptions.cli())
     tok, model = loaded.tokenizer, loaded.model

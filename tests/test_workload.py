@@ -8,8 +8,8 @@ import statistics
 
 import pytest
 
+from quantkit.batching.workload import LengthDist, WorkloadSpec, make_workload, parse_rate
 from quantkit.errors import GenerationError
-from quantkit.serving.workload import LengthDist, WorkloadSpec, make_workload, parse_rate
 
 
 def _spec(**kw) -> WorkloadSpec:

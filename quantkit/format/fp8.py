@@ -8,17 +8,21 @@ which stores nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from quantkit.errors import CheckpointError, SchemeError
 from quantkit.format.dtypes import SCALE_DTYPES
 from quantkit.format.packing import dequantize_fp8, quantize_fp8
-from quantkit.format.weight_format import Codes, Tensors, WeightFormat, check_tensor, expect
-
-if TYPE_CHECKING:
-    from quantkit.format.scheme import QuantScheme
+from quantkit.format.weight_format import (
+    Codes,
+    SchemeView,
+    Tensors,
+    WeightFormat,
+    check_tensor,
+    expect,
+)
 
 # W8A8: the activation scale is computed per token at run time, so nothing is stored for it.
 DYNAMIC_TOKEN_ACTIVATIONS: dict[str, Any] = {
@@ -52,7 +56,7 @@ class Fp8Format(WeightFormat):
     # naive-quantized; the tensors are identical (same compressor class), so both read the same.
     ct_formats = ("float-quantized", "naive-quantized")
 
-    def normalized(self, scheme: QuantScheme) -> dict[str, Any]:
+    def normalized(self, scheme: SchemeView) -> dict[str, Any]:
         if scheme.group_size not in (-1, "auto"):
             raise SchemeError(
                 f"group_size: fp8 uses one scale per output channel (-1), got {scheme.group_size}"
@@ -60,13 +64,13 @@ class Fp8Format(WeightFormat):
         # Per channel and symmetric by definition: fixed, so equal schemes compare equal.
         return {"group_size": -1, "symmetric": True}
 
-    def describe(self, scheme: QuantScheme, algorithm: str | None) -> str:
+    def describe(self, scheme: SchemeView, algorithm: str | None) -> str:
         act = "W8A8 dynamic per-token" if scheme.activations == "dynamic" else "W8A16"
         return f"fp8 e4m3 per-channel ({act}{f', {algorithm}' if algorithm else ''})"
 
     # ---------------------------------------------------------------- compressed-tensors
 
-    def config_entries(self, scheme: QuantScheme) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def config_entries(self, scheme: SchemeView) -> tuple[dict[str, Any], dict[str, Any] | None]:
         weights = {
             "num_bits": 8,
             "type": "float",
@@ -104,7 +108,7 @@ class Fp8Format(WeightFormat):
 
     # ---------------------------------------------------------------- tensor contract
 
-    def tensor_names(self, scheme: QuantScheme) -> tuple[str, ...]:
+    def tensor_names(self, scheme: SchemeView) -> tuple[str, ...]:
         return ("weight", "weight_scale")
 
     def marks_quantized(self, local: str, tensor: torch.Tensor) -> bool:
@@ -113,7 +117,7 @@ class Fp8Format(WeightFormat):
         )
 
     def check(
-        self, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme, name: Callable[[str], str]
+        self, tensors: Mapping[str, torch.Tensor], scheme: SchemeView, name: Callable[[str], str]
     ) -> tuple[int, int]:
         w = tensors["weight"]
         if w.dim() != 2:
@@ -130,7 +134,7 @@ class Fp8Format(WeightFormat):
         return n, k
 
     def empty(
-        self, n: int, k: int, scheme: QuantScheme, *, dtype: torch.dtype, device: Any
+        self, n: int, k: int, scheme: SchemeView, *, dtype: torch.dtype, device: Any
     ) -> dict[str, torch.Tensor | None]:
         return {
             "weight": torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device),
@@ -139,18 +143,18 @@ class Fp8Format(WeightFormat):
 
     # ---------------------------------------------------------------- the math
 
-    def round_to_nearest(self, weight: torch.Tensor, scheme: QuantScheme) -> Codes:
+    def round_to_nearest(self, weight: torch.Tensor, scheme: SchemeView) -> Codes:
         # A per-output-channel absmax scale is all E4M3 needs.
         w8, scale = quantize_fp8(weight)
         return Codes(w8, scale, None)
 
-    def pack(self, q: Codes, scheme: QuantScheme, *, dtype: torch.dtype) -> Tensors:
+    def pack(self, q: Codes, scheme: SchemeView, *, dtype: torch.dtype) -> Tensors:
         if q.zero is not None:
             raise SchemeError("zero: expected no zero point for fp8, got zero points")
         return fp8_tensors(q.codes, q.scale, dtype=dtype)
 
     def dequantize(
-        self, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme, *, dtype: torch.dtype
+        self, tensors: Mapping[str, torch.Tensor], scheme: SchemeView, *, dtype: torch.dtype
     ) -> torch.Tensor:
         return dequantize_fp8(tensors["weight"], tensors["weight_scale"], dtype=dtype)
 

@@ -8,7 +8,7 @@ One quantized Linear W [N, K] stores (bit layout in `quantkit.format.packing`):
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -22,10 +22,14 @@ from quantkit.format.packing import (
     pack_int4,
     pack_zero_points,
 )
-from quantkit.format.weight_format import Codes, Tensors, WeightFormat, check_tensor, expect
-
-if TYPE_CHECKING:
-    from quantkit.format.scheme import QuantScheme
+from quantkit.format.weight_format import (
+    Codes,
+    SchemeView,
+    Tensors,
+    WeightFormat,
+    check_tensor,
+    expect,
+)
 
 GROUP_SIZES: tuple[int, ...] = (32, 64, 128, -1)
 _SHAPE_DTYPES = (torch.int32, torch.int64)
@@ -71,7 +75,7 @@ class Int4Format(WeightFormat):
     ct_type = "int"
     ct_formats = ("pack-quantized",)
 
-    def normalized(self, scheme: QuantScheme) -> dict[str, Any]:
+    def normalized(self, scheme: SchemeView) -> dict[str, Any]:
         if scheme.group_size != "auto" and scheme.group_size not in GROUP_SIZES:
             raise SchemeError(
                 "group_size: expected auto, 32, 64, 128 or -1 (per channel), "
@@ -83,14 +87,14 @@ class Int4Format(WeightFormat):
             )
         return {}
 
-    def describe(self, scheme: QuantScheme, algorithm: str | None) -> str:
+    def describe(self, scheme: SchemeView, algorithm: str | None) -> str:
         group = "per-channel" if scheme.group_size == -1 else f"g{scheme.group_size}"
         kind = "symmetric" if scheme.symmetric else "asymmetric"
         return f"{f'{algorithm} ' if algorithm else ''}int4 {group} {kind}"
 
     # ---------------------------------------------------------------- compressed-tensors
 
-    def config_entries(self, scheme: QuantScheme) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def config_entries(self, scheme: SchemeView) -> tuple[dict[str, Any], dict[str, Any] | None]:
         per_channel = scheme.group_size == -1
         weights = {
             "num_bits": 4,
@@ -130,7 +134,7 @@ class Int4Format(WeightFormat):
 
     # ---------------------------------------------------------------- tensor contract
 
-    def tensor_names(self, scheme: QuantScheme) -> tuple[str, ...]:
+    def tensor_names(self, scheme: SchemeView) -> tuple[str, ...]:
         names = ("weight_packed", "weight_scale", "weight_shape")
         return names if scheme.symmetric else (*names, "weight_zero_point")
 
@@ -138,7 +142,7 @@ class Int4Format(WeightFormat):
         return local in _LOCAL_NAMES
 
     def check(
-        self, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme, name: Callable[[str], str]
+        self, tensors: Mapping[str, torch.Tensor], scheme: SchemeView, name: Callable[[str], str]
     ) -> tuple[int, int]:
         shape_t = tensors["weight_shape"]
         check_tensor(name("weight_shape"), shape_t, (2,), _SHAPE_DTYPES)
@@ -167,7 +171,7 @@ class Int4Format(WeightFormat):
         return n, k
 
     def empty(
-        self, n: int, k: int, scheme: QuantScheme, *, dtype: torch.dtype, device: Any
+        self, n: int, k: int, scheme: SchemeView, *, dtype: torch.dtype, device: Any
     ) -> dict[str, torch.Tensor | None]:
         groups = scheme.groups(k)
         zp = None
@@ -182,12 +186,12 @@ class Int4Format(WeightFormat):
 
     # ---------------------------------------------------------------- the math
 
-    def round_to_nearest(self, weight: torch.Tensor, scheme: QuantScheme) -> Codes:
+    def round_to_nearest(self, weight: torch.Tensor, scheme: SchemeView) -> Codes:
         g = scheme.group_size_for(weight.shape[1])
         scale, zero = int4_qparams(weight, group_size=g, symmetric=scheme.symmetric)
         return Codes(int4_quantize(weight, scale, zero, group_size=g), scale, zero)
 
-    def pack(self, q: Codes, scheme: QuantScheme, *, dtype: torch.dtype) -> Tensors:
+    def pack(self, q: Codes, scheme: SchemeView, *, dtype: torch.dtype) -> Tensors:
         if (q.zero is None) != scheme.symmetric:
             raise SchemeError(
                 f"zero: expected {'no zero point' if scheme.symmetric else 'zero points'} "
@@ -195,7 +199,7 @@ class Int4Format(WeightFormat):
             )
         return int4_tensors(q.codes, q.scale, q.zero, dtype=dtype)
 
-    def store(self, q: Codes, scheme: QuantScheme, *, dtype: torch.dtype) -> Tensors:
+    def store(self, q: Codes, scheme: SchemeView, *, dtype: torch.dtype) -> Tensors:
         """The codes were chosen for fp32 scales; they are re-derived for the scale as stored,
         so the checkpoint's weights are the best this storage dtype allows."""
         scale = q.scale.to(dtype).float()
@@ -205,7 +209,7 @@ class Int4Format(WeightFormat):
         return self.pack(Codes(codes, scale, q.zero), scheme, dtype=dtype)
 
     def dequantize(
-        self, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme, *, dtype: torch.dtype
+        self, tensors: Mapping[str, torch.Tensor], scheme: SchemeView, *, dtype: torch.dtype
     ) -> torch.Tensor:
         _, k = self.shape(tensors)
         return dequantize_packed_int4(

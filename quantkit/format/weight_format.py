@@ -19,16 +19,29 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from quantkit.errors import CheckpointError
 
-if TYPE_CHECKING:
-    from quantkit.format.scheme import QuantScheme
-
 Tensors = dict[str, torch.Tensor]
+
+
+class SchemeView(Protocol):
+    """What a format reads of a `QuantScheme`. The formats sit below the scheme that names them
+    (`QuantScheme` looks its format up in `formats`), so they take this shape, not the class."""
+
+    kind: str
+    group_size: Any  # an int, or "auto" before `QuantScheme.resolve`
+    symmetric: bool
+    activations: str
+
+    def group_size_for(self, in_features: int) -> int: ...
+
+    def groups(self, in_features: int) -> int: ...
+
+    def describe(self, algorithm: str | None = None) -> str: ...
 
 
 class Codes(NamedTuple):
@@ -52,18 +65,18 @@ class WeightFormat(ABC):
     # ---------------------------------------------------------------- the scheme
 
     @abstractmethod
-    def normalized(self, scheme: QuantScheme) -> dict[str, Any]:
+    def normalized(self, scheme: SchemeView) -> dict[str, Any]:
         """The scheme's fields after checking them for this format (SchemeError naming the
         field otherwise); fields the format fixes are set, so equal schemes compare equal."""
 
     @abstractmethod
-    def describe(self, scheme: QuantScheme, algorithm: str | None) -> str:
+    def describe(self, scheme: SchemeView, algorithm: str | None) -> str:
         """One human line, e.g. 'awq int4 g64 asymmetric'."""
 
     # ---------------------------------------------------------------- compressed-tensors
 
     @abstractmethod
-    def config_entries(self, scheme: QuantScheme) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    def config_entries(self, scheme: SchemeView) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """(`weights`, `input_activations`) of the config group, as compressed-tensors writes
         them."""
 
@@ -77,7 +90,7 @@ class WeightFormat(ABC):
     # ---------------------------------------------------------------- tensor contract
 
     @abstractmethod
-    def tensor_names(self, scheme: QuantScheme) -> tuple[str, ...]:
+    def tensor_names(self, scheme: SchemeView) -> tuple[str, ...]:
         """The local names one quantized Linear stores (bias apart); the first one alone marks
         a module as quantized in error messages."""
 
@@ -88,7 +101,7 @@ class WeightFormat(ABC):
 
     @abstractmethod
     def check(
-        self, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme, name: Callable[[str], str]
+        self, tensors: Mapping[str, torch.Tensor], scheme: SchemeView, name: Callable[[str], str]
     ) -> tuple[int, int]:
         """Validate shapes and dtypes of present tensors; return (N, K). `name(local)` gives the
         full tensor name for messages."""
@@ -99,7 +112,7 @@ class WeightFormat(ABC):
 
     @abstractmethod
     def empty(
-        self, n: int, k: int, scheme: QuantScheme, *, dtype: torch.dtype, device: Any
+        self, n: int, k: int, scheme: SchemeView, *, dtype: torch.dtype, device: Any
     ) -> dict[str, torch.Tensor | None]:
         """Uninitialised tensors of the contract for an [N, K] Linear, scales in `dtype`
         (None for a tensor the scheme leaves out, e.g. zero points when symmetric)."""
@@ -107,21 +120,21 @@ class WeightFormat(ABC):
     # ---------------------------------------------------------------- the math
 
     @abstractmethod
-    def round_to_nearest(self, weight: torch.Tensor, scheme: QuantScheme) -> Codes:
+    def round_to_nearest(self, weight: torch.Tensor, scheme: SchemeView) -> Codes:
         """Plain round-to-nearest codes of a dense weight [N, K]."""
 
     @abstractmethod
-    def pack(self, q: Codes, scheme: QuantScheme, *, dtype: torch.dtype) -> Tensors:
+    def pack(self, q: Codes, scheme: SchemeView, *, dtype: torch.dtype) -> Tensors:
         """The tensors of the contract for codes as given, scales stored in `dtype`."""
 
-    def store(self, q: Codes, scheme: QuantScheme, *, dtype: torch.dtype) -> Tensors:
+    def store(self, q: Codes, scheme: SchemeView, *, dtype: torch.dtype) -> Tensors:
         """The tensors a quantizer writes: `pack`, after whatever fix-up storing the scales in
         `dtype` calls for (by default none)."""
         return self.pack(q, scheme, dtype=dtype)
 
     @abstractmethod
     def dequantize(
-        self, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme, *, dtype: torch.dtype
+        self, tensors: Mapping[str, torch.Tensor], scheme: SchemeView, *, dtype: torch.dtype
     ) -> torch.Tensor:
         """The dense weight [N, K] in `dtype` from the contract's tensors."""
 

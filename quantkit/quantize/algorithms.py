@@ -30,11 +30,11 @@ from quantkit.quantize.layer_walk import LayerErrorReport
 
 # Calibration windows (x 512 tokens) for the activation statistics. 64, not AWQ's 128: on
 # SmolLM2-135M, 64 samples closed 56-57% of the RTN gap on every seed measured while 128 gave
-# 13-55% (evals/awq_quality.py), and it halves the time.
+# 13-55% (evals/studies/awq_quality.py), and it halves the time.
 DEFAULT_CALIB_SAMPLES = 64
 # GPTQ's Hessians gain from more tokens: SmolLM2-135M FP8 perplexity (reference 20.848, RTN
 # 21.119) was 20.954-20.978 with 64 windows and 20.934-20.942 with 128, at 2x the time (~4.5 min
-# on 2 cores); evals/gptq_quality.py.
+# on 2 cores); evals/studies/gptq_quality.py.
 GPTQ_CALIB_SAMPLES = 128
 
 ModuleTensors = dict[str, dict[str, torch.Tensor]]  # module name -> its checkpoint tensors

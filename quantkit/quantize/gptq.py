@@ -71,8 +71,8 @@ FP8 = QuantScheme("fp8")
 class GptqConfig:
     damp: float = 0.01  # fraction of mean(diag H) added to the diagonal
     block_size: int = 128  # columns per lazy-batch block
-    # SmolLM2-135M, FP8, 64 x 512 calibration tokens (evals/gptq_quality.py; reference 20.848,
-    # RTN 21.119): plain GPTQ 20.977, act-order 20.954, one capture per layer 20.954, both
+    # SmolLM2-135M, FP8, 64 x 512 calibration tokens (evals/studies/gptq_quality.py; reference
+    # 20.848, RTN 21.119): plain GPTQ 20.977, act-order 20.954, one capture per layer 20.954, both
     # 20.966, i.e. the same within the noise of rounding; act-order lowers the layer-output
     # error GPTQ minimises (mean reduction vs RTN 51% -> 58%), and one capture of every H per
     # layer takes 143 s instead of 182 s for re-capturing after each input group.

@@ -21,7 +21,7 @@ Which is
 fastest depends on the CPU, so `auto_act_dtype` (the CLI's `auto`) picks each only where it
 was measured faster: int8 on CPUs with AVX512-VNNI, Intel and AMD (`int8_activations_faster`),
 else bf16 on AMD ones with AVX512-BF16 (`bf16_activations_faster`), else fp32. What each costs in
-perplexity is measured by `quantkit.evals.act_precision` (int8: +0.12% on SmolLM2 INT4).
+perplexity is measured by `quantkit.evals.studies.act_precision` (int8: +0.12% on SmolLM2 INT4).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import GenerationError
-from quantkit.fused_kernels.decode_cpu import (
+from quantkit.fused_kernels.cpu.decode import (
     CpuDecodeStep,
     DecoderDims,
     DecoderLayerParts,
@@ -70,8 +70,8 @@ class CpuDecodePath:
     """Binds `fused_kernels.decode_cpu.CpuDecodeStep` to a model's current KV cache."""
 
     def __init__(self, act_dtype: torch.dtype = torch.float32) -> None:
-        from quantkit.fused_kernels.cpu_build import cpu_variant
-        from quantkit.fused_kernels.w4a16_cpu import GEMV_MAX_M
+        from quantkit.fused_kernels.cpu.build import cpu_variant
+        from quantkit.fused_kernels.cpu.w4a16 import GEMV_MAX_M
 
         self.max_rows = GEMV_MAX_M.get(cpu_variant(), 1)  # a longer prefill: PyTorch + MKL
         self.act_dtype = act_dtype  # the GEMVs' activations (`set_act_dtype`)

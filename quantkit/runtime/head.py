@@ -23,7 +23,7 @@ from quantkit.cpu import has_bf16_dot
 from quantkit.errors import GenerationError
 from quantkit.format.dtypes import DTYPES
 from quantkit.format.packing import int8_absmax
-from quantkit.fused_kernels.bf16_gemv_cpu import (
+from quantkit.fused_kernels.cpu.bf16_gemv import (
     I8I8Weight,
     bf16_gemv,
     bf16_gemv_available,

@@ -1,0 +1,259 @@
+"""The CPU decode step (`csrc/decode.c`): all decoder layers for one new token of each of
+R sequences, one C call.
+
+`CpuDecodeStep` binds a model's layers once (weights through their `CpuInt4Layer`s, norms and
+a KV cache of any number of rows); calling it runs every layer on the residual streams x [R, H]
+in place, row r at cache row `slots[r]` and position `positions[r]`: one new token of each of R
+sequences (a batched decode step), or R consecutive tokens of one sequence (a causal prefill:
+every row writes its K/V before any row attends). It covers fp32 activations and INT4 q/k/v
+(fused), o, gate/up (fused) and down projections; the caller keeps the PyTorch path for
+everything else.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.errors import KernelUnavailableError
+from quantkit.fused_kernels.cpu.abi import DecoderDims as _Dims
+from quantkit.fused_kernels.cpu.abi import DecoderLayer as _DecoderLayer
+from quantkit.fused_kernels.cpu.launch import check_status
+from quantkit.fused_kernels.cpu.w4a16 import ACT_CODES, CpuInt4Layer, _library
+
+__all__ = [
+    "CACHE_FORMATS",
+    "PHASES",
+    "CpuDecodeStep",
+    "DecoderDims",
+    "DecoderLayerParts",
+    "ACT_CODES",
+    "bf16_activations_available",
+    "decode_phases",
+    "int8_activations_available",
+]
+
+# The phases of a layer that `decode_phases` times (csrc/decode.c, enum PH_*, in its order):
+# "norm" holds the RMSNorms and residual adds, "permute" the activations' rearrangement (and
+# bf16 rounding) before each GEMV, "rope_kv" the rotary embedding and the K/V cache write.
+PHASES = ("norm", "permute", "qkv", "rope_kv", "attention", "o", "gate_up", "silu", "down")
+
+
+def bf16_activations_available() -> bool:
+    """True if the kernels build here with the bf16 tile (the CPU has AVX512-BF16), so that
+    the GEMVs can take bf16 activations (`gemv_tile2_bf16` in csrc/w4a16.c)."""
+    try:
+        return bool(_library().qk_has_bf16_dot())
+    except KernelUnavailableError:
+        return False
+
+
+def int8_activations_available() -> bool:
+    """True if the kernels build here with the int8 tile (the CPU has AVX512-VNNI), so that
+    the GEMVs can take int8 activations (`gemv_tile_i8` in csrc/w4a16.c)."""
+    try:
+        return bool(_library().qk_has_int8_dot())
+    except KernelUnavailableError:
+        return False
+
+
+def decode_phases(on: bool) -> tuple[dict[str, float], int]:
+    """({phase: seconds}, steps) that the decode steps spent in each phase since the last call,
+    summed over layers (zeroed by this call); `on` turns the timers on (or off) from now.
+    One thread reads the clock at each phase's end, so a phase includes its barrier wait."""
+    out = (ctypes.c_double * len(PHASES))()
+    steps = int(_library().qk_decode_phases(int(on), ctypes.addressof(out)))
+    return dict(zip(PHASES, list(out), strict=True)), steps
+
+
+@dataclass(frozen=True)
+class DecoderDims:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    eps: float
+
+
+@dataclass(frozen=True)
+class DecoderLayerParts:
+    """One layer's operands: INT4 layers bound to the C kernel, fp32 norm weights [H], and the
+    layer's KV cache tensors [rows, Hkv, slots, E], contiguous, in one of the formats of
+    `CACHE_FORMATS` (`quantkit.models.kv_cache`)."""
+
+    qkv: CpuInt4Layer
+    o: CpuInt4Layer
+    gate_up: CpuInt4Layer
+    down: CpuInt4Layer
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+# The cache formats the step reads, by the cache tensors' dtype: (its `kv_dt` code, E - D).
+# fp32 and bf16 hold the values; int8 and uint8 (fp8 e4m3 codes) hold D codes and then the
+# head's fp32 scale in 4 more bytes (csrc/attend.c).
+CACHE_FORMATS = {
+    torch.float32: (0, 0),
+    torch.bfloat16: (1, 0),
+    torch.int8: (2, 4),
+    torch.uint8: (3, 4),
+}
+
+
+def _expect(what: str, got: object, want: object) -> None:
+    if got != want:
+        raise ValueError(f"{what}: expected {want}, got {got}")
+
+
+def _check_layer(i: int, p: DecoderLayerParts, d: DecoderDims) -> None:
+    qkv_n = (d.heads + 2 * d.kv_heads) * d.head_dim
+    for name, layer, n, k in (
+        ("qkv", p.qkv, qkv_n, d.hidden),
+        ("o", p.o, d.hidden, d.heads * d.head_dim),
+        ("gate_up", p.gate_up, 2 * d.inter, d.hidden),
+        ("down", p.down, d.hidden, d.inter),
+    ):
+        _expect(f"layer {i} {name} [N, K]", (layer.out_features, layer.in_features), (n, k))
+        if layer.variant is not None:
+            raise ValueError(f"layer {i} {name}: expected the default kernel variant")
+    for name, t in (("in_norm", p.in_norm), ("post_norm", p.post_norm)):
+        _expect(f"layer {i} {name}", (t.dtype, tuple(t.shape)), (torch.float32, (d.hidden,)))
+    rows, slots = p.k_cache.shape[:3:2] if p.k_cache.dim() == 4 else (-1, -1)
+    if p.k_cache.dtype not in CACHE_FORMATS:
+        raise ValueError(
+            f"layer {i} k_cache: expected one of {', '.join(map(str, CACHE_FORMATS))}, got "
+            f"{p.k_cache.dtype}"
+        )
+    width = d.head_dim + CACHE_FORMATS[p.k_cache.dtype][1]
+    for name, t in (("k_cache", p.k_cache), ("v_cache", p.v_cache)):
+        _expect(
+            f"layer {i} {name}",
+            (t.dtype, tuple(t.shape), t.is_contiguous()),
+            (p.k_cache.dtype, (rows, d.kv_heads, slots, width), True),
+        )
+
+
+class CpuDecodeStep:
+    """Every layer of one model for one new token per row; see the module docstring."""
+
+    def __init__(
+        self,
+        layers: Sequence[DecoderLayerParts],
+        dims: DecoderDims,
+        *,
+        act_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if not layers:
+            raise ValueError("layers: expected at least one decoder layer, got none")
+        if dims.heads % dims.kv_heads:
+            raise ValueError(
+                f"heads: expected a multiple of kv_heads {dims.kv_heads}, got {dims.heads}"
+            )
+        for i, p in enumerate(layers):
+            _check_layer(i, p, dims)
+        shape, kind = tuple(layers[0].k_cache.shape), layers[0].k_cache.dtype
+        for i, p in enumerate(layers):
+            _expect(f"layer {i} cache", (p.k_cache.dtype, tuple(p.k_cache.shape)), (kind, shape))
+        self.cache_rows, self.slots = shape[0], shape[2]
+        if act_dtype == torch.int8:  # the int8 tile's interleaved copies, before the structs
+            for p in layers:
+                for layer in (p.qkv, p.o, p.gate_up, p.down):
+                    layer.interleave()
+        self._keep = list(layers)  # the tensors behind the pointers stay alive
+        self._layers = (_DecoderLayer * len(layers))()
+        for dst, p in zip(self._layers, layers, strict=True):
+            dst.qkv, dst.o, dst.gate_up, dst.down = (
+                p.qkv._layer, p.o._layer, p.gate_up._layer, p.down._layer,
+            )  # fmt: skip
+            dst.in_norm, dst.post_norm = p.in_norm.data_ptr(), p.post_norm.data_ptr()
+            dst.k_cache, dst.v_cache = p.k_cache.data_ptr(), p.v_cache.data_ptr()
+        self._dims = _Dims(
+            dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.inter, self.slots,
+            self.cache_rows, CACHE_FORMATS[kind][0], dims.eps,
+        )  # fmt: skip
+        self.hidden, self.head_dim = dims.hidden, dims.head_dim
+        lib = _library()  # qk_decode_work, qk_decode_step: typed by `cpu_abi`
+        if act_dtype not in ACT_CODES:
+            raise ValueError(
+                f"act_dtype: expected torch.float32, torch.bfloat16 or torch.int8, got {act_dtype}"
+            )
+        if act_dtype == torch.bfloat16 and not lib.qk_has_bf16_dot():
+            raise ValueError(
+                "act_dtype: bfloat16 needs the AVX512-BF16 build of the kernels, got a CPU "
+                "without avx512_bf16"
+            )
+        if act_dtype == torch.int8 and not lib.qk_has_int8_dot():
+            raise ValueError(
+                "act_dtype: int8 needs the AVX512-VNNI build of the kernels, got a CPU without "
+                "avx512_vnni"
+            )
+        self.act_dtype, self._act = act_dtype, ACT_CODES[act_dtype]
+        self._fn, self._work_fn = lib.qk_decode_step, lib.qk_decode_work
+        self._args = (self._layers, len(layers), self._dims)  # layers, n_layers, d
+        self._work = torch.empty(0, dtype=torch.float32)  # grown to the most rows seen
+        self._needs: dict[tuple[int, int], int] = {}  # floats of work by (rows, threads)
+
+    def _work_for(self, rows: int, threads: int) -> torch.Tensor:
+        need = self._needs.get((rows, threads))
+        if need is None:
+            need = self._needs[rows, threads] = int(self._work_fn(*self._args, rows, threads))
+        if self._work.numel() < need:
+            self._work = torch.empty(need, dtype=torch.float32)
+        return self._work
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        positions: Sequence[int],
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        *,
+        slots: Sequence[int] | None = None,
+        row_invariant: bool = False,
+    ) -> torch.Tensor:
+        """Run every layer on x [R, H] (fp32, contiguous), updated in place and returned. Row r's
+        token sits at cache row `slots[r]` (default r) and position `positions[r]`, and attends
+        to that cache row's positions <= its own, including those other rows of this call
+        write (rows sharing a cache row: a prompt's tokens, prefilled causally); cos/sin
+        [R, D]: each row's rotary values. row_invariant: each row's result is bit-identical to
+        a one-row call's (the GEMVs take the rows one at a time; slower for many rows), which
+        speculative decoding's verification needs to reproduce plain decoding exactly."""
+        rows = len(positions)
+        if rows < 1:
+            raise ValueError("positions: expected at least one row, got none")
+        slots = range(rows) if slots is None else slots
+        for name, t, n in (("x", x, self.hidden), ("cos", cos, self.head_dim), ("sin", sin, 0)):
+            want = (rows, n or self.head_dim)
+            shape_ok = t.numel() == want[0] * want[1] and t.is_contiguous()
+            if t.dtype != torch.float32 or not shape_ok:
+                raise ValueError(
+                    f"{name}: expected {want[0]} x {want[1]} contiguous float32 values, got "
+                    f"{t.dtype} {tuple(t.shape)}"
+                )
+        if len(slots) != rows or len(set(zip(slots, positions, strict=True))) != rows:
+            raise ValueError(
+                "slots: expected one per position, no (slot, position) twice, got "
+                f"{list(slots)} for positions {list(positions)}"
+            )
+        for what, values, bound in (("position", positions, self.slots),
+                                    ("slot", slots, self.cache_rows)):  # fmt: skip
+            bad = [v for v in values if not 0 <= v < bound]
+            if bad:
+                raise ValueError(f"{what}: expected 0 to {bound - 1}, got {bad[0]}")
+        pos_t = torch.tensor(positions, dtype=torch.int64)
+        slot_t = torch.tensor(slots, dtype=torch.int64)
+        threads = torch.get_num_threads()
+        work = self._work_for(rows, threads)
+        status = self._fn(
+            *self._args, x.data_ptr(), rows, slot_t.data_ptr(), pos_t.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), self._act, int(row_invariant), work.data_ptr(),
+            work.numel(), threads,
+        )  # fmt: skip
+        check_status(status, "qk_decode_step")
+        return x

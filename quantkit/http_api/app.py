@@ -1,0 +1,279 @@
+"""The FastAPI application: routes, API-key check, OpenAI-shaped errors, metrics, lifespan.
+
+`create_app(ServerSettings(...), loaded)` builds it around an already-loaded model; its lifespan
+starts the engine loop (`engine_loop.EngineLoop`) on the running event loop and, at shutdown
+(after uvicorn has drained the open connections), stops it. Every error a request can cause
+becomes {"error": {"message", "type", "param", "code"}} with its 4xx; an unexpected exception in
+a handler is a 500 in the same shape, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Depends, FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from quantkit.batching.types import EngineConfig
+from quantkit.http_api.engine_loop import EngineLoop, LiveRequest, TokenEvent
+from quantkit.http_api.generation import Generation, respond
+from quantkit.http_api.prepare import GrammarCache, prepare
+from quantkit.http_api.prometheus import CONTENT_TYPE_LATEST, ServerMetrics
+from quantkit.http_api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ServerError,
+    error_body,
+)
+from quantkit.runtime.loader import LoadedModel
+from quantkit.runtime.speculate import SpecConfig
+
+__all__ = ["ServerSettings", "create_app"]
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model_name: str
+    context: int  # KV positions per slot: prompt + max_tokens must fit
+    eos_ids: frozenset[int]
+    batch_cap: int = 8
+    chunk: int | None = 64
+    max_queue: int = 64
+    api_key: str | None = None
+    drain_s: float = 30.0
+    compile_timeout_s: float = 30.0
+    speculate: SpecConfig | None = None
+    prefix_cache_mb: float = 0.0
+    batch_invariant: bool = False
+
+
+class _CountStatus:
+    """Counts every HTTP response by status (pure ASGI: streaming is left alone)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.response(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counted)
+
+
+def _error(status: int, message: str, **fields: Any) -> JSONResponse:
+    headers = fields.pop("headers", None)
+    return JSONResponse(error_body(message, **fields), status_code=status, headers=headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}", None
+    if not loc and first.get("type") in ("missing", "model_attributes_type", "dict_type"):
+        got = first.get("input")
+        shown = "none" if got is None else repr(got)[:80]
+        return f"expected a JSON object body (Content-Type: application/json), got {shown}", None
+    param = ".".join(loc) or None
+    got = first.get("input")
+    got_text = "" if isinstance(got, dict) else f", got {got!r}"
+    return f"{param or 'body'}: {first['msg']}{got_text}", param
+
+
+def _install_errors(app: FastAPI) -> None:
+    @app.exception_handler(ServerError)
+    async def _server_error(_: HttpRequest, e: ServerError) -> JSONResponse:
+        return _error(
+            e.status, e.message, type=e.type, param=e.param, code=e.code, headers=e.headers
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: HttpRequest, e: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(e)
+        return _error(400, message, param=param)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_: HttpRequest, e: HTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error(e.status_code, str(e.detail), type=kind, headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def _bug(_: HttpRequest, e: Exception) -> JSONResponse:
+        return _error(500, f"internal error: {e!r}", type="server_error")
+
+
+def create_app(settings: ServerSettings, loaded: LoadedModel) -> FastAPI:
+    metrics = ServerMetrics(slots=settings.batch_cap)
+    grammars = GrammarCache(loaded, set(settings.eos_ids), timeout_s=settings.compile_timeout_s)
+    state: dict[str, Any] = {"loop": None, "closing": False}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        running = asyncio.get_running_loop()
+
+        def dispatch(batch: list[tuple[LiveRequest, TokenEvent]]) -> None:
+            for live, event in batch:
+                if live.sink is not None:
+                    live.sink.put_nowait(event)
+
+        def deliver(batch: list[tuple[LiveRequest, TokenEvent]]) -> None:
+            try:
+                running.call_soon_threadsafe(dispatch, batch)
+            except RuntimeError:  # the event loop is closed: nobody is left to tell
+                pass
+
+        loop = EngineLoop(
+            loaded.model,
+            EngineConfig(
+                batch_cap=settings.batch_cap,
+                chunk=settings.chunk,
+                speculate=settings.speculate,
+                prefix_cache_mb=settings.prefix_cache_mb,
+                batch_invariant=settings.batch_invariant,
+            ),
+            max_len=settings.context,
+            max_queue=settings.max_queue,
+            deliver=deliver,
+            observer=metrics,
+        )
+        loop.start()
+        state["loop"] = loop
+        try:
+            yield
+        finally:
+            # uvicorn has drained (or given up on) the connections by now.
+            state["closing"] = True
+            await asyncio.to_thread(loop.shutdown, deadline_s=1.0)
+
+    app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(_CountStatus, metrics=metrics)
+    _install_errors(app)
+
+    def engine() -> EngineLoop:
+        loop = state["loop"]
+        if loop is None or state["closing"]:
+            raise ServerError("the server is shutting down", status=503, type="server_error")
+        return loop
+
+    def authorize(http: HttpRequest) -> None:
+        if settings.api_key is None:
+            return
+        header = http.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), settings.api_key.encode()
+        ):
+            what = "no API key" if not header else "an incorrect API key"
+            raise ServerError(
+                f"expected a valid API key as 'Authorization: Bearer KEY', got {what}",
+                status=401,
+                code="invalid_api_key",
+            )
+
+    def check_model(name: str) -> None:
+        if name != settings.model_name:
+            raise ServerError(
+                f"The model `{name}` does not exist; this server serves `{settings.model_name}`",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+
+    async def generate(
+        body: CompletionRequest | ChatCompletionRequest, http: HttpRequest
+    ) -> Response:
+        check_model(body.model)
+        loop = engine()
+        prepared = prepare(
+            body,
+            tokenizer=loaded.tokenizer,
+            vocab=loaded.model.config.vocab_size,
+            context=settings.context,
+        )
+        if body.response_format is not None:
+            grammar = await asyncio.to_thread(
+                grammars.processor, body.response_format, max_tokens=prepared.max_tokens
+            )
+            if grammar is not None:
+                prepared.processors.append(grammar)
+        live = LiveRequest(
+            prepared.prompt,
+            max_tokens=prepared.max_tokens,
+            params=prepared.params,
+            tokenizer=loaded.tokenizer,
+            eos_ids=set() if body.ignore_eos else set(settings.eos_ids),
+            processors=prepared.processors,
+            device=loaded.model.device,
+        )
+        gen = Generation(body, prepared, live, settings.model_name)
+        return await respond(gen, http, loop)
+
+    # The key is checked before the body is validated: no key, no details.
+    guarded = [Depends(authorize)]
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
+        return await generate(body, http)
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Response:
+        return await generate(body, http)
+
+    started = int(time.time())
+
+    def model_card() -> dict[str, Any]:
+        return {
+            "id": settings.model_name,
+            "object": "model",
+            "created": started,
+            "owned_by": "quantkit",
+            "max_model_len": settings.context,
+        }
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}", dependencies=guarded)
+    async def model(name: str) -> dict[str, Any]:
+        check_model(name)
+        return model_card()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        loop = state["loop"]
+        ok = loop is not None and not state["closing"] and loop.error is None
+        return JSONResponse(
+            {
+                "status": "ok" if ok else "unavailable",
+                "model": settings.model_name,
+                "batch_cap": settings.batch_cap,
+                "chunk": settings.chunk,
+                "context": settings.context,
+                "running": loop.running if loop else 0,
+                "waiting": loop.waiting if loop else 0,
+            },
+            status_code=200 if ok else 503,
+        )
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
