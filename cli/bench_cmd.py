@@ -16,14 +16,7 @@ import torch
 from quantkit.batching.metrics import SLO, parse_duration
 from quantkit.batching.types import check_prefix_cache_mb
 from quantkit.batching.workload import LengthDist, parse_rate
-from quantkit.cli.generate_cmd import (
-    _act_dtype,
-    _device,
-    _device_name,
-    _load,
-    kv_dtype_name,
-    kv_dtype_option,
-)
+from quantkit.cli.options import Runtime, load, runtime_options
 from quantkit.errors import GenerationError
 from quantkit.evals.common import write_json_atomic
 from quantkit.evals.speed.serving import (
@@ -33,9 +26,9 @@ from quantkit.evals.speed.serving import (
     format_table,
     run_bench,
 )
-from quantkit.format.dtypes import DTYPES, name_of
+from quantkit.format.dtypes import name_of
+from quantkit.runtime.describe import act_dtype_name, device_name, kv_dtype_name
 from quantkit.runtime.loader import LoadedModel
-from quantkit.runtime.options import ACT_DTYPE_NAMES, RuntimeOptions
 from quantkit.runtime.speculate import parse_speculate
 
 
@@ -190,42 +183,7 @@ def _prompt_tokens(tokenizer: object) -> list[int] | None:
     help="Prompt tokens: windows of the held-out Wikipedia text (parsed once, then cached), "
     "or random ids (the same timings).",
 )
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
-@click.option(
-    "--dtype",
-    type=click.Choice(["auto", *DTYPES]),
-    default="auto",
-    show_default=True,
-    help="auto = float32 on CPU, bfloat16 on CUDA.",
-)
-@click.option(
-    "--act-dtype",
-    type=click.Choice(["auto", *ACT_DTYPE_NAMES]),
-    default="auto",
-    show_default=True,
-    help="Activations inside the INT4 GEMVs (as `quantkit generate --act-dtype`).",
-)
-@kv_dtype_option
-@click.option(
-    "--speculate",
-    default="off",
-    show_default=True,
-    help="Speculative decoding in the continuous runs: 'ngram' or 'ngram:K' (see `quantkit "
-    "generate --speculate`).",
-)
-@click.option(
-    "--prefix-cache-mb",
-    type=float,
-    default=0.0,
-    show_default=True,
-    help="Reuse the K/V of prompt prefixes seen before, up to this many MiB; 0 = off.",
-)
-@click.option(
-    "--batch-invariant",
-    is_flag=True,
-    help="Every decode step row-invariant, prefill chunks cut at multiples of 8: each request "
-    "gets exactly the tokens it gets alone (slower batched steps; the C step only).",
-)
+@runtime_options(serving=True)
 @click.option(
     "--shared-prefix",
     type=int,
@@ -234,7 +192,6 @@ def _prompt_tokens(tokenizer: object) -> list[int] | None:
     help="Every prompt starts with the same this many tokens (a system prompt), then its own "
     "--prompt-len tokens.",
 )
-@click.option("--threads", type=int, default=None, help="CPU threads for torch.")
 @click.option("--json", "json_file", default=None, help="Write the report: a record per setting.")
 @click.option("--plot", "plot_dir", default=None, help="Write PNG plots into this directory.")
 @click.option(
@@ -263,20 +220,13 @@ def bench_cmd(
     slo_tpot: str,
     seed: int,
     prompts: str,
-    device: str,
-    dtype: str,
-    act_dtype: str,
-    kv_dtype: str,
-    speculate: str,
-    prefix_cache_mb: float,
-    batch_invariant: bool,
     shared_prefix: int,
-    threads: int | None,
     json_file: str | None,
     plot_dir: str | None,
     server: str | None,
     clients: int,
     api_key: str | None,
+    runtime: Runtime,
 ) -> None:
     """Throughput vs latency of CKPT (a checkpoint, HF directory, .gguf or smollm2-135m;
     default: the embedded model as INT4) under a synthetic load, static and continuous batching,
@@ -296,9 +246,9 @@ def bench_cmd(
         slo_tpot=slo_tpot,
         seed=seed,
         shared_prefix=shared_prefix,
-        speculate=speculate,
-        prefix_cache_mb=prefix_cache_mb,
-        batch_invariant=batch_invariant,
+        speculate=runtime.speculate,
+        prefix_cache_mb=runtime.prefix_cache_mb,
+        batch_invariant=runtime.batch_invariant,
     )
     if server is not None:
         _bench_server(
@@ -319,13 +269,9 @@ def bench_cmd(
             raise GenerationError(
                 f"--plot: expected a directory (or one to create), got the file {plot_dir}"
             )
-    if threads is not None:
-        torch.set_num_threads(_positive(threads, "--threads"))
-    dev = _device(device)
-    options = RuntimeOptions.cli(
-        dtype=dtype, device=str(dev), act_dtype=act_dtype, kv_dtype=kv_dtype
-    )
-    loaded = _load(ckpt, options)
+    runtime.set_threads()
+    dev = runtime.torch_device()
+    loaded = load(ckpt, runtime.options(dev))
     tokens = None
     if prompts == "text" and loaded.tokenizer is not None:
         tokens = _prompt_tokens(loaded.tokenizer)
@@ -347,7 +293,7 @@ def bench_cmd(
 def _meta(loaded: LoadedModel, dev: torch.device, *, text_prompts: bool) -> dict[str, Any]:
     """What the report says about the model and the machine it ran on."""
     scheme = loaded.describe()
-    act = _act_dtype(loaded)
+    act = act_dtype_name(loaded)
     if act != name_of(loaded.model.dtype):
         scheme += f", {act} activations in the INT4 GEMVs"
     kv = kv_dtype_name(loaded)
@@ -358,7 +304,7 @@ def _meta(loaded: LoadedModel, dev: torch.device, *, text_prompts: bool) -> dict
         "scheme": scheme,
         "act_dtype": act,
         "kv_dtype": kv,
-        "device_name": _device_name(dev),
+        "device_name": device_name(dev),
         "prompts": "held-out Wikipedia text" if text_prompts else "random token ids",
     }
 
@@ -414,9 +360,7 @@ def _bench_server(
     """`bench --server URL`: the base workload at each rate, over HTTP, in the same table. The
     tokenizer and config come from CKPT (the model the server runs) so that the prompts are the
     very token ids the in-process bench feeds the engine."""
-    from quantkit.batching.metrics import summarize
-    from quantkit.batching.workload import make_workload
-    from quantkit.http_api.loadgen import probe, replay, warm_up
+    from quantkit.evals.speed.http_load import bench_over_http, probe
     from quantkit.sources.resolve import read_config, resolve_model
     from quantkit.sources.tokenizer import load_tokenizer
 
@@ -434,39 +378,18 @@ def _bench_server(
         f"{info.chunk or 'off'}; {clients} streaming clients",
         err=True,
     )
-    records = []
-    for rate in config.rates:
-        spec = config.workload(rate, long=False)
-        requests = make_workload(
-            spec,
-            vocab_size=cfg["vocab_size"],
-            max_total=cfg["max_position_embeddings"],
-            source_tokens=tokens,
-        )
-        warm_up(info, requests[0], api_key=api_key)
-        run = replay(info, requests, clients=clients, api_key=api_key)
-        done = [r for r in run.requests if r.token_times_s]
-        record = {
-            "mode": "http",
-            "batch_cap": info.batch_cap,
-            "rate": "inf" if math.isinf(rate) else rate,
-            "chunked_prefill": info.chunk is not None,
-            "chunk": info.chunk,
-            "long_prompts": False,
-            "workload": spec.describe(),
-            "clients": clients,
-            **summarize(run, slo=config.slo).to_dict(),
-            "samples": {
-                "ttft_ms": [round(1e3 * r.ttft_s, 3) for r in done],
-                "tpot_ms": [round(1e3 * g, 3) for r in done for g in r.gaps_s],
-            },
-        }
-        records.append(record)
+
+    def progress(record: dict[str, Any]) -> None:
         click.echo(
             f"  http cap {info.batch_cap} rate {record['rate']}: "
             f"{record['throughput_tok_s'] or math.nan:.1f} tok/s",
             err=True,
         )
+
+    records = bench_over_http(
+        info, config, vocab_size=cfg["vocab_size"], max_total=cfg["max_position_embeddings"],
+        source_tokens=tokens, clients=clients, api_key=api_key, on_record=progress,
+    )  # fmt: skip
     click.echo(format_table(records))
     if json_file is not None:
         report = {"records": records, "meta": {"server": info.url, "model": info.model}}

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,13 +14,12 @@ import click
 import torch
 
 from quantkit.cli.grammar_run import GrammarRun, write_atomic
-from quantkit.errors import GenerationError, HardwareError
-from quantkit.format.dtypes import DTYPES, name_of
+from quantkit.cli.options import Runtime, load, runtime_options
+from quantkit.errors import GenerationError
 from quantkit.grammar.compiler import DEFAULT_ENGINE, DEFAULT_TIMEOUT_S, ENGINES
-from quantkit.models.kv_cache import KV_DTYPE_NAMES, kv_format
-from quantkit.perf.hardware import local_hardware
-from quantkit.perf.roofline import DecodeRoofline, decode_roofline
-from quantkit.runtime.fast_path import pytorch_path_reason
+from quantkit.perf.measured import generation_roofline
+from quantkit.perf.roofline import DecodeRoofline
+from quantkit.runtime.describe import act_dtype_name, backend_line, device_name, kv_dtype_name
 from quantkit.runtime.generate import (
     GenerationResult,
     StreamEvent,
@@ -31,80 +28,10 @@ from quantkit.runtime.generate import (
     eos_token_ids,
     generate,
 )
-from quantkit.runtime.head import HEAD_DTYPES, head_name
+from quantkit.runtime.head import head_name
 from quantkit.runtime.layer_progress import layer_progress
-from quantkit.runtime.loader import LoadedModel, load_model
-from quantkit.runtime.options import ACT_DTYPE_NAMES, RuntimeOptions
+from quantkit.runtime.loader import LoadedModel
 from quantkit.runtime.sampling import SamplingParams
-from quantkit.runtime.speculate import parse_speculate
-
-
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
-        raise GenerationError(f"--device: expected auto, cpu or cuda[:N], got {name!r}")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise GenerationError(f"--device: expected a device this machine has, got {name}")
-    return torch.device(name)
-
-
-def _load(model: str | None, options: RuntimeOptions) -> LoadedModel:
-    """MODEL_OR_CKPT, or the embedded default as INT4 (quantized once on first use)."""
-    if model is None:
-        from quantkit.quantize.embedded import ensure_embedded_int4
-
-        return load_model(ensure_embedded_int4(), options=options)
-    return load_model(model, options=options)
-
-
-def _set_threads(threads: int | None) -> None:
-    if threads is not None:
-        if threads < 1:
-            raise GenerationError(f"--threads: expected an integer >= 1, got {threads}")
-        torch.set_num_threads(threads)
-
-
-# `--kv-dtype` of generate, bench and serve.
-kv_dtype_option = click.option(
-    "--kv-dtype",
-    type=click.Choice(["auto", *KV_DTYPE_NAMES]),
-    default="auto",
-    show_default=True,
-    help="Format of the KV cache; auto = the model's dtype. int8 / fp8 (e4m3) store codes with "
-    "a scale per head and token: ~3.8x fewer cache bytes than float32 for 64-wide heads.",
-)
-
-
-def kv_dtype_name(loaded: LoadedModel) -> str:
-    """The KV cache format the model's caches are built in ('float32' for an fp32 model on
-    auto)."""
-    return kv_format(loaded.model.kv_dtype, loaded.model.dtype).name
-
-
-def _act_dtype(loaded: LoadedModel) -> str:
-    """The dtype the C step's GEMVs take their activations in ('float32' without one)."""
-    path = loaded.model.decode_path
-    return name_of(path.act_dtype if path is not None else torch.float32)
-
-
-def _backend(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) -> str:
-    kind = str(dtype).removeprefix("torch.")
-    head = head_name(loaded.model)
-    head_note = "" if head == kind else f", lm_head {head}"
-    act = _act_dtype(loaded)
-    act_note = "" if act == kind else f" ({act} in the INT4 GEMVs)"
-    kv = kv_dtype_name(loaded)
-    head_note += "" if kv == kind else f", {kv} KV cache"
-    if loaded.scheme is None:
-        return f"dense {kind} (torch){head_note}"
-    from quantkit.fused_kernels.kernel_registry import resolve_backend
-
-    # resolve_backend, not choose_backend: the kernel that ran, after any fallback.
-    return (
-        f"{loaded.describe()}, {kind} activations{act_note}, kernel "
-        f"{resolve_backend(device)}{head_note}"
-    )
 
 
 def _interpreter_progress(
@@ -129,37 +56,6 @@ def _interpreter_progress(
     )
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"cuda ({torch.cuda.get_device_name(device)})"
-    from quantkit.cpu import cpu_name
-
-    threads = torch.get_num_threads()
-    return f"cpu ({cpu_name()}, {threads} thread{'s' if threads != 1 else ''})"
-
-
-def _roofline(
-    loaded: LoadedModel, result: GenerationResult, device: torch.device
-) -> DecodeRoofline | None:
-    stats = result.stats
-    # Decode step k attends to prompt + k tokens: the mean context over the timed steps.
-    context = stats.prompt_tokens // stats.batch_size + stats.generated_tokens // 2
-    rate = stats.decode_tok_s if stats.decode_latencies_s else math.nan
-    if stats.speculation is not None and stats.speculation.tokens_per_step > 0:
-        rate /= stats.speculation.tokens_per_step  # model calls/s: each reads the weights once
-    try:
-        hardware = local_hardware(device)
-    except HardwareError:  # a GPU missing from the table: report the rate without a ceiling
-        return None
-    return decode_roofline(
-        loaded.model,
-        achieved_tok_s=rate,
-        context=context,
-        hardware=hardware,
-        batch=stats.batch_size,
-    )
-
-
 def _summary_dict(
     result: GenerationResult,
     roof: DecodeRoofline | None,
@@ -177,10 +73,10 @@ def _summary_dict(
         "bytes_per_token": None,
         "ceiling_tok_s": None,
         "mbu": None,
-        "device": _device_name(device),
+        "device": device_name(device),
         "backend": backend,
         "head_dtype": head_name(loaded.model),
-        "act_dtype": _act_dtype(loaded),
+        "act_dtype": act_dtype_name(loaded),
         "kv_dtype": kv_dtype_name(loaded),
         "model": str(loaded.path),
     }
@@ -261,39 +157,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
     help="Wrap the prompt in the tokenizer's chat template [default: chat if it has one].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object, no streaming.")
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
-@click.option(
-    "--dtype",
-    type=click.Choice(["auto", *DTYPES]),
-    default="auto",
-    show_default=True,
-    help="Activations and dense weights; auto = float32 on CPU, bfloat16 on CUDA.",
-)
-@click.option(
-    "--head-dtype",
-    type=click.Choice(["auto", *HEAD_DTYPES]),
-    default="auto",
-    show_default=True,
-    help="dtype of the lm_head matmul, for an INT4/FP8 model on a CPU; auto = int8 on CPUs "
-    "with AVX-512, where measured faster (rows rounded to int8 with a scale each, a quarter "
-    "of the fp32 bytes, perplexity +0.04%; with AVX512-VNNI the activations are int8 too, "
-    "+0.13%), else bfloat16 on a CPU with bf16 instructions, else the model's.",
-)
-@click.option(
-    "--act-dtype",
-    type=click.Choice(["auto", *ACT_DTYPE_NAMES]),
-    default="auto",
-    show_default=True,
-    help="dtype of the activations inside the INT4 GEMVs of the CPU decode step; auto = the "
-    "one measured fastest: int8 on CPUs with AVX512-VNNI (quantized per block of <= 128 "
-    "elements, multiplied in integers; measured faster on Intel Xeon and AMD Zen 4, "
-    "perplexity +0.12%), else bfloat16 on AMD CPUs with AVX512-BF16, else float32.",
-)
-@kv_dtype_option
+@runtime_options()
 @click.option("--compile", "compile_step", is_flag=True, help="torch.compile the decode step.")
-@click.option(
-    "--threads", type=int, default=None, help="CPU threads for torch [default: torch's choice]."
-)
 @click.option(
     "--schema", "schema_file", default=None, help="Output: JSON valid for this schema file."
 )
@@ -320,14 +185,6 @@ def _print_summary(summary: dict[str, Any]) -> None:
     show_default=True,
     help="Append the tokens the grammar forces without sampling, fed in one model call.",
 )
-@click.option(
-    "--speculate",
-    default="off",
-    show_default=True,
-    help="Speculative decoding: 'ngram' or 'ngram:K' drafts up to K tokens (default 4) by "
-    "prompt lookup and verifies them in one model call; greedy output is unchanged, sampling "
-    "keeps its distribution. Drafting switches itself off where drafts are not accepted.",
-)
 @click.option("--output", default=None, help="Also write the output to this file (atomically).")
 def generate_cmd(
     model: str | None,
@@ -342,21 +199,15 @@ def generate_cmd(
     stop: tuple[str, ...],
     chat: bool | None,
     as_json: bool,
-    device: str,
-    dtype: str,
-    head_dtype: str,
-    act_dtype: str,
-    kv_dtype: str,
     compile_step: bool,
-    threads: int | None,
     schema_file: str | None,
     regex: str | None,
     choices: tuple[str, ...],
     compile_timeout: float,
     grammar_engine: str,
     fast_forward: bool,
-    speculate: str,
     output: str | None,
+    runtime: Runtime,
 ) -> None:
     """Generate a completion of --prompt with MODEL_OR_CKPT (a checkpoint, a HF directory, a
     .gguf file or smollm2-135m; default: the embedded model as INT4, quantized on first use),
@@ -368,7 +219,7 @@ def generate_cmd(
     grammar, prompt = _grammar_and_prompt(
         prompt, schema_file, regex, choices, compile_timeout, grammar_engine
     )
-    spec = parse_speculate(speculate)
+    spec = runtime.speculation()
     if spec is not None and (grammar is not None or compile_step):
         raise GenerationError(
             "--speculate: expected no --schema/--regex/--choice (a grammar advances one token "
@@ -385,13 +236,10 @@ def generate_cmd(
         max_new_tokens=max_new_tokens,
         stop=tuple(stop),
     )
-    _set_threads(threads)
-    dev = _device(device)
-    options = RuntimeOptions.cli(
-        dtype=dtype, device=str(dev), head_dtype=head_dtype, act_dtype=act_dtype,
-        kv_dtype=kv_dtype,
-    )  # fmt: skip
-    loaded = _load(model, options)
+    runtime.set_threads()
+    dev = runtime.torch_device()
+    options = runtime.options(dev)
+    loaded = load(model, options)
     ids = encode_prompt(loaded.tokenizer, prompt, chat=chat)
     _warn_if_clamped(loaded, len(ids), max_new_tokens)
     eos = eos_token_ids(tokenizer=loaded.tokenizer, config=loaded.config, model_dir=loaded.path)
@@ -413,11 +261,9 @@ def generate_cmd(
             fast_forward=fast_forward and grammar is not None,
             speculate=spec,
         )
-    backend = _backend(loaded, dev, options.torch_dtype())
-    if loaded.scheme is not None and (why := pytorch_path_reason(loaded.model)) is not None:
-        backend += f"; PyTorch decode path, not the C step: {why}"
-    summary = _summary_dict(result, _roofline(loaded, result, dev), device=dev, backend=backend,
-                            loaded=loaded)  # fmt: skip
+    backend = backend_line(loaded, dev, options.torch_dtype())
+    roof = generation_roofline(loaded.model, result.stats, dev)
+    summary = _summary_dict(result, roof, device=dev, backend=backend, loaded=loaded)
     _report(summary, result, grammar, as_json=as_json, output=output)
 
 

@@ -54,7 +54,7 @@ def _pytorch_path(config: dict, scheme: QuantScheme | None) -> str | None:
         why = ModelConfig.from_dict(config).pytorch_only()
     except ModelSourceError as e:
         return str(e)
-    if why is None and (scheme is None or scheme.kind != "int4"):
+    if why is None and (scheme is None or not scheme.format.c_step):
         return "the C step runs INT4 checkpoints only"
     return why
 

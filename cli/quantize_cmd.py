@@ -11,30 +11,18 @@ from tqdm.auto import tqdm
 
 from quantkit.errors import SchemeError
 from quantkit.evals.accuracy.perplexity import perplexity
-from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import CausalLM
 from quantkit.quantize.algorithms import (
     DEFAULT_CALIB_SAMPLES,
     GPTQ_CALIB_SAMPLES,
     Algorithm,
-    algorithm_for,
 )
 from quantkit.quantize.awq import AwqConfig
 from quantkit.quantize.calibration import heldout_tokens
+from quantkit.quantize.choice import choose_scheme
 from quantkit.quantize.gptq import GptqConfig
 from quantkit.quantize.pipeline import LayerProgress, QuantizeOutcome
 from quantkit.quantize.recipe import Calibration, Hooks, Recipe, quantize_and_save
-
-
-def _group_size(value: str) -> int | str:
-    if value == "auto":
-        return "auto"
-    try:
-        return int(value)
-    except ValueError:
-        raise SchemeError(
-            f"--group-size: expected auto, 32, 64, 128 or -1, got {value!r}"
-        ) from None
 
 
 @click.command("quantize")
@@ -134,10 +122,9 @@ def quantize_cmd(
 ) -> None:
     """Quantize MODEL (a local HF directory, a .gguf file, or smollm2-135m) to a
     compressed-tensors checkpoint."""
-    ctx = click.get_current_context()
-    scheme, algorithm = _scheme_and_algorithm(
-        ctx, bits=bits, method=method, fmt=fmt, activations=activations,
-        group_size=group_size, symmetric=symmetric,
+    scheme, algorithm = choose_scheme(
+        bits=bits, method=method, fmt=fmt, activations=activations, group_size=group_size,
+        symmetric=symmetric, given=_given(click.get_current_context()),
     )  # fmt: skip
     if damp < 0:
         raise SchemeError(f"--damp: expected a fraction >= 0, got {damp}")
@@ -209,72 +196,10 @@ def _perplexity_scorer(eval_tokens: int) -> Any:
     return score
 
 
-FP8_INVALID = ("group_size", "symmetric")
-CALIBRATION = ("calib", "calib_samples", "calib_seq_len")
-AWQ_ONLY = ("search_tokens",)
-GPTQ_ONLY = ("damp", "act_order")
-
-
-def _given(ctx: click.Context, names: tuple[str, ...]) -> list[str]:
-    """The options among `names` set on the command line, as --their-names."""
+def _given(ctx: click.Context) -> set[str]:
+    """The parameters set on the command line (not defaults or the environment)."""
     source = click.core.ParameterSource.COMMANDLINE
-    return [
-        "--" + name.replace("_", "-") for name in names if ctx.get_parameter_source(name) == source
-    ]
-
-
-def _scheme_and_algorithm(
-    ctx: click.Context,
-    *,
-    bits: int,
-    method: str | None,
-    fmt: str | None,
-    activations: str,
-    group_size: str,
-    symmetric: bool,
-) -> tuple[QuantScheme, str]:
-    """Turn the options into a format and an algorithm; options that do not apply are errors,
-    not ignored."""
-    if fmt is not None:
-        implied = 8 if fmt == "fp8" else 4
-        if ctx.get_parameter_source("bits") == click.core.ParameterSource.COMMANDLINE and (
-            bits != implied
-        ):
-            raise SchemeError(f"--format {fmt} means --bits {implied}, got --bits {bits}")
-        bits = implied
-    if bits not in (4, 8):
-        raise SchemeError(f"--bits: expected 4 (int4) or 8 (fp8), got {bits}")
-    if method == "fp8":  # the name before format and algorithm were apart: fp8 + rtn
-        if bits != 8:
-            raise SchemeError(f"--method fp8 means --bits 8 --method rtn, got --bits {bits}")
-        method = "rtn"
-    kind = "int4" if bits == 4 else "fp8"
-    if kind == "fp8":
-        if given := _given(ctx, FP8_INVALID):
-            raise SchemeError(
-                f"{', '.join(given)}: INT4-only option(s), not valid with --bits 8 (fp8 uses "
-                f"one scale per output channel)"
-            )
-        scheme = QuantScheme("fp8", activations=activations)  # type: ignore[arg-type]
-    else:
-        if activations != "none":
-            raise SchemeError(
-                f"--activations {activations}: only fp8 (--bits 8) quantizes activations"
-            )
-        scheme = QuantScheme("int4", _group_size(group_size), symmetric)  # type: ignore[arg-type]
-    # 8 bits default to GPTQ, as 4 bits default to AWQ: plain rounding costs +1.3% perplexity on
-    # SmolLM2-135M FP8, GPTQ +0.45% (README).
-    algorithm = algorithm_for(method, scheme)
-    if algorithm.name != "gptq" and (given := _given(ctx, GPTQ_ONLY)):
-        raise SchemeError(f"{', '.join(given)}: GPTQ-only option(s), expected --method gptq")
-    if algorithm.name != "awq" and (given := _given(ctx, AWQ_ONLY)):
-        raise SchemeError(f"{', '.join(given)}: AWQ-only option(s), expected --method awq")
-    if not algorithm.calibrated and (given := _given(ctx, CALIBRATION)):
-        raise SchemeError(
-            f"{', '.join(given)}: calibration option(s), but --method {algorithm.name} "
-            f"uses no calibration"
-        )
-    return scheme, algorithm.name
+    return {name for name in ctx.params if ctx.get_parameter_source(name) == source}
 
 
 def _summary(
@@ -283,7 +208,7 @@ def _summary(
     t = outcome.timings
     scheme = outcome.scheme
     picked = ""
-    if scheme.kind == "int4" and group_size == "auto":
+    if scheme.format.grouped and group_size == "auto":
         picked = f" (group size auto -> {scheme.group_size})"
     click.echo("")
     click.echo(f"quantized    {report['model']} -> {out}")

@@ -11,21 +11,12 @@ from typing import TypeVar
 
 import click
 
-from quantkit.batching.types import check_prefix_cache_mb
-from quantkit.cli.generate_cmd import (
-    _device,
-    _device_name,
-    _load,
-    _set_threads,
-    kv_dtype_option,
-)
+from quantkit.cli.options import Runtime, load, runtime_options
 from quantkit.errors import GenerationError, MissingExtraError
-from quantkit.format.dtypes import DTYPES
 from quantkit.grammar.compiler import DEFAULT_TIMEOUT_S
+from quantkit.runtime.describe import device_name
 from quantkit.runtime.fast_path import pytorch_path_reason
 from quantkit.runtime.generate import eos_token_ids
-from quantkit.runtime.options import ACT_DTYPE_NAMES, RuntimeOptions
-from quantkit.runtime.speculate import parse_speculate
 
 # KV positions per slot when --context is not given: the model's window, at most this (the
 # cache holds batch_cap x context positions of every layer; 2048 keeps the embedded model's
@@ -96,7 +87,6 @@ def _off_main_thread(fn: Callable[[], T]) -> T:
     help="Most requests waiting for a slot; more get 429 with Retry-After.",
 )
 @click.option("--context", type=int, default=None, help="Prompt + output tokens per request.")
-@click.option("--threads", type=int, default=None, help="CPU threads for torch.")
 @click.option(
     "--api-key",
     envvar="QUANTKIT_API_KEY",
@@ -118,36 +108,7 @@ def _off_main_thread(fn: Callable[[], T]) -> T:
     show_default=True,
     help="Seconds a response_format schema may take to compile.",
 )
-@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
-@click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True)
-@click.option(
-    "--act-dtype",
-    type=click.Choice(["auto", *ACT_DTYPE_NAMES]),
-    default="auto",
-    show_default=True,
-)
-@kv_dtype_option
-@click.option(
-    "--speculate",
-    default="off",
-    show_default=True,
-    help="Speculative decoding: 'ngram' or 'ngram:K' (prompt lookup; requests without a "
-    "response_format or repetition penalty draft; greedy output unchanged).",
-)
-@click.option(
-    "--prefix-cache-mb",
-    type=float,
-    default=0.0,
-    show_default=True,
-    help="Reuse the K/V of prompt prefixes seen before (a shared system prompt), up to this "
-    "many MiB; 0 = off.",
-)
-@click.option(
-    "--batch-invariant",
-    is_flag=True,
-    help="Each request gets exactly the tokens it gets alone, whatever else is running "
-    "(row-invariant decode steps, prefill chunks at multiples of 8; slower batched steps).",
-)
+@runtime_options(serving=True)
 @click.option("--log-level", default="warning", show_default=True, help="uvicorn's log level.")
 def serve_cmd(
     model: str | None,
@@ -157,19 +118,12 @@ def serve_cmd(
     chunk: int,
     max_queue: int,
     context: int | None,
-    threads: int | None,
     api_key: str | None,
     served_model_name: str | None,
     drain_timeout: float,
     compile_timeout: float,
-    device: str,
-    dtype: str,
-    act_dtype: str,
-    kv_dtype: str,
-    speculate: str,
-    prefix_cache_mb: float,
-    batch_invariant: bool,
     log_level: str,
+    runtime: Runtime,
 ) -> None:
     """Serve MODEL_OR_CKPT (default: the embedded model as INT4) over OpenAI's API."""
     _require_extra()
@@ -182,16 +136,14 @@ def serve_cmd(
     _at_least(context, "--context", 2)
     if not drain_timeout >= 0:
         raise GenerationError(f"--drain-timeout: expected seconds >= 0, got {drain_timeout}")
-    spec = parse_speculate(speculate)
-    check_prefix_cache_mb(prefix_cache_mb, option="--prefix-cache-mb")
-    _set_threads(threads)
+    spec = runtime.speculation()
+    prefix_cache_mb = runtime.prefix_cache()
+    runtime.set_threads()
     sock = bind(host, port)  # a port in use fails now, not after the model loads
-    dev = _device(device)
-    options = RuntimeOptions.cli(
-        dtype=dtype, device=str(dev), act_dtype=act_dtype, kv_dtype=kv_dtype
-    )
-    loaded = _off_main_thread(lambda: _load(model, options))
-    if batch_invariant and (why := pytorch_path_reason(loaded.model)) is not None:
+    dev = runtime.torch_device()
+    options = runtime.options(dev)
+    loaded = _off_main_thread(lambda: load(model, options))
+    if runtime.batch_invariant and (why := pytorch_path_reason(loaded.model)) is not None:
         raise GenerationError(
             f"--batch-invariant: expected a model on the C decode step, got the PyTorch path: {why}"
         )
@@ -215,12 +167,12 @@ def serve_cmd(
         compile_timeout_s=compile_timeout,
         speculate=spec,
         prefix_cache_mb=prefix_cache_mb,
-        batch_invariant=batch_invariant,
+        batch_invariant=runtime.batch_invariant,
     )
     app = create_app(settings, loaded)
     bound_host, bound_port = sock.getsockname()[:2]
     click.echo(
-        f"serving {name} ({loaded.describe()}) on {_device_name(dev)}: batch cap {batch_cap}, "
+        f"serving {name} ({loaded.describe()}) on {device_name(dev)}: batch cap {batch_cap}, "
         f"chunk {chunk or 'off'}, context {ctx}, queue {max_queue}, speculate "
         f"{spec.describe() if spec else 'off'}, prefix cache "
         f"{f'{prefix_cache_mb:g} MiB' if prefix_cache_mb else 'off'}",

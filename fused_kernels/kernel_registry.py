@@ -5,12 +5,12 @@ being asked, and why it cannot run a scheme on a device (`can_implement` -> reas
 it can). Its kernel file is imported only once it is tried: choosing never imports what cannot
 run (Triton on CPU tensors without the interpreter). Today's entries, per kind in this order:
 
-- `triton`: the fused Triton kernels (`w4a16_triton`, `fp8_triton`), for CUDA tensors, or CPU
+- `triton`: the fused Triton kernels (`triton.w4a16`, `triton.fp8`), for CUDA tensors, or CPU
   tensors under `TRITON_INTERPRET=1` (tests; fp16/fp32 only). FP8 W8A8 needs fp8 tensor cores
   (sm_89+); without them a W8A8 layer runs as W8A16 and warns once (`prepared_linear`).
-- `cpu`: the compiled C GEMVs + dequantize/MKL prefill (`w4a16_cpu`, `fp8_cpu`); built with gcc
+- `cpu`: the compiled C GEMVs + dequantize/MKL prefill (`cpu.w4a16`, `cpu.fp8`); built with gcc
   on first use and cached under $QUANTKIT_HOME. FP8 W8A8 runs with the GPU kernel's numerics.
-- `reference`: dequantize and matmul in fp32 (`w4a16_reference`, `fp8_reference`); runs
+- `reference`: dequantize and matmul in fp32 (`reference.w4a16`, `reference.fp8`); runs
   anywhere, slowly.
 
 `choose_kernel(scheme, device, override)`: the wanted backend is `override`, else
@@ -191,17 +191,17 @@ def compiled_blocker(available: str) -> Blocker:
 # --------------------------------------------------------------------------- the registry
 
 KERNELS: tuple[Kernel, ...] = (
-    Kernel("triton-int4", "triton", ("int4",), "w4a16_triton", "w4a16_linear_triton",
+    Kernel("triton-int4", "triton", ("int4",), "triton.w4a16", "w4a16_linear_triton",
            devices=("cuda",), blocker=triton_blocker),
-    Kernel("triton-fp8", "triton", ("fp8",), "fp8_triton", "fp8_linear_triton",
+    Kernel("triton-fp8", "triton", ("fp8",), "triton.fp8", "fp8_linear_triton",
            devices=("cuda",), blocker=triton_blocker, w8a8="fp8_dot_supported"),
-    Kernel("cpu-int4", "cpu", ("int4",), "w4a16_cpu", "w4a16_linear_cpu", layer="CpuInt4Layer",
+    Kernel("cpu-int4", "cpu", ("int4",), "cpu.w4a16", "w4a16_linear_cpu", layer="CpuInt4Layer",
            devices=("cpu",), blocker=compiled_blocker("cpu_kernel_available")),
-    Kernel("cpu-fp8", "cpu", ("fp8",), "fp8_cpu", "fp8_linear_cpu", layer="CpuFp8Layer",
+    Kernel("cpu-fp8", "cpu", ("fp8",), "cpu.fp8", "fp8_linear_cpu", layer="CpuFp8Layer",
            devices=("cpu",), blocker=compiled_blocker("fp8_cpu_available")),
-    Kernel("reference-int4", "reference", ("int4",), "w4a16_reference", "w4a16_linear_reference",
+    Kernel("reference-int4", "reference", ("int4",), "reference.w4a16", "w4a16_linear_reference",
            takes_check=False),
-    Kernel("reference-fp8", "reference", ("fp8",), "fp8_reference", "fp8_linear_reference",
+    Kernel("reference-fp8", "reference", ("fp8",), "reference.fp8", "fp8_linear_reference",
            takes_check=False),
 )  # fmt: skip
 BACKENDS: tuple[str, ...] = tuple(dict.fromkeys(k.backend for k in KERNELS))

@@ -2,11 +2,11 @@
 
 A greedy small model can loop inside an unbounded string ("/type/type/type...") or number
 ("1000000...") until `max_new_tokens` runs out, leaving an unfinished document. Bounding every
-string in the grammar would make the index far larger (see `regex_parts`), so instead the
-processor watches the budget: once the tokens left come within `WINDOW` of the bytes that
-completing the document needs, it allows only tokens after which completion still fits (a
-token's bytes are walked through the plan; in free text only single-byte tokens are tried), and
-when nothing fits any more, only the tokens that get closest to completion.
+string in the grammar would make the index far larger (see `outlines.schema_regex.regex_parts`), so
+instead the processor watches the budget: once the tokens left come within `WINDOW` of the bytes
+that completing the document needs, it allows only tokens after which completion still fits (a
+token's bytes are walked through the plan; in free text only single-byte tokens are tried), and when
+nothing fits any more, only the tokens that get closest to completion.
 
 The distances come from a second index of the same regex over the 256 single bytes: its states
 are the same automaton states as the token index's (the same regex gives the same DFA; checked

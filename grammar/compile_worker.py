@@ -1,9 +1,9 @@
 """Build outlines-core Indexes in a child process, so the parent can enforce a time limit.
 
 outlines-core builds an index in native code that cannot be interrupted from Python, and some
-regexes take minutes and gigabytes (see `regex_parts`). Run here, a compile that runs past
-`--compile-timeout` is killed with its process, and an address-space limit turns a runaway
-allocation into a failed request instead of the machine running out of memory.
+regexes take minutes and gigabytes (see `outlines.schema_regex.regex_parts`). Run here, a compile
+that runs past `--compile-timeout` is killed with its process, and an address-space limit turns a
+runaway allocation into a failed request instead of the machine running out of memory.
 
 The child is long-lived: it serves one request per line on stdin and answers one line on
 stdout, so a benchmark compiling hundreds of grammars pays the interpreter start-up (~0.3 s,

@@ -2,8 +2,9 @@
 
 Engines (`ENGINES`; `compile_grammar(engine=...)`, the CLI's --grammar-engine):
 
-- "llguidance" (`llg_engine`): compiles the JSON schema itself in milliseconds; what it cannot
-  represent exactly it refuses, naming the keyword, or (`llg_schema`) narrows with a note;
+- "llguidance" (`llguidance.engine`): compiles the JSON schema itself in milliseconds; what it
+  cannot represent exactly it refuses, naming the keyword, or (`llguidance.schema`) narrows with
+  a note;
 - "outlines": outlines-core's token index of a regex (a schema is lowered to one first, possibly
   narrowed: each narrowing is a note, shown as a warning);
 - "auto", the default. The rule, from JSONSchemaBench (225 schemas, 15 categories x 15, the
@@ -20,7 +21,7 @@ Engines (`ENGINES`; `compile_grammar(engine=...)`, the CLI's --grammar-engine):
 outlines-core, the details:
 
 Building an Index walks every token of the vocabulary through the regex's automaton: from 10 ms
-to minutes, and up to gigabytes (see `regex_parts`). So:
+to minutes, and up to gigabytes (see `outlines.schema_regex.regex_parts`). So:
 
 - the build runs in a child process (`compile_worker`, started once and reused) that is killed
   when `timeout_s` runs out; an allocation past `memory_limit_bytes` fails inside it; either
@@ -122,7 +123,7 @@ class CompiledGrammar:
         return tuple(notes)
 
     def new_row(self) -> Any:
-        """A fresh matcher for one sequence (`OutlinesRow` or `llg_engine.LlgRow`)."""
+        """A fresh matcher for one sequence (`OutlinesRow` or `llguidance.engine.LlgRow`)."""
         if self.engine == "llguidance":
             return self.index.new_row()
         return OutlinesRow(self.index)

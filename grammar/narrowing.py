@@ -5,8 +5,8 @@ llguidance refuses instead of narrowing), except one: an object's declared prope
 produced in declaration order only (JSON Schema allows any order; both engines' grammars fix
 it, measured: `{"age":3,"name":"B"}` is rejected when `name` is declared first). For
 outlines-core this module finds where that applies, so it is reported as a warning like the
-others; llguidance gets objects in any order where it can afford them (`schema_order`) and
-reports what is left (`schema_order.Orders`, this module's note for wholly ordered ones).
+others; llguidance gets objects in any order where it can afford them (`llguidance.order`) and
+reports what is left (`llguidance.order.Orders`, this module's note for wholly ordered ones).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The grammar as a `LogitsProcessor`: one matcher per row (either engine), a bitmask per step.
 
 Each row is an `OutlinesRow` (an outlines-core Guide) or an `LlgRow` (an llguidance matcher,
-wrapped in a `distinct_items.DistinctRow` where uniqueItems is checked on the text),
+wrapped in a `llguidance.distinct_items.DistinctRow` where uniqueItems is checked on the text),
 from its CompiledGrammar's `new_row`; a batch may mix them, since both fill the same int32
 bitmask layout. Each call (one per decode step, as `quantkit.runtime.sampling.LogitsProcessor`
 requires):

@@ -1,6 +1,6 @@
-"""`uniqueItems` beside llguidance (`distinct_items`): the rows refuse the token that would
-complete a repeated array item, equal as JSON Schema compares values (1 and 1.0, objects in any
-key order), clear it from the mask so sampling never picks it, and say when the check reaches
+"""`uniqueItems` beside llguidance (`llguidance.distinct_items`): the rows refuse the token that
+would complete a repeated array item, equal as JSON Schema compares values (1 and 1.0, objects in
+any key order), clear it from the mask so sampling never picks it, and say when the check reaches
 arrays the schema lets repeat items."""
 
 from __future__ import annotations

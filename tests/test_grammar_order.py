@@ -1,4 +1,4 @@
-"""Objects in any key order for llguidance (`schema_order.any_order`): the rewrite is exact
+"""Objects in any key order for llguidance (`llguidance.order.any_order`): the rewrite is exact
 (every order of a small object's keys accepted, nothing invalid gained); a larger object's
 optional keys come in any order (as exact-name patterns) and its required ones first or all in
 declaration order (noted); bounded (objects a `$ref` points into, or whose own patterns may

@@ -1,6 +1,7 @@
-"""Schema rewrites before llguidance (`llg_schema`, `schema_negation`): each one, on small real
-schemas, compiled by llguidance and walked token by token: the valid instances are accepted,
-the invalid ones rejected; a narrowed rewrite says so in a note, an exact one never does."""
+"""Schema rewrites before llguidance (`llguidance.schema`, `llguidance.negation`): each one, on
+small real schemas, compiled by llguidance and walked token by token: the valid instances are
+accepted, the invalid ones rejected; a narrowed rewrite says so in a note, an exact one never
+does."""
 
 from __future__ import annotations
 
@@ -137,7 +138,7 @@ def test_unique_items_over_a_few_constants_is_listed_exactly(vocab) -> None:
         {"type": "array", "items": {"type": "string"}},
         [],
         True,
-    )  # the rows check it (`distinct_items`)
+    )  # the rows check it (`llguidance.distinct_items`)
 
 
 def test_a_property_named_like_a_keyword_is_a_name() -> None:

@@ -192,7 +192,7 @@ def test_can_implement_says_why_not() -> None:
 
 
 def test_a_new_backend_is_one_entry(monkeypatch) -> None:
-    new = Kernel("mine-int4", "mine", ("int4",), "w4a16_reference", "w4a16_linear_reference",
+    new = Kernel("mine-int4", "mine", ("int4",), "reference.w4a16", "w4a16_linear_reference",
                  devices=("cpu",), takes_check=False)  # fmt: skip
     monkeypatch.setattr(kernel_registry, "KERNELS", (new, *KERNELS))
     w = torch.randn(48, 128, generator=torch.Generator().manual_seed(0))

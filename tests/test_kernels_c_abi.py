@@ -108,7 +108,7 @@ def _name(t: type | None) -> str:
 
 
 def _want(ct: CType, structs: dict[str, type]) -> type | None:
-    """The ctypes type a C type is declared as: see `cpu_abi`'s docstring."""
+    """The ctypes type a C type is declared as: see `cpu.abi`'s docstring."""
     base, depth = ct
     if depth == 0:
         if base in _SCALARS:

@@ -1,12 +1,16 @@
 """The layers of ARCHITECTURE.md, enforced: each package imports only what its rule allows.
 
-    cli -> server -> grammar; cli -> evals; grammar, evals -> serving, perf -> quantize
+    cli -> evals -> http_api -> grammar -> batching, perf -> quantize
         -> runtime -> fused_kernels -> sources -> models -> format -> paths, cpu -> errors
     (cache_manifest, beside paths: the damage check of cached model directories; it imports
     nothing of quantkit, and sources and everything above it may import it)
 
 Read an arrow as "may import". A package may import itself and everything its rule lists;
 anything else, in particular anything above it, fails this test with the offending line.
+
+Inside a package: no two modules import each other in a circle (every import counts, those
+under `if TYPE_CHECKING:` and inside functions too), each sub-package keeps to its rule in
+SUBRULES, and no CLI command imports another command's private names.
 """
 
 from __future__ import annotations
@@ -43,15 +47,20 @@ RULES: dict[str, frozenset[str]] = {
     "quantize": frozenset({*_CORE, "fused_kernels", "runtime"}),
     "perf": frozenset({*_CORE, "fused_kernels", "runtime"}),
     "batching": frozenset({*_CORE, "fused_kernels", "runtime", "perf"}),
-    # The core never imports grammar (generate takes any LogitsProcessor); evals measures
-    # everything below the HTTP layer, grammar included (evals/grammar/ benchmarks it).
+    # The core never imports grammar (generate takes any LogitsProcessor).
     "grammar": frozenset({*_CORE, "fused_kernels", "runtime", "quantize", "perf", "batching"}),
-    "evals": frozenset(
-        {*_CORE, "fused_kernels", "runtime", "quantize", "perf", "batching", "grammar"}
-    ),
     # The HTTP server: the serving engine plus grammar for `response_format`.
     "http_api": frozenset(
         {*_CORE, "fused_kernels", "runtime", "quantize", "perf", "batching", "grammar"}
+    ),
+    # evals measures everything below the CLI: grammar (evals/grammar/) and the HTTP layer
+    # (evals/speed/http_load replays a workload against a running server) included.
+    "evals": frozenset(
+        {
+            *_CORE,
+            *("fused_kernels", "runtime", "quantize", "perf", "batching", "grammar"),
+            "http_api",
+        }
     ),
     "cli": frozenset(
         {
@@ -137,7 +146,8 @@ def test_no_forbidden_imports(module: str, path: Path) -> None:
         ("quantkit.runtime.loader", "from quantkit.quantize.awq import awq_quantize", 1),
         ("quantkit.perf.roofline", "from quantkit.batching.types import DecodeStep", 1),
         ("quantkit.grammar.compiler", "from quantkit.evals.accuracy.harness import x", 1),
-        ("quantkit.evals.accuracy.harness", "from quantkit.http_api import app", 1),
+        ("quantkit.evals.accuracy.harness", "from quantkit.cli.options import load", 1),
+        ("quantkit.http_api.app", "from quantkit.evals.common import git_commit", 1),
         ("quantkit.runtime.generate", "from quantkit.nowhere import x", 1),
         # allowed: downward, sideways into itself, the version
         ("quantkit.runtime.loader", "from quantkit.format.checkpoint import load_checkpoint", 0),
@@ -301,3 +311,33 @@ def test_the_sub_rules_catch_a_bad_import() -> None:
         f"{_GR}.outlines.schema_regex.objects": {f"{_GR}.outlines.lowering"},
     }
     assert len(sub_violations(graph)) == 3
+
+
+def private_imports(module: str, source: str) -> list[str]:
+    """`from quantkit.cli.X import _name` in a CLI module other than X: a command borrowing
+    another command's internals instead of a shared module."""
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("quantkit.cli."):
+            if node.module == module:
+                continue
+            bad += [
+                f"{module}:{node.lineno} imports {node.module}.{a.name}"
+                for a in node.names
+                if a.name.startswith("_")
+            ]
+    return bad
+
+
+def test_no_command_imports_another_commands_private_names() -> None:
+    found = [
+        line
+        for module, path in _modules()
+        if module.startswith("quantkit.cli.")
+        for line in private_imports(module, path.read_text())
+    ]
+    assert found == []
+    example = "from quantkit.cli.generate_cmd import _load, generate_cmd"
+    assert private_imports("quantkit.cli.bench_cmd", example) == [
+        "quantkit.cli.bench_cmd:1 imports quantkit.cli.generate_cmd._load"
+    ]

@@ -1,6 +1,6 @@
 """The benchmark's model side: load the model (or only its tokenizer) and generate a batch of
 outputs under their grammars, with and without fast-forward. Kept apart from
-`bench_jsonschema` so both stay small.
+`jsonschema` so both stay small.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """JSONSchemaBench on the embedded model, per grammar engine: coverage, soundness, mask cost,
 validity of finished outputs, token limit, fast-forward.
 
-For a fixed sample of schemas across the benchmark's categories (`bench_data.sample_schemas`),
+For a fixed sample of schemas across the benchmark's categories (`data.sample_schemas`),
 each engine asked for (--engine, repeatable: auto, llguidance, outlines; default all three, on
 the same schemas in one run):
 
@@ -19,7 +19,7 @@ the same schemas in one run):
 4. mask overhead in the decode loop: the processor's time per step and its share of the step;
 5. cached recompile (outlines-core): each index loaded again from disk, as a second run would.
 
-The report (`bench_report`) gives each of these per category and in total, per engine, then one
+The report (`report`) gives each of these per category and in total, per engine, then one
 comparison line per engine. With --json the report is rewritten (atomically) after every schema.
 
 Usage: python -m quantkit.evals.grammar.jsonschema [--data DIR] [--engine E ...] [--limit N]

@@ -8,7 +8,7 @@ Terms (as in the JSONSchemaBench paper, Geng et al. 2025):
 - empirical coverage: schemas with a finished, valid output / schemas tried
   (= declared coverage x compliance).
 
-Kept apart from `bench_jsonschema` (which runs the benchmark) so both stay small.
+Kept apart from `jsonschema` (which runs the benchmark) so both stay small.
 """
 
 from __future__ import annotations

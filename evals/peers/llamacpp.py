@@ -28,7 +28,7 @@ the same seeded workload at each concurrency with `quantkit bench --server URL -
 greedy, `ignore_eos`. The table has output tok/s and TPOT p50/p99 per engine and concurrency.
 The load generator shares the cores with the server, the same for both engines.
 
-Every subprocess is stopped on the way out, Ctrl-C included (`peer_build.Children`). Results
+Every subprocess is stopped on the way out, Ctrl-C included (`build.Children`). Results
 never gate anything.
 """
 

@@ -32,7 +32,7 @@ I8I8_MAX_M = 16
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     try:
-        return cpu_abi.load("qk_bf16_gemv")  # typed by `cpu_abi`
+        return cpu_abi.load("qk_bf16_gemv")  # typed by `abi`
     except KernelUnavailableError:
         return None
 

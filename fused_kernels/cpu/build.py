@@ -203,7 +203,7 @@ def _intact(lib: Path) -> bool:
 
 def load_kernels(name: str, entry: str, *, variant: str | None = None) -> ctypes.CDLL:
     """Build (if needed) and dlopen the library for `csrc/<entry>`. The caller sets the
-    functions' ctypes types (`cpu_abi.load` does both)."""
+    functions' ctypes types (`abi.load` does both)."""
     return ctypes.CDLL(str(build_kernels(name, entry, variant=variant)))
 
 

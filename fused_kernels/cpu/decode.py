@@ -36,7 +36,7 @@ __all__ = [
     "int8_activations_available",
 ]
 
-# The phases of a layer that `decode_phases` times (csrc/decode.c, enum PH_*, in its order):
+# The phases of a layer that `speed.decode_phases` times (csrc/decode.c, enum PH_*, in its order):
 # "norm" holds the RMSNorms and residual adds, "permute" the activations' rearrangement (and
 # bf16 rounding) before each GEMV, "rope_kv" the rotary embedding and the K/V cache write.
 PHASES = ("norm", "permute", "qkv", "rope_kv", "attention", "o", "gate_up", "silu", "down")
@@ -178,7 +178,7 @@ class CpuDecodeStep:
             self.cache_rows, CACHE_FORMATS[kind][0], dims.eps,
         )  # fmt: skip
         self.hidden, self.head_dim = dims.hidden, dims.head_dim
-        lib = _library()  # qk_decode_work, qk_decode_step: typed by `cpu_abi`
+        lib = _library()  # qk_decode_work, qk_decode_step: typed by `abi`
         if act_dtype not in ACT_CODES:
             raise ValueError(
                 f"act_dtype: expected torch.float32, torch.bfloat16 or torch.int8, got {act_dtype}"

@@ -11,14 +11,14 @@ of weight plus the scales.
 - larger M: `qk_fp8_dequant` writes fp32 row chunks of w8 * s (bit-identical to
   `quantkit.format.packing.dequantize_fp8`) and MKL multiplies them; with bf16 activations on CPUs
   with bf16 matmul instructions the chunks are rounded to bf16 and oneDNN multiplies (as
-  `w4a16_cpu`).
+  `w4a16`).
 - W8A8 (`act_dynamic`): no CPU multiplies fp8, so W8A8 is emulated with the GPU kernel's
   numerics: each activation row is rounded to fp8 with its own scale (bit-identical to
   `quantkit.format.packing.quantize_fp8_per_token`, in C), the fp8 products are exact in fp32 and
   the sum is scaled by sx * sw. It is as fast as W8A16 here, not faster: its use on CPU is to
   measure what W8A8 costs in accuracy.
 
-The reference of the same function is `fp8_reference.fp8_linear_reference`; tests hold this
+The reference of the same function is `reference.fp8.fp8_linear_reference`; tests hold this
 launcher to it.
 """
 
@@ -42,11 +42,11 @@ from quantkit.fused_kernels.cpu.w4a16 import has_bf16_matmul
 GEMV_MAX_M = {"avx512": 128, "avx2": 32, "generic": 0}
 # bf16 activations on a CPU with bf16 matmul instructions (oneDNN's bf16 matmul beats fp32 MKL).
 GEMV_MAX_M_BF16 = 64
-# fp32 rows dequantized per MKL call in the prefill path (as `w4a16_cpu`).
+# fp32 rows dequantized per MKL call in the prefill path (as `w4a16`).
 _PREFILL_CHUNK_BYTES = 8 << 20
 
 
-# The compiled kernels (csrc/fp8.c, typed by `cpu_abi`): _library(variant=None).
+# The compiled kernels (csrc/fp8.c, typed by `abi`): _library(variant=None).
 _library = cpu_launch.library_loader("qk_fp8_cpu")
 
 
@@ -196,7 +196,7 @@ def fp8_linear_cpu(
 class CpuFp8Layer(cpu_launch.BoundGemvLayer):
     """One FP8 linear bound to the C GEMV once; a call passes only x and the output.
 
-    As `w4a16_cpu.CpuInt4Layer`: at SmolLM2 sizes decode is dominated by per-call overhead, so
+    As `w4a16.CpuInt4Layer`: at SmolLM2 sizes decode is dominated by per-call overhead, so
     the checks, the NaN-code scan, contiguity fixes and the static kernel arguments are settled
     here, at load time. Holds references to the tensors it was built from; build a new one if
     the layer's tensors are replaced.

@@ -1,7 +1,7 @@
-"""What the CPU launchers (`w4a16_cpu`, `fp8_cpu`, `bf16_gemv_cpu`) share around their compiled
+"""What the CPU launchers (`w4a16`, `fp8`, `bf16_gemv`) share around their compiled
 C kernels.
 
-- `library_loader(name)`: the loader of one library of `cpu_abi` (built on first use, loaded
+- `library_loader(name)`: the loader of one library of `abi` (built on first use, loaded
   once per variant), and `loads(library)`: whether it builds and loads here.
 - `check_status`: the kernels' return values (`csrc/quantkit_kernels.h`) as exceptions.
 - `rows_stride`: a tensor with unit stride along its last dim (the kernels index rows by stride).
@@ -43,7 +43,7 @@ def interleave16(t: torch.Tensor, *, fill: int = 0) -> torch.Tensor:
 
 
 def library_loader(name: str) -> Callable[..., ctypes.CDLL]:
-    """library(variant=None): library `name` of `cpu_abi` for `variant` (default: the best this
+    """library(variant=None): library `name` of `abi` for `variant` (default: the best this
     CPU runs), built on first use (one gcc call, cached on disk); functools.cache keeps the
     loaded handle, not tensors."""
 

@@ -10,8 +10,8 @@ the checkpoint's `weight_packed` + `weight_scale` (+ `weight_zero_point`).
   the fastest prefill on CPUs without bf16 instructions, see ARCHITECTURE.md); with bf16 activations
   on CPUs with bf16 matmul instructions the chunks are rounded to bf16 and oneDNN multiplies.
 
-The kernel is built once per machine by `cpu_build` (needs gcc). The reference of the same
-function is `w4a16_reference.w4a16_linear_reference`; tests hold this launcher to it.
+The kernel is built once per machine by `build` (needs gcc). The reference of the same
+function is `reference.w4a16.w4a16_linear_reference`; tests hold this launcher to it.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def _variant(variant: str | None) -> str:
 
 
 # The compiled kernels for a variant: _library(variant=None). One library: the decode step
-# (`decode_cpu`, csrc/decode.c) calls the GEMV's static functions; its functions are typed from
-# `cpu_abi` (csrc/quantkit_kernels.h).
+# (`decode`, csrc/decode.c) calls the GEMV's static functions; its functions are typed from
+# `abi` (csrc/quantkit_kernels.h).
 _library = cpu_launch.library_loader("qk_w4a16_cpu")
 
 

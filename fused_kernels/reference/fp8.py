@@ -1,6 +1,6 @@
 """Pure-torch reference of the FP8 linear (W8A16 and dynamic per-token W8A8).
 
-The oracle of the FP8 kernels (`fp8_cpu`, `fp8_triton`) and the `reference-fp8` entry of
+The oracle of the FP8 kernels (`cpu.fp8`, `triton.fp8`) and the `reference-fp8` entry of
 `kernel_registry`.
 Weights are compressed-tensors `float-quantized`: float8_e4m3fn [N, K] with a per-output-channel
 scale [N, 1] (see `quantkit.format.packing`).

@@ -1,8 +1,8 @@
 """Block configurations of the Triton W4A16 kernels, as data.
 
 Decode (M <= 16) and prefill tune separately: `m_bucket` maps M to a bucket, and
-`gemv_configs(bucket)` / `gemm_configs(bucket)` return the `triton.Config` candidates that
-`triton.autotune` tries on a GPU for that bucket. Under `TRITON_INTERPRET=1` nothing is tuned:
+`gemv_configs(bucket)` / `gemm_configs(bucket)` return the `Config` candidates that
+`autotune` tries on a GPU for that bucket. Under `TRITON_INTERPRET=1` nothing is tuned:
 `interpreter_config` returns one fixed `BlockConfig`. Importing this module does not import
 Triton; only the two `*_configs` functions do.
 
@@ -133,7 +133,7 @@ _GEMM_TILES = {
 
 
 def gemv_configs(bucket: int) -> list[Any]:
-    """Autotune candidates (`triton.Config`) of the split-K GEMV for an M bucket (1..16)."""
+    """Autotune candidates (`Config`) of the split-K GEMV for an M bucket (1..16)."""
     tiles = _GEMV_TILES[1 if bucket <= 1 else 4 if bucket <= 4 else 16]
     return [
         _triton_config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s}, warps, stages)

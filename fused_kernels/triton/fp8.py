@@ -25,7 +25,7 @@ interpreter's cast truncates where rounding carries into the exponent (7.95 -> 4
 `tl.math.div_rn` (IEEE, as torch's) rather than `/`, which may lower to an approximate
 division on GPUs.
 
-As `w4a16_triton`: this module imports Triton at its top; under `TRITON_INTERPRET=1` (set before
+As `w4a16`: this module imports Triton at its top; under `TRITON_INTERPRET=1` (set before
 import) the kernels run on CPU tensors, fp16/fp32 only (numpy has no bf16).
 """
 

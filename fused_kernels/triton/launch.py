@@ -1,4 +1,4 @@
-"""What the Triton launchers (`w4a16_triton`, `fp8_triton`) share around their own kernels.
+"""What the Triton launchers (`w4a16`, `fp8`) share around their own kernels.
 
 `is_interpreted`, `check_device` (the device, and the dtype under the interpreter),
 `check_launch` (+ `path`), `rows` (x as [M, K] and the path M takes), `gemv_buffer`, `launch`

@@ -4,7 +4,7 @@ W is read as compressed-tensors stores it (see `quantkit.format.packing`), with 
 `weight_packed` int32 [N, ceil(K/8)] (nibble of element k of a row: word k // 8, bits
 4 * (k % 8)), `weight_scale` [N, K/G], `weight_zero_point` int32 [ceil(N/8), K/G] packed along
 N (row n: word n // 8, bits 4 * (n % 8)), or no zero point (symmetric). Each K step of BLOCK_K
-elements lies inside one group (the launcher keeps BLOCK_K <= G, see `w4a16_configs`), so a
+elements lies inside one group (the launcher keeps BLOCK_K <= G, see `configs`), so a
 step needs one scale and zero point per output row.
 
 Dequantization happens in registers: nibble u -> (u - z) * s with z = 8 + zp the stored
@@ -23,7 +23,7 @@ interpreter and for fp32 activations).
 
 This module imports Triton at its top (the kernels are decorated at import); nothing imports it
 except `kernel_registry` and tests, lazily. Under `TRITON_INTERPRET=1` (set before this module is
-imported: `triton.jit` reads it at decoration time) the kernels run on CPU tensors.
+imported: `jit` reads it at decoration time) the kernels run on CPU tensors.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ an array belongs to (through anyOf, $ref, ...). Where the schema also allows arr
 notes it.
 
 Object keys: llguidance lets the key of a pattern property repeat (`{"a":1,"a":2}`), and the
-larger objects' optional properties become patterns (`schema_order`), so those rows also
+larger objects' optional properties become patterns (`order`), so those rows also
 refuse a key its object has already (compared as written, quotes included). `fill` looks the
 tokens to clear up rather than trying the mask: inside a key, those that begin with the rest
 of an ended key and its closing quote (built once as each key ends, by the key's text so far);
@@ -327,7 +327,7 @@ def _set_bits(words: np.ndarray) -> np.ndarray:
 
 
 class DistinctRow:
-    """An llguidance row (`llg_engine.LlgRow`) whose arrays hold distinct items (items) and
+    """An llguidance row (`engine.LlgRow`) whose arrays hold distinct items (items) and
     whose objects hold distinct keys (keys)."""
 
     engine = "llguidance"

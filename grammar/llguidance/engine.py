@@ -81,7 +81,7 @@ def _greedy_encoder(vocabulary: TokenVocabulary) -> Any:
 
 
 class _Wrapped:
-    """The object `llguidance.TokenizerWrapper` reads: bytes per id, EOS, special ids, encoder."""
+    """The object `TokenizerWrapper` reads: bytes per id, EOS, special ids, encoder."""
 
     def __init__(self, vocabulary: TokenVocabulary) -> None:
         self.eos_token_id = vocabulary.outlines_eos
@@ -172,13 +172,13 @@ def _grammar_text(grammar: Grammar, schema: Any, options: dict[str, Any]) -> str
 
 def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list[str], Any]:
     """(is_error, llguidance's messages, grammar text, notes, (the template matcher, (whether
-    rows must check distinct array items, distinct object keys))), settling what `llg_schema`
+    rows must check distinct array items, distinct object keys))), settling what `schema`
     can:
     `not`, `if`/`then`/`else` and overlapping `oneOf`s in positive keywords (exact, or narrower
     and noted); a oneOf proven exclusive is read as anyOf (exact); dependency keywords are
     rewritten into a narrower schema (noted); uniqueItems is listed exactly or left to the
     rows' check (`distinct_items`); objects take their keys in any
-    order where `schema_order.any_order` can afford it (exact), and the rest are noted."""
+    order where `order.any_order` can afford it (exact), and the rest are noted."""
     llg = import_llguidance()
     # Exact rewrites, then the narrowed ones for `not`, `if` and overlapping `oneOf` (noted).
     schema, notes = llguidance_schema(grammar.schema)

@@ -13,16 +13,16 @@ schemas) it was the largest cause of valid test instances rejected (most of the 
   and every order of every subset of the keys is a subsequence of some permutation, so every
   key order is produced.
 - more: the optional properties become `patternProperties`, each matching exactly its name
-  (same schema for the same keys, same other keys for additionalProperties: exact), which
-  llguidance takes in any order after the declared ones. With no required property that is
-  every order. Otherwise the required ones stay declared (in every order when 3 or fewer, else
-  in declaration order), so they come first; the object as written stays one more anyOf form,
-  so documents in declaration order (often sorted by name, required and optional interleaved)
-  stay accepted; what is left is noted. llguidance lets a pattern's key repeat, so the rows
-  then refuse a repeated key (`distinct_items`). An object whose own patterns may match one
-  of the names (two schemas would apply), or that says minProperties, stays ordered; where
-  llguidance finds a name overlapping a pattern merged in from elsewhere (allOf, $ref), the
-  whole schema is compiled again with larger objects ordered (`patterns=False`).
+  (same schema for the same keys, same other keys for additionalProperties: exact), which llguidance
+  takes in any order after the declared ones. With no required property that is every order.
+  Otherwise the required ones stay declared (in every order when 3 or fewer, else in declaration
+  order), so they come first; the object as written stays one more anyOf form, so documents in
+  declaration order (often sorted by name, required and optional interleaved) stay accepted; what is
+  left is noted. llguidance lets a pattern's key repeat, so the rows then refuse a repeated key
+  (`distinct_items`). An object whose own patterns may match one of the names (two
+  schemas would apply), or that says minProperties, stays ordered; where llguidance finds a name
+  overlapping a pattern merged in from elsewhere (allOf, $ref), the whole schema is compiled again
+  with larger objects ordered (`patterns=False`).
 
 Bounded, because the grammar grows by the copies:
 - permutations of at most `MAX_PROPERTIES` properties (3: 6 copies). Measured on

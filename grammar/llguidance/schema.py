@@ -373,7 +373,7 @@ def _trivial_nots(node: Any) -> Any:
 
 def without_negation(schema: Any, *, exact_only: bool = False) -> tuple[Any, list[str]]:
     """`schema` with `not`, `if`/`then`/`else` and the `oneOf`s not proven exclusive written
-    with positive keywords (`schema_negation`), and a note for each one that is narrower than
+    with positive keywords (`negation`), and a note for each one that is narrower than
     the schema (exact_only: those are left as they are). A few passes, so a complement reached
     through a `$ref` sees the rewritten definitions."""
     notes: list[str] = []

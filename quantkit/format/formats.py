@@ -21,3 +21,12 @@ def format_for(kind: str) -> WeightFormat:
     if fmt is None:
         raise SchemeError(f"kind: expected one of {', '.join(FORMATS)}, got {kind!r}")
     return fmt
+
+
+def format_for_bits(bits: int) -> WeightFormat:
+    """The format `--bits` names; anything else is a SchemeError listing the choices."""
+    for fmt in FORMATS.values():
+        if fmt.bits == bits:
+            return fmt
+    choices = " or ".join(f"{f.bits} ({f.kind})" for f in FORMATS.values())
+    raise SchemeError(f"--bits: expected {choices}, got {bits}")

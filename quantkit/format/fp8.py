@@ -51,6 +51,9 @@ def fp8_tensors(w8: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dtype) ->
 class Fp8Format(WeightFormat):
     kind = "fp8"
     bits = 8
+    grouped = False
+    dynamic_activations = True
+    c_step = False
     ct_type = "float"
     # compressed-tensors' own inference names FP8 without activation quantization
     # naive-quantized; the tensors are identical (same compressor class), so both read the same.

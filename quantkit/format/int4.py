@@ -72,6 +72,9 @@ def int4_tensors(
 class Int4Format(WeightFormat):
     kind = "int4"
     bits = 4
+    grouped = True
+    dynamic_activations = False
+    c_step = True
     ct_type = "int"
     ct_formats = ("pack-quantized",)
 

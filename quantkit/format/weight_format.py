@@ -59,6 +59,14 @@ class WeightFormat(ABC):
 
     kind: str  # QuantScheme.kind
     bits: int
+    # Codes share a scale per group of input channels, so a group size and the choice of zero
+    # points apply (`--group-size`, `--symmetric`).
+    grouped: bool
+    # Activations can be quantized at run time too (`--activations dynamic`: W8A8).
+    dynamic_activations: bool
+    # The CPU's one-call decode step (fused_kernels/cpu/decode) runs layers of this format, and
+    # Linears that share an input can be stored as one by stacking their rows (runtime.fusion).
+    c_step: bool
     ct_type: str  # compressed-tensors `weights.type`
     ct_formats: tuple[str, ...]  # config `format` names read; the first is written
 

@@ -60,7 +60,7 @@ ACT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torc
 
 def _cpu_int4(module: object) -> object | None:
     """The bound C kernel of an INT4 QuantLinear on the cpu backend, else None."""
-    if not isinstance(module, QuantLinear) or module.scheme.kind != "int4":
+    if not isinstance(module, QuantLinear) or not module.scheme.format.c_step:
         return None
     prepared = module._prepared()
     return prepared.run if prepared.backend == "cpu" else None

@@ -61,7 +61,7 @@ def fuse(parts: Sequence[nn.Module]) -> FusedLinear | None:
         return None
     if all(type(p) is nn.Linear for p in parts):
         return _fuse_dense(parts)
-    if all(isinstance(p, QuantLinear) and p.scheme.kind == "int4" for p in parts):
+    if all(isinstance(p, QuantLinear) and p.scheme.format.c_step for p in parts):
         return _fuse_int4(parts)  # type: ignore[arg-type]
     return None
 

@@ -40,7 +40,7 @@ from quantkit.runtime.quant_linear import QuantLinear
 HEAD_DTYPES = {**DTYPES, "int8": torch.int8}
 
 
-# Rows up to which a bf16 head on fp32 activations takes the C GEMV (`bf16_gemv_cpu`) rather
+# Rows up to which a bf16 head on fp32 activations takes the C GEMV (`cpu.bf16_gemv`) rather
 # than oneDNN: a decode step's rows and a prefill's last one. SmolLM2's 49152 x 576 head, 2
 # threads, called back to back (the weight stays in L3), C vs oneDNN: 1 row 0.74 vs 2.38 ms,
 # 8 rows 0.90 vs 3.10, 16 rows 1.66 vs 3.75, 64 rows 6.04 vs 7.23. Inside a decode step, where

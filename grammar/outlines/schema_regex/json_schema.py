@@ -9,7 +9,7 @@ outlines-core handles exactly:
 - `$ref` (local, `#/...` or the root `$id`) is inlined; recursion is cut after `max_ref_depth`
   expansions by dropping the optional property / union branch / array items that recurse
   (a required recursion that deep is an error);
-- `allOf` is merged into one schema (`schema_merge`); `anyOf`/`oneOf` siblings are distributed
+- `allOf` is merged into one schema (`merge`); `anyOf`/`oneOf` siblings are distributed
   into the branches; `oneOf` is accepted only where its branches cannot overlap;
 - leaves (strings, numbers, integers, enum, const) become placeholder constants whose regexes
   come from `regex_parts` and are substituted into outlines-core's output;

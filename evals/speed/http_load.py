@@ -18,15 +18,18 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from quantkit.batching.metrics import summarize
 from quantkit.batching.types import EngineConfig, RequestResult, RunResult
-from quantkit.batching.workload import Request
+from quantkit.batching.workload import Request, make_workload
+from quantkit.evals.speed.serving import BenchConfig
 from quantkit.http_api.protocol import ServerError
 
 __all__ = ["ServerInfo", "probe", "replay", "warm_up"]
@@ -179,3 +182,49 @@ def warm_up(info: ServerInfo, request: Request, *, api_key: str | None = None) -
     """One short request first, as the in-process bench warms up before timing."""
     short = Request(request.id, request.prompt, min(request.max_new_tokens, 4), 0.0)
     replay(info, [short], clients=1, api_key=api_key)
+
+
+def bench_over_http(
+    info: ServerInfo,
+    config: BenchConfig,
+    *,
+    vocab_size: int,
+    max_total: int,
+    source_tokens: Sequence[int] | None,
+    clients: int,
+    api_key: str | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+) -> list[dict[str, Any]]:
+    """`quantkit bench --server URL`: the base workload of `config` at each of its rates,
+    replayed against the server `info` describes, one record per rate in the shape of the
+    in-process bench's (`quantkit.evals.speed.serving`), so one table shows both. The prompts
+    are the very token ids the in-process bench feeds the engine (`vocab_size`, `max_total` and
+    `source_tokens` come from the served model's config and tokenizer)."""
+    records = []
+    for rate in config.rates:
+        spec = config.workload(rate, long=False)
+        requests = make_workload(
+            spec, vocab_size=vocab_size, max_total=max_total, source_tokens=source_tokens
+        )
+        warm_up(info, requests[0], api_key=api_key)
+        run = replay(info, requests, clients=clients, api_key=api_key)
+        done = [r for r in run.requests if r.token_times_s]
+        record = {
+            "mode": "http",
+            "batch_cap": info.batch_cap,
+            "rate": "inf" if math.isinf(rate) else rate,
+            "chunked_prefill": info.chunk is not None,
+            "chunk": info.chunk,
+            "long_prompts": False,
+            "workload": spec.describe(),
+            "clients": clients,
+            **summarize(run, slo=config.slo).to_dict(),
+            "samples": {
+                "ttft_ms": [round(1e3 * r.ttft_s, 3) for r in done],
+                "tpot_ms": [round(1e3 * g, 3) for r in done for g in r.gaps_s],
+            },
+        }
+        records.append(record)
+        if on_record is not None:
+            on_record(record)
+    return records
