@@ -206,46 +206,21 @@ def _prompt_tokens(tokenizer: object) -> list[int] | None:
 @click.option("--api-key", envvar="QUANTKIT_API_KEY", default=None, help="With --server.")
 def bench_cmd(
     ckpt: str | None,
-    batch_caps: str,
-    rates: str,
-    modes: str,
-    requests: int,
-    prompt_len: str,
-    output_len: str,
-    long_prompts: str,
-    chunk: int,
-    chunk_rate: str | None,
-    admission_limit: int | None,
-    slo_ttft: str,
-    slo_tpot: str,
-    seed: int,
     prompts: str,
-    shared_prefix: int,
     json_file: str | None,
     plot_dir: str | None,
     server: str | None,
     clients: int,
     api_key: str | None,
     runtime: Runtime,
+    **workload: Any,
 ) -> None:
     """Throughput vs latency of CKPT (a checkpoint, HF directory, .gguf or smollm2-135m;
     default: the embedded model as INT4) under a synthetic load, static and continuous batching,
     with and without chunked prefill: tok/s, TTFT/TPOT p50/p95/p99, goodput, MBU."""
+    # The workload options (every other keyword), checked with the engine's options.
     config = _config(
-        batch_caps=batch_caps,
-        rates=rates,
-        modes=modes,
-        requests=requests,
-        prompt_len=prompt_len,
-        output_len=output_len,
-        long_prompts=long_prompts,
-        chunk=chunk,
-        chunk_rate=chunk_rate,
-        admission_limit=admission_limit,
-        slo_ttft=slo_ttft,
-        slo_tpot=slo_tpot,
-        seed=seed,
-        shared_prefix=shared_prefix,
+        **workload,
         speculate=runtime.speculate,
         prefix_cache_mb=runtime.prefix_cache_mb,
         batch_invariant=runtime.batch_invariant,
@@ -261,23 +236,8 @@ def bench_cmd(
             json_file=json_file,
         )
         return
-    if plot_dir is not None:
-        from quantkit.evals.speed.plots import require_matplotlib
-
-        require_matplotlib()  # fail now, not after minutes of benchmarking
-        if Path(plot_dir).exists() and not Path(plot_dir).is_dir():
-            raise GenerationError(
-                f"--plot: expected a directory (or one to create), got the file {plot_dir}"
-            )
-    runtime.set_threads()
-    dev = runtime.torch_device()
-    loaded = load(ckpt, runtime.options(dev))
-    tokens = None
-    if prompts == "text" and loaded.tokenizer is not None:
-        tokens = _prompt_tokens(loaded.tokenizer)
-    meta = _meta(loaded, dev, text_prompts=tokens is not None)
-    click.echo(f"model   {meta['model']} ({meta['scheme']}) on {meta['device_name']}", err=True)
-    report = run_bench(loaded.model, config, source_tokens=tokens, on_record=_progress, meta=meta)
+    _check_plot_dir(plot_dir)
+    report = _bench_in_process(ckpt, config, runtime, text_prompts=prompts == "text")
     _print_report(report)
     if json_file is not None:
         write_json_atomic(Path(json_file), report)
@@ -288,6 +248,34 @@ def bench_cmd(
         for path in write_plots(report, Path(plot_dir)):
             click.echo(f"wrote {path}")
     sys.stdout.flush()
+
+
+def _check_plot_dir(plot_dir: str | None) -> None:
+    """--plot's needs, checked before minutes of benchmarking: matplotlib, a usable folder."""
+    if plot_dir is None:
+        return
+    from quantkit.evals.speed.plots import require_matplotlib
+
+    require_matplotlib()
+    if Path(plot_dir).exists() and not Path(plot_dir).is_dir():
+        raise GenerationError(
+            f"--plot: expected a directory (or one to create), got the file {plot_dir}"
+        )
+
+
+def _bench_in_process(
+    ckpt: str | None, config: BenchConfig, runtime: Runtime, *, text_prompts: bool
+) -> dict[str, Any]:
+    """Load CKPT and replay the workload through the engine in this process."""
+    runtime.set_threads()
+    dev = runtime.torch_device()
+    loaded = load(ckpt, runtime.options(dev))
+    tokens = None
+    if text_prompts and loaded.tokenizer is not None:
+        tokens = _prompt_tokens(loaded.tokenizer)
+    meta = _meta(loaded, dev, text_prompts=tokens is not None)
+    click.echo(f"model   {meta['model']} ({meta['scheme']}) on {meta['device_name']}", err=True)
+    return run_bench(loaded.model, config, source_tokens=tokens, on_record=_progress, meta=meta)
 
 
 def _meta(loaded: LoadedModel, dev: torch.device, *, text_prompts: bool) -> dict[str, Any]:

@@ -31,3 +31,11 @@ def write_json_atomic(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as tmp:
         tmp.write_text(json.dumps(data, indent=1))
+
+
+def print_and_save(results: Any, table: str, json_path: str | Path | None) -> None:
+    """The tail of every study and benchmark script: print its table, and write the results as
+    JSON (atomically) when `--json PATH` was given."""
+    print(table)
+    if json_path:
+        write_json_atomic(Path(json_path), results)

@@ -16,13 +16,12 @@ embedded model as INT4. A benchmark, not a test: about a minute on a 2-core CPU.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
 from quantkit.evals.accuracy.perplexity import perplexity
+from quantkit.evals.common import print_and_save
 from quantkit.models.decoder import CausalLM
 from quantkit.quantize.calibration import heldout_tokens
 from quantkit.runtime.fast_path import (
@@ -118,9 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = measure(args.ckpt, tokens=args.tokens, window=args.window)
-    print(format_rows(rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    print_and_save(rows, format_rows(rows), args.json)
 
 
 if __name__ == "__main__":

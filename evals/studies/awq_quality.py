@@ -13,13 +13,13 @@ every number. A benchmark, not a test: it takes minutes per seed on a 2-core CPU
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import time
 from pathlib import Path
 
 from quantkit.evals.accuracy.perplexity import perplexity
+from quantkit.evals.common import print_and_save
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import build_model
 from quantkit.quantize.algorithms import DEFAULT_CALIB_SAMPLES, GPTQ_CALIB_SAMPLES
@@ -147,9 +147,7 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     results = run(args)
-    print(table(results))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    print_and_save(results, table(results), args.json)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ A benchmark, not a test: minutes per variant on a 2-core CPU.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import time
 from dataclasses import replace
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.evals.accuracy.perplexity import perplexity
+from quantkit.evals.common import print_and_save
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import build_model
 from quantkit.quantize.calibration import calibration_samples, heldout_tokens, wiki_split
@@ -127,9 +127,7 @@ def main() -> None:
     args = p.parse_args()
     args.variant = args.variant or [""]
     results = run(args)
-    print(table(results))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+    print_and_save(results, table(results), args.json)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,13 @@ checkpoint with the quantized head, the same tensors `quantize --quantize-head` 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from quantkit.evals.accuracy.perplexity import perplexity
+from quantkit.evals.common import print_and_save
 from quantkit.format.checkpoint import (
     dequantize_checkpoint_tensors,
     load_checkpoint,
@@ -150,9 +150,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     results = run(args)
-    print(table(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    print_and_save(results, table(results), args.json)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from quantkit.evals.common import print_and_save
 from quantkit.perf.roofline import model_kv_bytes_per_token
 from quantkit.quantize.calibration import heldout_tokens
 from quantkit.quantize.embedded import ensure_embedded_int4
@@ -144,9 +145,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     results = run(args)
-    print(table(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    print_and_save(results, table(results), args.json)
 
 
 if __name__ == "__main__":
