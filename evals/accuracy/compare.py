@@ -126,6 +126,25 @@ def _name(spec: str, taken: set[str]) -> str:
     return name
 
 
+@dataclass(frozen=True)
+class _EvalPlan:
+    """How every model is scored: the same tasks, text, options and lm-eval entry points."""
+
+    task_names: list[str]
+    limit: int | None
+    metadata: dict[str, str] | None  # for the tasks' data loaders
+    lm_options: dict[str, Any]  # QuantkitLM's batching options
+    held: torch.Tensor | None  # held-out tokens for perplexity and agreement; None: skipped
+    window: int
+    max_batch_tokens: int
+    add_bos_token: bool | None
+    dtype: torch.dtype
+    cache_dir: str | Path | None
+    progress: bool
+    lm_class: Callable[..., Any]  # QuantkitLM, imported once lm-eval may be
+    evaluate: Callable[..., dict]  # the harness's simple_evaluate
+
+
 def compare_models(
     checkpoints: Sequence[str | Path],
     *,
@@ -158,90 +177,37 @@ def compare_models(
     from quantkit.evals.accuracy.lm_eval_model import QuantkitLM
 
     say = log or (lambda _msg: None)
-    if not checkpoints:
-        raise EvalError("checkpoints: expected at least one checkpoint to compare, got none")
-    if limit is not None and limit < 1:
-        raise EvalError(f"--limit: expected an integer >= 1, got {limit}")
-    if ppl_tokens and ppl_tokens < window + 1:
-        raise EvalError(
-            f"--ppl-tokens: expected 0 or more than the window ({window}), got {ppl_tokens}"
-        )
+    _check_arguments(checkpoints, limit=limit, ppl_tokens=ppl_tokens, window=window)
     task_names = resolve_task_names(list(tasks))
     specs = [str(reference), *(str(c) for c in checkpoints)]
-    tokenizers = _check_tokenizers(specs)
-    taken: set[str] = set()
-    names = ["reference", *(_name(s, taken) for s in specs[1:])]
-    for name, tok in zip(names[1:], tokenizers[1:], strict=True):
-        _same_vocab(tokenizers[0], tok, name)
+    names, tokenizers = _names_and_tokenizers(specs)
     check_task_data(task_names, data_dir)  # a bad row: one line now, not after a model loads
     held = None
     if ppl_tokens:
         from quantkit.quantize.calibration import heldout_tokens
 
         held = heldout_tokens(tokenizers[0], max_tokens=ppl_tokens)
-    metadata = {"data_dir": str(data_dir)} if data_dir else None
-    lm_options = dict(
-        batch_size=batch_size,
+    plan = _EvalPlan(
+        task_names=task_names,
+        limit=limit,
+        metadata={"data_dir": str(data_dir)} if data_dir else None,
+        lm_options=dict(
+            batch_size=batch_size,
+            max_batch_tokens=max_batch_tokens,
+            add_bos_token=add_bos_token,
+            progress=progress,
+        ),
+        held=held,
+        window=window,
         max_batch_tokens=max_batch_tokens,
         add_bos_token=add_bos_token,
+        dtype=dtype,
+        cache_dir=cache_dir,
         progress=progress,
+        lm_class=QuantkitLM,
+        evaluate=simple_evaluate,
     )
-
-    ref_loaded: LoadedModel | None = None
-    results: list[ModelResult] = []
-    for i, (spec, name) in enumerate(zip(specs, names, strict=True)):
-        say(f"[{i + 1}/{len(specs)}] {name}: {spec}")
-        start = time.perf_counter()
-        loaded = load_model(spec, dtype=dtype)
-        lm = QuantkitLM(pretrained=loaded, **lm_options)
-        cache = None
-        if cache_dir is not None:
-            Path(cache_dir).mkdir(parents=True, exist_ok=True)
-            key = _fingerprint(loaded, {"add_bos_token": add_bos_token, "dtype": str(dtype)})
-            cache = str(Path(cache_dir) / f"{Path(loaded.path).name}-{key}")
-        raw = simple_evaluate(
-            lm,
-            task_names,
-            limit=limit,
-            metadata=metadata,
-            bootstrap_iters=1000,
-            use_cache=cache,
-        )
-        values, better = _metrics(raw)
-        ppl = agreement = None
-        if held is not None:
-            with torch.inference_mode():
-                ppl = perplexity(
-                    loaded.model,
-                    held,
-                    window=window,
-                    batch_size=max(1, max_batch_tokens // window),
-                    progress=progress,
-                )
-                if ref_loaded is not None:
-                    # batch 1: two [B, window, vocab] fp32 log-prob tensors are alive at once.
-                    agreement = compare_logits(
-                        ref_loaded.model, loaded.model, held, window=window, batch_size=1
-                    )
-        scheme = loaded.describe()
-        raw = {k: raw[k] for k in ("results", "configs", "versions", "n-samples") if k in raw}
-        results.append(
-            ModelResult(
-                name=name,
-                path=str(loaded.path),
-                scheme=scheme,
-                metrics=values,
-                higher_is_better=better,
-                lm_eval=raw,
-                perplexity=ppl,
-                agreement=agreement,
-                seconds=time.perf_counter() - start,
-            )
-        )
-        say(f"[{i + 1}/{len(specs)}] {name}: done in {results[-1].seconds:.0f} s")
-        if ref_loaded is None:
-            ref_loaded = loaded  # kept for the logit comparison
-        del lm, loaded
+    results = _score_all(plan, specs, names, say)
     settings = {
         "tasks": task_names,
         "limit": limit,
@@ -251,6 +217,101 @@ def compare_models(
         "dtype": str(dtype).removeprefix("torch."),
     }
     return Comparison(results[0], results[1:], _rows(task_names, results[0], results[1:]), settings)
+
+
+def _check_arguments(
+    checkpoints: Sequence[str | Path], *, limit: int | None, ppl_tokens: int, window: int
+) -> None:
+    if not checkpoints:
+        raise EvalError("checkpoints: expected at least one checkpoint to compare, got none")
+    if limit is not None and limit < 1:
+        raise EvalError(f"--limit: expected an integer >= 1, got {limit}")
+    if ppl_tokens and ppl_tokens < window + 1:
+        raise EvalError(
+            f"--ppl-tokens: expected 0 or more than the window ({window}), got {ppl_tokens}"
+        )
+
+
+def _names_and_tokenizers(specs: list[str]) -> tuple[list[str], list[Any]]:
+    """Each model's table name ("reference", then the checkpoints' distinct names) and its
+    tokenizer, every checkpoint's checked to be the reference's."""
+    tokenizers = _check_tokenizers(specs)
+    taken: set[str] = set()
+    names = ["reference", *(_name(s, taken) for s in specs[1:])]
+    for name, tok in zip(names[1:], tokenizers[1:], strict=True):
+        _same_vocab(tokenizers[0], tok, name)
+    return names, tokenizers
+
+
+def _score_all(
+    plan: _EvalPlan, specs: list[str], names: list[str], say: Callable[[str], None]
+) -> list[ModelResult]:
+    """Score the models one at a time, the reference first: only the reference stays loaded
+    beside the model being scored, for the logit comparison."""
+    ref_loaded: LoadedModel | None = None
+    results: list[ModelResult] = []
+    for i, (spec, name) in enumerate(zip(specs, names, strict=True)):
+        say(f"[{i + 1}/{len(specs)}] {name}: {spec}")
+        result, loaded = _score_model(plan, spec, name, ref_loaded)
+        results.append(result)
+        say(f"[{i + 1}/{len(specs)}] {name}: done in {results[-1].seconds:.0f} s")
+        if ref_loaded is None:
+            ref_loaded = loaded  # kept for the logit comparison
+        del loaded
+    return results
+
+
+def _score_model(
+    plan: _EvalPlan, spec: str, name: str, ref_loaded: LoadedModel | None
+) -> tuple[ModelResult, LoadedModel]:
+    """Load one model and score it: lm-eval on the tasks, then perplexity and (for a
+    checkpoint) its agreement with the reference on the held-out text."""
+    start = time.perf_counter()
+    loaded = load_model(spec, dtype=plan.dtype)
+    lm = plan.lm_class(pretrained=loaded, **plan.lm_options)
+    cache = None
+    if plan.cache_dir is not None:
+        Path(plan.cache_dir).mkdir(parents=True, exist_ok=True)
+        key = _fingerprint(loaded, {"add_bos_token": plan.add_bos_token, "dtype": str(plan.dtype)})
+        cache = str(Path(plan.cache_dir) / f"{Path(loaded.path).name}-{key}")
+    raw = plan.evaluate(
+        lm,
+        plan.task_names,
+        limit=plan.limit,
+        metadata=plan.metadata,
+        bootstrap_iters=1000,
+        use_cache=cache,
+    )
+    values, better = _metrics(raw)
+    ppl = agreement = None
+    if plan.held is not None:
+        with torch.inference_mode():
+            ppl = perplexity(
+                loaded.model,
+                plan.held,
+                window=plan.window,
+                batch_size=max(1, plan.max_batch_tokens // plan.window),
+                progress=plan.progress,
+            )
+            if ref_loaded is not None:
+                # batch 1: two [B, window, vocab] fp32 log-prob tensors are alive at once.
+                agreement = compare_logits(
+                    ref_loaded.model, loaded.model, plan.held, window=plan.window, batch_size=1
+                )
+    scheme = loaded.describe()
+    raw = {k: raw[k] for k in ("results", "configs", "versions", "n-samples") if k in raw}
+    result = ModelResult(
+        name=name,
+        path=str(loaded.path),
+        scheme=scheme,
+        metrics=values,
+        higher_is_better=better,
+        lm_eval=raw,
+        perplexity=ppl,
+        agreement=agreement,
+        seconds=time.perf_counter() - start,
+    )
+    return result, loaded
 
 
 def _rows(tasks: list[str], ref: ModelResult, cands: list[ModelResult]) -> list[Row]:

@@ -191,7 +191,7 @@ def format_table(rows: list[Row], *, bandwidth: float) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m quantkit.evals.speed.decode")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -207,35 +207,22 @@ def main(argv: list[str] | None = None) -> None:
         help="an INT4 checkpoint of the embedded model (default: the cached AWQ one, made on "
         "first use)",
     )
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    return parser.parse_args(argv)
 
-    import transformers
 
-    from quantkit.cpu import cpu_name
-    from quantkit.perf.hardware import local_hardware
-    from quantkit.perf.roofline import model_kv_bytes_per_token, model_read_bytes
+# (kind, model or None when not loaded, weights label): what quantkit rows are run on.
+_Engine = tuple[str, Any, str]
+_Runner = Callable[[], tuple[float, float]]
+
+
+def _engines(args: argparse.Namespace, int4: Any, dense: Any, scheme: str) -> list[_Engine]:
+    """quantkit's engines: INT4 with the fp32 head, then (unless skipped) INT4 with the head
+    and activations `auto` picks when they differ, then dense."""
     from quantkit.quantize.embedded import ensure_embedded_int4
     from quantkit.runtime.head import set_head_dtype
     from quantkit.runtime.loader import load_model
-    from quantkit.sources.resolve import DEFAULT_MODEL, embedded_gguf_path, resolve_model
 
-    dense_dir = resolve_model(DEFAULT_MODEL)
-    int4 = load_model(args.int4 or ensure_embedded_int4())
-    scheme = int4.describe()
-    ids = int4.tokenizer.encode(PROMPT)
-    if args.profile:
-        print(profile_decode(int4.model, ids))
-        return
-
-    dense = None
-    if "dense" not in args.skip or "transformers" not in args.skip:
-        dense = load_model(dense_dir, tokenizer=False).model  # also sizes the transformers row
-    hf = None
-    if "transformers" not in args.skip:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
-        hf.eval()
-    engines = [("int4", int4.model, f"{scheme}, fp32 head"), ("dense", dense, "fp32 dense")]
+    engines = [("int4", int4, f"{scheme}, fp32 head"), ("dense", dense, "fp32 dense")]
     if "int4" not in args.skip:
         # The head is half of the INT4 model's traffic: show the CLI's default beside the fp32
         # head, not only the faster one (its head and GEMV activations as `auto` picks them).
@@ -250,8 +237,18 @@ def main(argv: list[str] | None = None) -> None:
         if (head, act) != (torch.float32, torch.float32):
             label = f"{scheme}, {names[head]} head, {names[act]} act"
             engines.insert(1, ("int4", narrow, label))
+    return engines
+
+
+def _runners(
+    args: argparse.Namespace, ids: list[int], engines: list[_Engine], *, hf: Any, dense: Any
+) -> list[tuple[Row, _Runner]]:
+    """One row and its runner per batch size and engine (eager, then compiled when asked),
+    with transformers last in each batch size."""
+    from quantkit.perf.roofline import model_kv_bytes_per_token, model_read_bytes
+
     modes = [False, True] if args.compile else [False]
-    runners: list[tuple[Row, Callable[[], tuple[float, float]]]] = []
+    runners: list[tuple[Row, _Runner]] = []
     for batch in args.batch:
         context = len(ids) + args.new_tokens // 2  # mean cache length over the decode steps
 
@@ -276,20 +273,29 @@ def main(argv: list[str] | None = None) -> None:
             runners.append(
                 (row, _transformers_runner(hf, ids, batch=batch, new_tokens=args.new_tokens))
             )
+    return runners
+
+
+def _measure(runners: list[tuple[Row, _Runner]], *, repeats: int) -> list[Row]:
+    """Warm every runner up once, then run them round-robin `repeats` times."""
     for _, run in runners:
         run()  # warm-up: kernel builds, compilation, first-touch page faults
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         for row, run in runners:
             tok_s, ttft = run()
             row.tok_s.append(tok_s)
             row.ttft_ms.append(ttft)
-    rows = [row for row, _ in runners]
-    gguf = embedded_gguf_path()
-    for row in _llama_cpp_rows(
-        gguf, threads=args.threads, new_tokens=args.new_tokens, repeats=args.repeats
-    ):
-        row.bytes_per_step = _gguf_read_bytes(gguf)
-        rows.append(row)
+    return [row for row, _ in runners]
+
+
+def _report(args: argparse.Namespace, rows: list[Row], ids: list[int]) -> None:
+    """Print the setup, the versions and the table; write the JSON when asked."""
+    import transformers
+
+    from quantkit.cpu import cpu_name
+    from quantkit.perf.hardware import local_hardware
+    from quantkit.sources.resolve import DEFAULT_MODEL
+
     hardware = local_hardware("cpu")
     print(
         f"decode benchmark: {DEFAULT_MODEL}, {len(ids)} prompt tokens + {args.new_tokens} new, "
@@ -313,6 +319,42 @@ def main(argv: list[str] | None = None) -> None:
             "prompt_tokens": len(ids),
         }
         args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    import transformers
+
+    from quantkit.quantize.embedded import ensure_embedded_int4
+    from quantkit.runtime.loader import load_model
+    from quantkit.sources.resolve import DEFAULT_MODEL, embedded_gguf_path, resolve_model
+
+    dense_dir = resolve_model(DEFAULT_MODEL)
+    int4 = load_model(args.int4 or ensure_embedded_int4())
+    scheme = int4.describe()
+    ids = int4.tokenizer.encode(PROMPT)
+    if args.profile:
+        print(profile_decode(int4.model, ids))
+        return
+
+    dense = None
+    if "dense" not in args.skip or "transformers" not in args.skip:
+        dense = load_model(dense_dir, tokenizer=False).model  # also sizes the transformers row
+    hf = None
+    if "transformers" not in args.skip:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(dense_dir, dtype=torch.float32)
+        hf.eval()
+    engines = _engines(args, int4.model, dense, scheme)
+    rows = _measure(_runners(args, ids, engines, hf=hf, dense=dense), repeats=args.repeats)
+    gguf = embedded_gguf_path()
+    for row in _llama_cpp_rows(
+        gguf, threads=args.threads, new_tokens=args.new_tokens, repeats=args.repeats
+    ):
+        row.bytes_per_step = _gguf_read_bytes(gguf)
+        rows.append(row)
+    _report(args, rows, ids)
 
 
 if __name__ == "__main__":

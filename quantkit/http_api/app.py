@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,38 +121,27 @@ def _install_errors(app: FastAPI) -> None:
 def create_app(settings: ServerSettings, loaded: LoadedModel) -> FastAPI:
     metrics = ServerMetrics(slots=settings.batch_cap)
     grammars = GrammarCache(loaded, set(settings.eos_ids), timeout_s=settings.compile_timeout_s)
+    # Shared by the lifespan, which sets both, and the routes, which read them.
     state: dict[str, Any] = {"loop": None, "closing": False}
+    lifespan = _lifespan(settings, loaded, metrics, state)
+    app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(_CountStatus, metrics=metrics)
+    _install_errors(app)
+    # The key is checked before the body is validated: no key, no details.
+    guarded = [Depends(_authorizer(settings))]
+    _add_generation_routes(app, settings, loaded, grammars, state, guarded)
+    _add_info_routes(app, settings, metrics, state, guarded)
+    return app
+
+
+def _lifespan(
+    settings: ServerSettings, loaded: LoadedModel, metrics: ServerMetrics, state: dict[str, Any]
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the engine loop runs from startup until shutdown."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        running = asyncio.get_running_loop()
-
-        def dispatch(batch: list[tuple[LiveRequest, TokenEvent]]) -> None:
-            for live, event in batch:
-                if live.sink is not None:
-                    live.sink.put_nowait(event)
-
-        def deliver(batch: list[tuple[LiveRequest, TokenEvent]]) -> None:
-            try:
-                running.call_soon_threadsafe(dispatch, batch)
-            except RuntimeError:  # the event loop is closed: nobody is left to tell
-                pass
-
-        loop = EngineLoop(
-            loaded.model,
-            EngineConfig(
-                batch_cap=settings.batch_cap,
-                chunk=settings.chunk,
-                speculate=settings.speculate,
-                prefix_cache_mb=settings.prefix_cache_mb,
-                batch_invariant=settings.batch_invariant,
-            ),
-            max_len=settings.context,
-            max_queue=settings.max_queue,
-            deliver=deliver,
-            observer=metrics,
-        )
-        loop.start()
+        loop = _start_engine(settings, loaded, metrics, asyncio.get_running_loop())
         state["loop"] = loop
         try:
             yield
@@ -161,15 +150,56 @@ def create_app(settings: ServerSettings, loaded: LoadedModel) -> FastAPI:
             state["closing"] = True
             await asyncio.to_thread(loop.shutdown, deadline_s=1.0)
 
-    app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(_CountStatus, metrics=metrics)
-    _install_errors(app)
+    return lifespan
 
-    def engine() -> EngineLoop:
-        loop = state["loop"]
-        if loop is None or state["closing"]:
-            raise ServerError("the server is shutting down", status=503, type="server_error")
-        return loop
+
+def _start_engine(
+    settings: ServerSettings,
+    loaded: LoadedModel,
+    metrics: ServerMetrics,
+    running: asyncio.AbstractEventLoop,
+) -> EngineLoop:
+    """Start the engine on its own thread; its token events are handed to the requests' queues
+    on `running`, the server's event loop (asyncio queues are not thread-safe)."""
+
+    def dispatch(batch: list[tuple[LiveRequest, TokenEvent]]) -> None:
+        for live, event in batch:
+            if live.sink is not None:
+                live.sink.put_nowait(event)
+
+    def deliver(batch: list[tuple[LiveRequest, TokenEvent]]) -> None:
+        try:
+            running.call_soon_threadsafe(dispatch, batch)
+        except RuntimeError:  # the event loop is closed: nobody is left to tell
+            pass
+
+    loop = EngineLoop(
+        loaded.model,
+        EngineConfig(
+            batch_cap=settings.batch_cap,
+            chunk=settings.chunk,
+            speculate=settings.speculate,
+            prefix_cache_mb=settings.prefix_cache_mb,
+            batch_invariant=settings.batch_invariant,
+        ),
+        max_len=settings.context,
+        max_queue=settings.max_queue,
+        deliver=deliver,
+        observer=metrics,
+    )
+    loop.start()
+    return loop
+
+
+def _engine(state: dict[str, Any]) -> EngineLoop:
+    loop = state["loop"]
+    if loop is None or state["closing"]:
+        raise ServerError("the server is shutting down", status=503, type="server_error")
+    return loop
+
+
+def _authorizer(settings: ServerSettings) -> Callable[[HttpRequest], None]:
+    """The routes' dependency that checks the API key (none set: every request passes)."""
 
     def authorize(http: HttpRequest) -> None:
         if settings.api_key is None:
@@ -186,20 +216,35 @@ def create_app(settings: ServerSettings, loaded: LoadedModel) -> FastAPI:
                 code="invalid_api_key",
             )
 
-    def check_model(name: str) -> None:
-        if name != settings.model_name:
-            raise ServerError(
-                f"The model `{name}` does not exist; this server serves `{settings.model_name}`",
-                status=404,
-                param="model",
-                code="model_not_found",
-            )
+    return authorize
+
+
+def _check_model(settings: ServerSettings, name: str) -> None:
+    if name != settings.model_name:
+        raise ServerError(
+            f"The model `{name}` does not exist; this server serves `{settings.model_name}`",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _add_generation_routes(
+    app: FastAPI,
+    settings: ServerSettings,
+    loaded: LoadedModel,
+    grammars: GrammarCache,
+    state: dict[str, Any],
+    guarded: list[Any],
+) -> None:
+    """POST /v1/completions and /v1/chat/completions: one request into the engine, answered
+    as JSON or as a stream of server-sent events."""
 
     async def generate(
         body: CompletionRequest | ChatCompletionRequest, http: HttpRequest
     ) -> Response:
-        check_model(body.model)
-        loop = engine()
+        _check_model(settings, body.model)
+        loop = _engine(state)
         prepared = prepare(
             body,
             tokenizer=loaded.tokenizer,
@@ -224,9 +269,6 @@ def create_app(settings: ServerSettings, loaded: LoadedModel) -> FastAPI:
         gen = Generation(body, prepared, live, settings.model_name)
         return await respond(gen, http, loop)
 
-    # The key is checked before the body is validated: no key, no details.
-    guarded = [Depends(authorize)]
-
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(body: CompletionRequest, http: HttpRequest) -> Response:
         return await generate(body, http)
@@ -235,6 +277,15 @@ def create_app(settings: ServerSettings, loaded: LoadedModel) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Response:
         return await generate(body, http)
 
+
+def _add_info_routes(
+    app: FastAPI,
+    settings: ServerSettings,
+    metrics: ServerMetrics,
+    state: dict[str, Any],
+    guarded: list[Any],
+) -> None:
+    """GET /v1/models (and one model's card), /health and /metrics."""
     started = int(time.time())
 
     def model_card() -> dict[str, Any]:
@@ -252,7 +303,7 @@ def create_app(settings: ServerSettings, loaded: LoadedModel) -> FastAPI:
 
     @app.get("/v1/models/{name:path}", dependencies=guarded)
     async def model(name: str) -> dict[str, Any]:
-        check_model(name)
+        _check_model(settings, name)
         return model_card()
 
     @app.get("/health")
@@ -275,5 +326,3 @@ def create_app(settings: ServerSettings, loaded: LoadedModel) -> FastAPI:
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-    return app

@@ -200,6 +200,55 @@ def _search_clip(w: torch.Tensor, x: torch.Tensor, *, scheme: QuantScheme, cfg: 
     return best.T.contiguous()
 
 
+@dataclass(frozen=True)
+class _SearchPicks:
+    """The calibration subsets the searches run on, drawn once for all layers."""
+
+    seqs: torch.Tensor  # whole sequences: the attention search and the layer-output MSE
+    tokens: torch.Tensor  # sorted flat token indices: the token-wise modules' search
+    clip_rows: torch.Tensor  # rows of the kept `tokens`: the clip search
+
+
+def _draw_picks(n_seq: int, seq_len: int, cfg: AwqConfig) -> _SearchPicks:
+    # One generator seeded once, drawn in this order: the picks are a function of cfg.seed.
+    gen = torch.Generator().manual_seed(cfg.seed)
+    search_seqs = max(1, min(n_seq, cfg.search_tokens // seq_len))
+    seq_pick = torch.randperm(n_seq, generator=gen)[:search_seqs]
+    total = n_seq * seq_len
+    tok_pick = torch.randperm(total, generator=gen)[: min(total, cfg.search_tokens)].sort().values
+    # The clip search uses a random subset of the search tokens.
+    clip_rows = torch.randperm(len(tok_pick), generator=gen)[: cfg.clip_tokens]
+    return _SearchPicks(seq_pick, tok_pick, clip_rows)
+
+
+def _model_scale_groups(model: CausalLM, arch: Family) -> list[ScaleGroup]:
+    """The family's scale groups, v -> o without grouped-query attention (each v output
+    column then feeds one o input), then the experts'."""
+    groups = list(arch.scale_groups)
+    if arch.v_to_o is not None and model.config.num_kv_heads == model.config.num_heads:
+        groups.insert(1, arch.v_to_o)
+    groups += moe_scale_groups(model)
+    return groups
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every layer's pass shares: the settings, the groups and Linears to quantize, the
+    search subsets and the rotary tables."""
+
+    model: CausalLM
+    arch: Family
+    scheme: QuantScheme
+    cfg: AwqConfig
+    groups: list[ScaleGroup]
+    linears: tuple[str, ...]
+    routed: frozenset[str]  # expert Linears: called on a varying subset of the tokens
+    picks: _SearchPicks
+    cos: torch.Tensor
+    sin: torch.Tensor
+    seq_len: int
+
+
 def awq_quantize(
     model: CausalLM,
     samples: torch.Tensor,
@@ -214,90 +263,117 @@ def awq_quantize(
     scale groups are the family's (`arch`, default `model.family`)."""
     arch = arch or model.family
     cfg = cfg or AwqConfig()
-    gen = torch.Generator().manual_seed(cfg.seed)
     n_seq, seq_len = samples.shape
     x, cos, sin = first_layer_inputs(model, samples, batch_sequences=cfg.batch_sequences)
-    search_seqs = max(1, min(n_seq, cfg.search_tokens // seq_len))
-    seq_pick = torch.randperm(n_seq, generator=gen)[:search_seqs]
-    total = n_seq * seq_len
-    tok_pick = torch.randperm(total, generator=gen)[: min(total, cfg.search_tokens)].sort().values
-    # The clip search uses a random subset of the search tokens.
-    clip_rows = torch.randperm(len(tok_pick), generator=gen)[: cfg.clip_tokens]
+    picks = _draw_picks(n_seq, seq_len, cfg)
     result: dict[str, Int4Weights] = {}
     reports: list[LayerReport] = []
-    groups = list(arch.scale_groups)
-    if arch.v_to_o is not None and model.config.num_kv_heads == model.config.num_heads:
-        groups.insert(1, arch.v_to_o)
-    groups += moe_scale_groups(model)
+    groups = _model_scale_groups(model, arch)
     linears, routed = model.config.layer_linears(), expert_linears(model)
+    plan = _Plan(model, arch, scheme, cfg, groups, linears, routed, picks, cos, sin, seq_len)
     for index, layer in enumerate(model.model.layers):
-        report = LayerReport(index)
-        inputs = {g.input or g.linears[0] for g in groups} | set(linears)
-        keep: dict[str, torch.Tensor | int] = {
-            name: cfg.search_tokens if name in routed else tok_pick for name in inputs
-        }
-        clock = PhaseClock(report.seconds)
-        cap = _Capture(layer, sorted(inputs), keep)
-        run_layer = layer_call(layer, cos, sin)
-        with torch.no_grad():
-            for chunk in x.split(cfg.batch_sequences):
-                run_layer(chunk)
-                cap.offset += chunk.shape[0] * seq_len
-        cap.close()
-        report.count_experts(expert_token_counts(model, cap.tokens))
-        clock.lap("capture")
-        x_attn_seq = x[seq_pick]
-        layer_target = run_chunked(run_layer, x_attn_seq, cfg.batch_sequences)
-        report.rtn_error = _rtn_output_mse(
-            layer, linears, run_layer, x_attn_seq, layer_target, scheme=scheme, cfg=cfg
-        )
-        clock.lap("baseline")
-        for group in groups:
-            first = group.input or group.linears[0]
-            if cap.tokens(first) == 0:
-                continue  # an expert no calibration token reached: no statistics, RTN
-            if group.inspect == arch.attention:
-                # Attention mixes tokens: search on whole sequences, not sampled tokens.
-                with torch.no_grad():
-                    search_x = layer.get_submodule(group.prev)(x_attn_seq)
-                attention = layer.get_submodule(arch.attention)
-
-                def run(z: torch.Tensor, attn=attention) -> torch.Tensor:
-                    return torch.cat([attn(part, cos[:1], sin[:1]) for part in z.split(8)])
-            else:
-                search_x = cap.tensor(first)  # [search tokens, K], token-wise modules
-                run = layer.get_submodule(group.inspect)
-            s, group_report = _search_scale(
-                group, layer, cap.mean_abs(first), search_x, run, scheme=scheme, cfg=cfg
-            )
-            report.groups.append(group_report)
-            if s is not None:
-                _fold(layer, group, s)
-                # The captured inputs of these linears now arrive divided by s.
-                for name in group.linears:
-                    cap.kept[name] = [t / s for t in cap.kept[name]]
-        clock.lap("scale_search")
-        for name in linears:
-            w = layer.get_submodule(name).weight.data
-            ratio: float | torch.Tensor = 1.0
-            if cfg.clip and name not in arch.no_clip and cap.tokens(name) > 0:
-                seen = cap.tensor(name)
-                x_clip = seen[: cfg.clip_tokens] if name in routed else seen[clip_rows]
-                ratio = _search_clip(w, x_clip, scheme=scheme, cfg=cfg)
-            q = rtn_quantize_weight(w, scheme=scheme, clip_ratio=ratio)
-            result[f"model.layers.{index}.{name}"] = q
-            layer.get_submodule(name).weight.data = q.dequantize(
-                group_size=scheme.group_size_for(w.shape[1]), dtype=w.dtype
-            )
-        clock.lap("clip_and_quantize")
-        out_q = run_chunked(run_layer, x_attn_seq, cfg.batch_sequences)
-        report.method_error = float((out_q - layer_target).pow(2).mean())
-        # Feed the quantized layer's output onward.
-        x = finish_layer(
-            run_layer, x, cfg.batch_sequences, clock=clock, report=report, reports=reports,
-            on_layer=on_layer,
-        )  # fmt: skip
+        x = _quantize_layer(plan, index, layer, x, result, reports, on_layer)
     return result, reports
+
+
+def _quantize_layer(
+    plan: _Plan,
+    index: int,
+    layer: nn.Module,
+    x: torch.Tensor,
+    result: dict[str, Int4Weights],
+    reports: list[LayerReport],
+    on_layer: Callable[[LayerReport], None] | None,
+) -> torch.Tensor:
+    """One layer's pass: capture, RTN baseline, scale search and fold, clip and quantize (into
+    `result`), its report; returns the quantized layer's output, the next layer's input."""
+    cfg = plan.cfg
+    report = LayerReport(index)
+    inputs = {g.input or g.linears[0] for g in plan.groups} | set(plan.linears)
+    keep: dict[str, torch.Tensor | int] = {
+        name: cfg.search_tokens if name in plan.routed else plan.picks.tokens for name in inputs
+    }
+    clock = PhaseClock(report.seconds)
+    cap = _Capture(layer, sorted(inputs), keep)
+    run_layer = layer_call(layer, plan.cos, plan.sin)
+    with torch.no_grad():
+        for chunk in x.split(cfg.batch_sequences):
+            run_layer(chunk)
+            cap.offset += chunk.shape[0] * plan.seq_len
+    cap.close()
+    report.count_experts(expert_token_counts(plan.model, cap.tokens))
+    clock.lap("capture")
+    x_attn_seq = x[plan.picks.seqs]
+    layer_target = run_chunked(run_layer, x_attn_seq, cfg.batch_sequences)
+    report.rtn_error = _rtn_output_mse(
+        layer, plan.linears, run_layer, x_attn_seq, layer_target, scheme=plan.scheme, cfg=cfg
+    )
+    clock.lap("baseline")
+    report.groups.extend(_scale_layer(plan, layer, cap, x_attn_seq))
+    clock.lap("scale_search")
+    _clip_and_quantize(plan, index, layer, cap, result)
+    clock.lap("clip_and_quantize")
+    out_q = run_chunked(run_layer, x_attn_seq, cfg.batch_sequences)
+    report.method_error = float((out_q - layer_target).pow(2).mean())
+    # Feed the quantized layer's output onward.
+    return finish_layer(
+        run_layer, x, cfg.batch_sequences, clock=clock, report=report, reports=reports,
+        on_layer=on_layer,
+    )  # fmt: skip
+
+
+def _scale_layer(
+    plan: _Plan, layer: nn.Module, cap: _Capture, x_attn_seq: torch.Tensor
+) -> list[GroupReport]:
+    """Search each group's scale in turn and fold it into the layer (a later group searches on
+    the layer as the earlier folds left it); returns one report per searched group."""
+    arch, cos, sin = plan.arch, plan.cos, plan.sin
+    reports: list[GroupReport] = []
+    for group in plan.groups:
+        first = group.input or group.linears[0]
+        if cap.tokens(first) == 0:
+            continue  # an expert no calibration token reached: no statistics, RTN
+        if group.inspect == arch.attention:
+            # Attention mixes tokens: search on whole sequences, not sampled tokens.
+            with torch.no_grad():
+                search_x = layer.get_submodule(group.prev)(x_attn_seq)
+            attention = layer.get_submodule(arch.attention)
+
+            def run(z: torch.Tensor, attn: nn.Module = attention) -> torch.Tensor:
+                return torch.cat([attn(part, cos[:1], sin[:1]) for part in z.split(8)])
+        else:
+            search_x = cap.tensor(first)  # [search tokens, K], token-wise modules
+            run = layer.get_submodule(group.inspect)
+        s, group_report = _search_scale(
+            group, layer, cap.mean_abs(first), search_x, run, scheme=plan.scheme, cfg=plan.cfg
+        )
+        reports.append(group_report)
+        if s is not None:
+            _fold(layer, group, s)
+            # The captured inputs of these linears now arrive divided by s.
+            for name in group.linears:
+                cap.kept[name] = [t / s for t in cap.kept[name]]
+    return reports
+
+
+def _clip_and_quantize(
+    plan: _Plan, index: int, layer: nn.Module, cap: _Capture, result: dict[str, Int4Weights]
+) -> None:
+    """Quantize each Linear of layer `index` (after its clip search) into `result` and give it
+    its dequantized weight, so the layer's output is what the checkpoint will compute."""
+    cfg, scheme = plan.cfg, plan.scheme
+    for name in plan.linears:
+        w = layer.get_submodule(name).weight.data
+        ratio: float | torch.Tensor = 1.0
+        if cfg.clip and name not in plan.arch.no_clip and cap.tokens(name) > 0:
+            seen = cap.tensor(name)
+            x_clip = seen[: cfg.clip_tokens] if name in plan.routed else seen[plan.picks.clip_rows]
+            ratio = _search_clip(w, x_clip, scheme=scheme, cfg=cfg)
+        q = rtn_quantize_weight(w, scheme=scheme, clip_ratio=ratio)
+        result[f"model.layers.{index}.{name}"] = q
+        layer.get_submodule(name).weight.data = q.dequantize(
+            group_size=scheme.group_size_for(w.shape[1]), dtype=w.dtype
+        )
 
 
 def _rtn_output_mse(

@@ -248,6 +248,147 @@ def _check_prompts(prompts: Sequence[Sequence[int]], vocab: int, context: int) -
     return lengths
 
 
+def _check_options(
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    processors: Sequence[LogitsProcessor],
+    *,
+    tokenizer: Any,
+    speculate: SpecConfig | None,
+) -> None:
+    """Refuse option combinations `generate` cannot honour, before any work starts."""
+    if params.stop and tokenizer is None:
+        raise GenerationError("stop strings: expected a tokenizer to decode text, got none")
+    if speculate is not None and (len(prompts) > 1 or processors):
+        raise GenerationError(
+            "speculate: expected one prompt and no logits processors (a grammar's state "
+            f"advances once per step), got {len(prompts)} prompts and {len(processors)} "
+            "processors"
+        )
+
+
+def _cache_slots(
+    lengths: list[int],
+    limits: list[int],
+    max_new_tokens: int,
+    *,
+    context: int,
+    cache_len: int | None,
+) -> int:
+    """The KV cache slots to allocate: `cache_length`'s default, or `cache_len` once checked
+    to hold every row's prompt and token limit within the context window."""
+    slots = cache_length(lengths, max_new_tokens, context=context)
+    if cache_len is not None:
+        needed = max(n + k for n, k in zip(lengths, limits, strict=True))
+        if not needed <= cache_len <= context:
+            raise GenerationError(
+                f"cache_len: expected {needed} to {context} slots for these prompts and "
+                f"max_new_tokens, got {cache_len}"
+            )
+        slots = cache_len
+    return slots
+
+
+def _prompt_tensors(
+    prompts: Sequence[Sequence[int]],
+    lengths: list[int],
+    limits: list[int],
+    device: torch.device,
+    *,
+    keep_history: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The right-padded prompt ids [B, Lmax], the prompt lengths [B], and (when there are
+    processors to feed) the right-aligned history [B, Lmax + max limit], -1 where empty."""
+    batch, longest = len(prompts), max(lengths)
+    ids = torch.zeros(batch, longest, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, : lengths[i]] = torch.tensor([int(t) for t in prompt])
+    ids = ids.to(device)
+    length_t = torch.tensor(lengths, device=device)
+    # Right-aligned history for the processors (only kept when there are some).
+    history = None
+    if keep_history:
+        history = torch.full((batch, longest + max(limits)), -1, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            history[i, longest - lengths[i] : longest] = torch.tensor([int(t) for t in prompt])
+        history = history.to(device)
+    return ids, length_t, history
+
+
+class _Sampler:
+    """Turns each step's logits into tokens and hands them to the rows: the processors'
+    history (its filled `width` grows by one column per step, more when tokens are forced),
+    the sampling RNG, the streaming callback, and fast-forward's forced tokens."""
+
+    def __init__(
+        self,
+        rows: list[_Row],
+        params: SamplingParams,
+        *,
+        chain: list[LogitsProcessor],
+        history: torch.Tensor | None,
+        width: int,
+        generator: torch.Generator,
+        on_token: Callable[[StreamEvent], None] | None,
+        forcer: Any,  # a processor with `forced_tokens`, or None: fast-forward off
+        device: torch.device,
+    ) -> None:
+        self.rows, self.params, self.chain, self.history = rows, params, chain, history
+        self.width, self.generator, self.on_token = width, generator, on_token
+        self.forcer, self.device = forcer, device
+
+    def pick(self, logits: torch.Tensor) -> list[int]:
+        """One token per row from logits [B, V], after the processors; a finished row's
+        token (discarded) goes into the history as -1."""
+        history = self.history
+        if history is not None:
+            logits = apply_processors(self.chain, history[:, : self.width], logits)
+        tokens = sample(logits, self.params, generator=self.generator)
+        if history is not None:
+            active = torch.tensor([r.finish_reason is None for r in self.rows], device=self.device)
+            history[:, self.width] = torch.where(active, tokens, -1)
+            self.width += 1
+        return tokens.tolist()
+
+    def handle(self, tokens: list[int]) -> None:
+        """Give each unfinished row its token and stream the event."""
+        for row, token in zip(self.rows, tokens, strict=True):
+            if row.finish_reason is None:
+                event = row.add(token)
+                if self.on_token is not None:
+                    self.on_token(event)
+
+    def forced_after(self, token: int) -> list[int]:
+        """The tokens forced after row 0's `token`, already handled and in the history."""
+        row = self.rows[0]
+        if self.forcer is None or row.finish_reason is not None:
+            return []
+        forced = self.forcer.forced_tokens(0, token, limit=row.limit - len(row.tokens))
+        kept: list[int] = []
+        for t in forced:
+            if row.finish_reason is not None:  # a stop string ended it: feed no more
+                break
+            self.handle([t])
+            kept.append(t)
+        if kept and self.history is not None:
+            self.history[0, self.width : self.width + len(kept)] = torch.tensor(
+                kept, device=self.device
+            )
+            self.width += len(kept)
+        return kept
+
+
+@dataclass
+class _Timings:
+    """What one `generate` call measured, for its `GenerationStats`."""
+
+    ttft: float
+    latencies: list[float]
+    wall: float
+    prefix_start: int  # prompt positions every row took from the prefix cache
+    speculation: SpecStats | None
+
+
 @torch.inference_mode()
 def generate(
     model: CausalLM,
@@ -289,148 +430,144 @@ def generate(
     cfg, device = model.config, model.device
     context = cfg.max_position_embeddings
     lengths = _check_prompts(prompts, cfg.vocab_size, context)
-    if params.stop and tokenizer is None:
-        raise GenerationError("stop strings: expected a tokenizer to decode text, got none")
-    if speculate is not None and (len(prompts) > 1 or processors):
-        raise GenerationError(
-            "speculate: expected one prompt and no logits processors (a grammar's state "
-            f"advances once per step), got {len(prompts)} prompts and {len(processors)} "
-            "processors"
-        )
+    _check_options(prompts, params, processors, tokenizer=tokenizer, speculate=speculate)
     chain = [*default_processors(params), *processors]
     generator = generator or make_generator(params, device)
     eos = set(eos_ids)
-    batch, longest = len(prompts), max(lengths)
+    batch = len(prompts)
     limits = [min(params.max_new_tokens, context - n) for n in lengths]
-    slots = cache_length(lengths, params.max_new_tokens, context=context)
-    if cache_len is not None:
-        needed = max(n + k for n, k in zip(lengths, limits, strict=True))
-        if not needed <= cache_len <= context:
-            raise GenerationError(
-                f"cache_len: expected {needed} to {context} slots for these prompts and "
-                f"max_new_tokens, got {cache_len}"
-            )
-        slots = cache_len
+    slots = _cache_slots(
+        lengths, limits, params.max_new_tokens, context=context, cache_len=cache_len
+    )
     rows = [
         _Row(i, limits[i], tokenizer=tokenizer, stop=params.stop, eos=eos) for i in range(batch)
     ]
-
-    ids = torch.zeros(batch, longest, dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        ids[i, : lengths[i]] = torch.tensor([int(t) for t in prompt])
-    ids = ids.to(device)
-    length_t = torch.tensor(lengths, device=device)
-    # Right-aligned history for the processors (only kept when there are some).
-    history = None
-    if chain:
-        history = torch.full((batch, longest + max(limits)), -1, dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            history[i, longest - lengths[i] : longest] = torch.tensor([int(t) for t in prompt])
-        history = history.to(device)
-    width = longest
-
-    def pick(logits: torch.Tensor) -> list[int]:
-        nonlocal width
-        if history is not None:
-            logits = apply_processors(chain, history[:, :width], logits)
-        tokens = sample(logits, params, generator=generator)
-        if history is not None:
-            active = torch.tensor([r.finish_reason is None for r in rows], device=device)
-            history[:, width] = torch.where(active, tokens, -1)
-            width += 1
-        return tokens.tolist()
-
-    def handle(tokens: list[int]) -> None:
-        for row, token in zip(rows, tokens, strict=True):
-            if row.finish_reason is None:
-                event = row.add(token)
-                if on_token is not None:
-                    on_token(event)
-
+    ids, length_t, history = _prompt_tensors(
+        prompts, lengths, limits, device, keep_history=bool(chain)
+    )
     forcer = None
     if fast_forward and batch == 1:
         forcer = next((p for p in processors if hasattr(p, "forced_tokens")), None)
-
-    def forced_after(token: int) -> list[int]:
-        """The tokens forced after row 0's `token`, already handled and in the history."""
-        nonlocal width
-        row = rows[0]
-        if forcer is None or row.finish_reason is not None:
-            return []
-        forced = forcer.forced_tokens(0, token, limit=row.limit - len(row.tokens))
-        kept = []
-        for t in forced:
-            if row.finish_reason is not None:  # a stop string ended it: feed no more
-                break
-            handle([t])
-            kept.append(t)
-        if kept and history is not None:
-            history[0, width : width + len(kept)] = torch.tensor(kept, device=device)
-            width += len(kept)
-        return kept
-
+    sampler = _Sampler(
+        rows, params, chain=chain, history=history, width=max(lengths), generator=generator,
+        on_token=on_token, forcer=forcer, device=device,
+    )  # fmt: skip
     step = _decode_step(device, compile=compile)
-    latencies: list[float] = []
     model.setup_cache(batch=batch, max_len=slots)
-    spec_stats = None
     try:
-        timer = Timer(device).start()
-        start = _load_prefixes(model, prompts, prefix_cache)
-        tokens = pick(prefill(model, ids, lengths=length_t, start=start))
-        handle(tokens)
-        ttft = timer.lap()
-        cache_slots = torch.arange(slots, device=device)
-        positions = length_t.clone()  # the slot each row's next fed token goes to
-        if speculate is not None and rows[0].finish_reason is None:
-            spec_stats = SpecStats()
-            latencies = _speculative_decode(
-                model, list(prompts[0]), rows[0], tokens[0], params, speculate,
-                chain=chain, generator=generator, timer=timer, on_token=on_token,
-                stats=spec_stats,
-            )  # fmt: skip
-        while speculate is None and any(r.finish_reason is None for r in rows):
-            forced = forced_after(tokens[0])
-            if forced and rows[0].finish_reason is None:
-                # Sampled + forced tokens in one call of k rows, causal among themselves.
-                fed = torch.tensor([[tokens[0], *forced]], device=device)
-                at = positions[:, None] + torch.arange(fed.shape[1], device=device)
-                mask = (cache_slots <= at[..., None]).unsqueeze(1)
-                logits = model(fed, positions=at, mask=mask, last_only=True)[:, -1]
-                positions = positions + len(forced)
-            elif rows[0].finish_reason is not None and batch == 1:
-                # Fast-forward reached the token limit or a stop string: no step left to run.
-                lap = timer.lap()
-                latencies.extend([lap / len(forced)] * len(forced))
-                break
-            else:
-                fed = torch.tensor(tokens, device=device).unsqueeze(1)
-                mask = (cache_slots <= positions[:, None]).view(batch, 1, 1, slots)
-                logits = step(model, fed, positions.unsqueeze(1), mask)
-            # Finished rows stay at their slot: never past the cache, never seen by others.
-            done = torch.tensor([r.finish_reason is not None for r in rows], device=device)
-            positions = torch.where(done, positions, positions + 1)
-            tokens = pick(logits)
-            handle(tokens)
-            if forced:  # one latency per token: the call's time spread over what it fed
-                lap = timer.lap()
-                latencies.extend([lap / (1 + len(forced))] * (1 + len(forced)))
-            else:
-                latencies.append(timer.lap())
-        wall = timer.elapsed()
-        if prefix_cache is not None:  # the prompts' positions are still theirs
-            for b, prompt in enumerate(prompts):
-                _store_prefix(model, prompt, prefix_cache, b)
+        timings = _run(
+            model, prompts, sampler, ids, length_t, step=step, slots=slots,
+            speculate=speculate, prefix_cache=prefix_cache,
+        )  # fmt: skip
     finally:
         model.drop_cache()
+    return _result(rows, lengths, timings, tokenizer=tokenizer)
+
+
+def _run(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    sampler: _Sampler,
+    ids: torch.Tensor,
+    length_t: torch.Tensor,
+    *,
+    step: Callable[..., torch.Tensor],
+    slots: int,
+    speculate: SpecConfig | None,
+    prefix_cache: PrefixCache | None,
+) -> _Timings:
+    """Prefill (after the prefix cache's part), then decode every row to its end, plainly or
+    speculatively; the prompts go into the prefix cache while their K/V are still in place."""
+    rows, device = sampler.rows, sampler.device
+    spec_stats: SpecStats | None = None
+    latencies: list[float] = []
+    timer = Timer(device).start()
+    start = _load_prefixes(model, prompts, prefix_cache)
+    tokens = sampler.pick(prefill(model, ids, lengths=length_t, start=start))
+    sampler.handle(tokens)
+    ttft = timer.lap()
+    cache_slots = torch.arange(slots, device=device)
+    positions = length_t.clone()  # the slot each row's next fed token goes to
+    if speculate is not None:
+        if rows[0].finish_reason is None:
+            spec_stats = SpecStats()
+            latencies = _speculative_decode(
+                model, list(prompts[0]), rows[0], tokens[0], sampler.params, speculate,
+                chain=sampler.chain, generator=sampler.generator, timer=timer,
+                on_token=sampler.on_token, stats=spec_stats,
+            )  # fmt: skip
+    else:
+        latencies = _decode_loop(
+            model, sampler, tokens, positions, cache_slots, step=step, timer=timer
+        )
+    wall = timer.elapsed()
+    if prefix_cache is not None:  # the prompts' positions are still theirs
+        for b, prompt in enumerate(prompts):
+            _store_prefix(model, prompt, prefix_cache, b)
+    return _Timings(ttft, latencies, wall, start, spec_stats)
+
+
+def _decode_loop(
+    model: CausalLM,
+    sampler: _Sampler,
+    tokens: list[int],
+    positions: torch.Tensor,
+    cache_slots: torch.Tensor,
+    *,
+    step: Callable[..., torch.Tensor],
+    timer: Timer,
+) -> list[float]:
+    """Feed each row's newest token (with fast-forward's forced tokens, batch 1) until every
+    row is done. positions [B]: the slot each row's next fed token goes to; cache_slots: the
+    cache's slot indices [S]. Returns one latency per generated token after the first."""
+    rows, device = sampler.rows, sampler.device
+    batch, slots = len(rows), cache_slots.shape[0]
+    latencies: list[float] = []
+    while any(r.finish_reason is None for r in rows):
+        forced = sampler.forced_after(tokens[0])
+        if forced and rows[0].finish_reason is None:
+            # Sampled + forced tokens in one call of k rows, causal among themselves.
+            fed = torch.tensor([[tokens[0], *forced]], device=device)
+            at = positions[:, None] + torch.arange(fed.shape[1], device=device)
+            mask = (cache_slots <= at[..., None]).unsqueeze(1)
+            logits = model(fed, positions=at, mask=mask, last_only=True)[:, -1]
+            positions = positions + len(forced)
+        elif rows[0].finish_reason is not None and batch == 1:
+            # Fast-forward reached the token limit or a stop string: no step left to run.
+            lap = timer.lap()
+            latencies.extend([lap / len(forced)] * len(forced))
+            break
+        else:
+            fed = torch.tensor(tokens, device=device).unsqueeze(1)
+            mask = (cache_slots <= positions[:, None]).view(batch, 1, 1, slots)
+            logits = step(model, fed, positions.unsqueeze(1), mask)
+        # Finished rows stay at their slot: never past the cache, never seen by others.
+        done = torch.tensor([r.finish_reason is not None for r in rows], device=device)
+        positions = torch.where(done, positions, positions + 1)
+        tokens = sampler.pick(logits)
+        sampler.handle(tokens)
+        if forced:  # one latency per token: the call's time spread over what it fed
+            lap = timer.lap()
+            latencies.extend([lap / (1 + len(forced))] * (1 + len(forced)))
+        else:
+            latencies.append(timer.lap())
+    return latencies
+
+
+def _result(
+    rows: list[_Row], lengths: list[int], timings: _Timings, *, tokenizer: Any
+) -> GenerationResult:
+    """The rows' tokens, texts and finish reasons, with the call's stats."""
+    batch = len(rows)
     stats = GenerationStats(
         prompt_tokens=sum(lengths),
-        generated_tokens=len(latencies) + 1,
-        ttft_s=ttft,
-        decode_latencies_s=latencies,
-        wall_s=wall,
+        generated_tokens=len(timings.latencies) + 1,
+        ttft_s=timings.ttft,
+        decode_latencies_s=timings.latencies,
+        wall_s=timings.wall,
         batch_size=batch,
-        prefill_skipped=start * batch,
-        speculation=spec_stats,
+        prefill_skipped=timings.prefix_start * batch,
+        speculation=timings.speculation,
     )
     return GenerationResult(
         tokens=[r.tokens for r in rows],
