@@ -12,18 +12,27 @@ exit code that says which kind of failure it was:
 | 130 | interrupted | Ctrl-C at any moment |
 
 This module imports nothing heavy at the top, so that a Ctrl-C while torch loads is caught too.
+
+The first Ctrl-C ends the command; every later one is ignored. Python's default would raise a
+second KeyboardInterrupt wherever the process then is: in the answer being printed, in a thread
+join, an `atexit` callback (torch's finalizer has been hit) or an object's `__del__` during
+interpreter shutdown, each a traceback or "Exception ignored in ..." after the one line. So the
+first interrupt, and the end of any command, set SIGINT to SIG_IGN: the kernel drops the signal,
+whatever the interpreter is doing, until the process is gone.
 """
 
 from __future__ import annotations
 
 import errno
 import os
+import signal
 import sys
 import tempfile
 import time
 import traceback
 import warnings
 from pathlib import Path
+from typing import Any
 
 EXIT_USAGE, EXIT_DATA, EXIT_ENVIRONMENT, EXIT_BUG, EXIT_INTERRUPTED = 2, 3, 4, 70, 130
 
@@ -46,15 +55,52 @@ _OS_WORDS = {
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run `quantkit ARGV` (None: sys.argv[1:], as the console script and `python -m` call it).
+
+    Called without `argv` this is the process's entry point: all that follows is shutdown, so
+    SIGINT stays ignored after it (see the module docstring). A caller that passes `argv`
+    (tests, in-process) carries on afterwards, so it gets its SIGINT handler back."""
     shown, warnings.showwarning = warnings.showwarning, _show_warning
+    handler = _catch_first_interrupt()
     try:
         code, message = _run(argv)
+    except KeyboardInterrupt:  # raised outside `_run`'s handlers (its argument check)
+        code, message = EXIT_INTERRUPTED, _interrupted()
     finally:
+        _ignore_interrupts()  # the command is over: from here on the process only ends
         warnings.showwarning = shown  # in-process callers (tests) get theirs back
     if message:
         _say(message)
+    if argv is not None and handler is not None:
+        signal.signal(signal.SIGINT, handler)
     if code:
         sys.exit(code)
+
+
+def _catch_first_interrupt() -> Any:
+    """Make the next SIGINT raise KeyboardInterrupt once and ignore every later one; the handler
+    that was there before, or None where none can be set (not the main thread) or restored (one
+    set outside Python)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        return signal.SIG_IGN  # started with Ctrl-C ignored (e.g. a job in the background)
+    try:
+        return signal.signal(signal.SIGINT, _interrupt_once)
+    except ValueError:  # signals can only be handled in the main thread
+        return None
+
+
+def _interrupt_once(signum: int, frame: object) -> None:
+    # Ignored before raising, not after: a second Ctrl-C landing while the first is being
+    # answered (or while `finally` blocks clean up) would otherwise raise inside the answer.
+    _ignore_interrupts()
+    raise KeyboardInterrupt
+
+
+def _ignore_interrupts() -> None:
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: signals land in the main thread's handler anyway
+        pass
 
 
 def _run(argv: list[str] | None) -> tuple[int, str]:
@@ -120,6 +166,9 @@ def _show_warning(
 
 
 def _interrupted() -> str:
+    # A KeyboardInterrupt not raised by `_interrupt_once` (`paths` raises one for a SIGINT it
+    # held back) has not set SIGINT aside yet: set it now, before anything else can be hit.
+    _ignore_interrupts()
     from quantkit.paths import WRITTEN
 
     if WRITTEN:  # the Ctrl-C came after an output was complete and in place

@@ -67,6 +67,26 @@ import torch._dynamo
 WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 
 
+def sigint_at(spec):
+    # SIGINT, as a Ctrl-C, at the Nth call of a function: spec "MODULE:QUALNAME[#N]" (a profile
+    # hook that removes itself; the KeyboardInterrupt is raised as the call starts).
+    where, _, nth = spec.partition("#")
+    module, qualname = where.split(":")
+    left = [int(nth or 1)]
+
+    def hook(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_qualname == qualname and frame.f_globals.get(
+            "__name__"
+        ) == module:
+            left[0] -= 1
+            if not left[0]:
+                sys.setprofile(None)
+                os.kill(os.getpid(), signal.SIGINT)
+
+    sys.setprofile(hook)
+
+
 def child(req):
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.chdir(req["cwd"])
@@ -81,6 +101,8 @@ def child(req):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (req["fsize"], req["fsize"]))
     sys.argv = ["quantkit", *req["args"]]
+    if req["sigint_at"] is not None:
+        sigint_at(req["sigint_at"])
     code = 0
     try:
         main(req["args"])
@@ -171,11 +193,12 @@ class WarmCli:
         cwd: Path | None = None,
         fsize: int | None = None,
         stdout: bool = True,
-        interrupt_after_s: float | None = None,
+        interrupt_at: str | None = None,
         timeout_s: float = 120.0,
     ) -> Ran:
         """`quantkit ARGS` with $QUANTKIT_HOME=`home`; fsize: ulimit -f in bytes; stdout False:
-        to /dev/null; interrupt_after_s: SIGINT (Ctrl-C) that long after the start."""
+        to /dev/null; interrupt_at: SIGINT (Ctrl-C) as the Nth call of a function starts,
+        "MODULE:QUALNAME[#N]" (a point in the run, not a time: the same under any load)."""
         n = next(self.count)
         out, err = self.folder / f"{n}.out", self.folder / f"{n}.err"
         request = {
@@ -185,6 +208,7 @@ class WarmCli:
             "out": str(out) if stdout else os.devnull,
             "err": str(err),
             "fsize": fsize,
+            "sigint_at": interrupt_at,
         }
         assert self.proc.stdin is not None
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
@@ -192,9 +216,6 @@ class WarmCli:
         started = self._line(60)
         assert started is not None and started.startswith("pid "), started
         pid = int(started.split()[1])
-        if interrupt_after_s is not None:
-            time.sleep(interrupt_after_s)
-            _signal(pid, signal.SIGINT)
         status = self._line(timeout_s)
         if status is None:
             _signal(pid, signal.SIGKILL)
@@ -1025,9 +1046,12 @@ SLOW_REGEX = r'"(?:[^"\\\x00-\x1F]|\\["\\/bfnrt]){0,64}"'  # minutes of index bu
 
 
 def test_ctrl_c_during_a_grammar_compile_is_one_line(cli: WarmCli, ckpt: Path, home: Path) -> None:
+    """SIGINT while the compile worker builds the index: the parent's second wait on the
+    worker (the first is for its start-up) is the wait for the answer."""
     ran = cli.run(
         "generate", ckpt, "--prompt", "hi", "--regex", SLOW_REGEX, "--grammar-engine", "outlines",
-        "--compile-timeout", "600", "--max-new-tokens", "4", home=home, interrupt_after_s=2.0,
+        "--compile-timeout", "600", "--max-new-tokens", "4", home=home,
+        interrupt_at="quantkit.grammar.worker_client:_Worker._read#2",
     )  # fmt: skip
     assert "Traceback" not in ran.err, ran.err
     assert ran.code == INTERRUPTED and ran.lines[-1] == "interrupted; nothing was written"
@@ -1036,37 +1060,35 @@ def test_ctrl_c_during_a_grammar_compile_is_one_line(cli: WarmCli, ckpt: Path, h
     assert leftovers == [] and ran.out == ""
 
 
+@pytest.mark.parametrize(
+    "where",
+    [
+        "quantkit.quantize.pipeline:quantize_model",  # the quantization starts
+        "quantkit.format.checkpoint:_save_shard",  # mid-write: the temporary folder exists
+    ],
+)
 def test_ctrl_c_during_quantize_writes_nothing(
-    cli: WarmCli, tiny_model_dir: Path, home: Path, tmp_path: Path
+    cli: WarmCli, tiny_model_dir: Path, home: Path, tmp_path: Path, where: str
 ) -> None:
     (tmp_path / "models").mkdir()
     target = tmp_path / "models" / "out"
     ran = cli.run("quantize", tiny_model_dir, "--method", "rtn", "--eval-tokens", "0", "-o",
-                  target, home=home, interrupt_after_s=0.3)  # fmt: skip
+                  target, home=home, interrupt_at=where)  # fmt: skip
     assert "Traceback" not in ran.err, ran.err
-    if ran.code == 0:  # finished before the signal landed (a fast machine): nothing to check
-        return
     _check(ran, INTERRUPTED, "interrupted; nothing was written")
     assert list((tmp_path / "models").iterdir()) == []  # no checkpoint, no temporary folder
 
 
-def test_ctrl_c_during_imports_is_one_line(home: Path) -> None:
-    """SIGINT 0.3 s after start, while torch is still importing: exit 130, one line (a fresh
-    interpreter: the imports are what is interrupted)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "quantkit.cli.main", "inspect", str(home)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(home),
-    )
-    time.sleep(0.3)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+def test_ctrl_c_during_imports_is_one_line(tmp_path: Path) -> None:
+    """SIGINT as torch's import starts: exit 130, one line (a fresh interpreter: the imports
+    are what is interrupted). The shutdown phases after it: tests/test_cli_interrupts.py."""
+    from tests.test_cli_interrupts import run_interrupted
+
+    ran = run_interrupted("inspect", tmp_path, folder=tmp_path, first="torch", timeout_s=60)
+    assert ran.sent == ["import torch"]  # the signal landed in the imports, as planned
+    err = ran.err
     assert "Traceback" not in err, err
-    if proc.returncode != INTERRUPTED:  # finished before the signal landed: still one line
-        assert len(err.strip().splitlines()) == 1, err
-        return
+    assert ran.code == INTERRUPTED, (ran.code, err)
     assert err.strip() == "interrupted; nothing was written"
 
 

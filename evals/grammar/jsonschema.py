@@ -24,17 +24,23 @@ comparison line per engine. With --json the report is rewritten (atomically) aft
 
 Usage: python -m quantkit.evals.grammar.jsonschema [--data DIR] [--engine E ...] [--limit N]
            [--per-category K] [--category NAME ...] [--no-generate] [--compare-ff] [--json F]
+Ctrl-C ends it in one line (exit 130, as `quantkit`), naming the --json report written so far;
+grammar builds left running by --compile-timeout do not crash its exit (`_end_process`).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import os
+import signal
 import sys
+import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from quantkit.errors import EvalError, GrammarError
 from quantkit.evals.common import write_json_atomic
@@ -152,6 +158,108 @@ def _compile(
     return compiled
 
 
+@dataclass(frozen=True)
+class _Options:
+    """What `run_bench` was asked to measure, and how (its keyword arguments)."""
+
+    engines: tuple[str, ...]
+    generate_outputs: bool
+    max_new_tokens: int
+    batch: int
+    timeout_s: float
+    cache: bool
+    fast_forward: bool
+    compare_ff: bool
+    mask_walks: int
+
+
+@dataclass
+class _Bench:
+    """One `run_bench` under way: the model (or its tokenizer) and vocabulary, the results so
+    far, the rows waiting for a generate batch, and the timings."""
+
+    opts: _Options
+    loaded: Any
+    model_desc: str
+    eos: Any
+    vocab: TokenVocabulary
+    log: Any
+    results: list[SchemaResult] = field(default_factory=list)
+    ready: list[tuple[SchemaResult, BenchSchema, CompiledGrammar]] = field(default_factory=list)
+    mask_s: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)
+    fill_s: dict[str, list[float]] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, model: str | None, opts: _Options, log: Any) -> _Bench:
+        from quantkit.runtime.generate import eos_token_ids
+
+        loaded, model_desc = (load_model if opts.generate_outputs else load_tokenizer)(model)
+        eos = eos_token_ids(tokenizer=loaded.tokenizer, config=loaded.config, model_dir=loaded.path)
+        vocab = TokenVocabulary.from_tokenizer(
+            loaded.tokenizer, eos_token_ids=eos, vocab_size=loaded.config["vocab_size"]
+        )
+        fill_s: dict[str, list[float]] = {e: [] for e in opts.engines}
+        return cls(opts, loaded, model_desc, eos, vocab, log, fill_s=fill_s)
+
+    def report(self) -> dict[str, Any]:
+        opts = self.opts
+        rows = [asdict(r) for r in self.results]
+        return {
+            "model": self.model_desc,
+            "engines": list(opts.engines),
+            "max_new_tokens": opts.max_new_tokens,
+            "batch": opts.batch,
+            "compile_timeout_s": opts.timeout_s,
+            "generate": opts.generate_outputs,
+            "fast_forward": opts.fast_forward,
+            "mask": mask_summary(self.mask_s, self.step_s),
+            "mask_fill": {e: fill_summary(f) for e, f in self.fill_s.items()},
+            "mask_walks": opts.mask_walks,
+            "recompile": recompile_summary(rows),
+            "results": rows,
+        }
+
+    def flush(self) -> None:
+        """Generate the outputs of the rows waiting (one batch) and log each."""
+        opts = self.opts
+        masks, steps = generate_batch(
+            self.loaded, self.ready, max_new=opts.max_new_tokens, eos=self.eos,
+            fast_forward=opts.fast_forward, compare_ff=opts.compare_ff,
+        )  # fmt: skip
+        self.mask_s.extend(masks)
+        self.step_s.extend(steps)
+        for r, _, _ in self.ready:
+            self.log(f"    {r.name}: {r.finish}, {r.new_tokens} tokens ({r.forced_tokens} forced), "
+                     f"valid={r.output_ok}, ff identical={r.ff_identical}")  # fmt: skip
+        self.ready.clear()
+
+    def measure(self, item: BenchSchema, *, at: str, started: float) -> None:
+        """Every engine on `item`: compile, check its tests, queue it for generation (first
+        engine only; a full batch is generated now). at: "[N/TOTAL", for the log lines."""
+        opts = self.opts
+        for engine in opts.engines:
+            result = SchemaResult(item.name, item.category, engine=engine)
+            self.results.append(result)
+            compiled = _compile(
+                item, result, self.vocab, timeout_s=opts.timeout_s, cache=opts.cache
+            )
+            where = f"{at} {time.perf_counter() - started:.0f} s] {engine}"
+            if compiled is None:
+                self.log(f"{where} {item.name}: not compiled ({result.error_kind})")
+                continue
+            _check_tests(
+                result, item, compiled, self.loaded.tokenizer, self.fill_s[engine],
+                opts.mask_walks,
+            )  # fmt: skip
+            self.log(f"{where} {item.name}: {result.engine_used} in "
+                     f"{result.compile_s * 1e3:.1f} ms ({result.compile_source})")  # fmt: skip
+            if opts.generate_outputs and engine == opts.engines[0]:
+                self.ready.append((result, item, compiled))
+                if len(self.ready) == opts.batch:
+                    self.flush()
+
+
 def run_bench(
     items: list[BenchSchema],
     *,
@@ -171,73 +279,22 @@ def run_bench(
     """The benchmark over `items` (see the module docstring) for each of `engines` on the same
     schemas; outputs are generated with the first engine only. The report as a dict.
     checkpoint: called with the report so far after every schema (e.g. to save it)."""
-    from quantkit.runtime.generate import eos_token_ids
-
     started = time.perf_counter()
-    loaded, model_desc = (load_model if generate_outputs else load_tokenizer)(model)
-    eos = eos_token_ids(tokenizer=loaded.tokenizer, config=loaded.config, model_dir=loaded.path)
-    vocab = TokenVocabulary.from_tokenizer(
-        loaded.tokenizer, eos_token_ids=eos, vocab_size=loaded.config["vocab_size"]
-    )
-    results: list[SchemaResult] = []
-    ready: list[tuple[SchemaResult, BenchSchema, CompiledGrammar]] = []
-    mask_s: list[float] = []
-    step_s: list[float] = []
-    fill_s: dict[str, list[float]] = {e: [] for e in engines}
-
-    def report() -> dict[str, Any]:
-        rows = [asdict(r) for r in results]
-        return {
-            "model": model_desc,
-            "engines": list(engines),
-            "max_new_tokens": max_new_tokens,
-            "batch": batch,
-            "compile_timeout_s": timeout_s,
-            "generate": generate_outputs,
-            "fast_forward": fast_forward,
-            "mask": mask_summary(mask_s, step_s),
-            "mask_fill": {e: fill_summary(f) for e, f in fill_s.items()},
-            "mask_walks": mask_walks,
-            "recompile": recompile_summary(rows),
-            "results": rows,
-        }
-
-    def flush() -> None:
-        masks, steps = generate_batch(
-            loaded, ready, max_new=max_new_tokens, eos=eos, fast_forward=fast_forward,
-            compare_ff=compare_ff,
-        )  # fmt: skip
-        mask_s.extend(masks)
-        step_s.extend(steps)
-        for r, _, _ in ready:
-            log(f"    {r.name}: {r.finish}, {r.new_tokens} tokens ({r.forced_tokens} forced), "
-                f"valid={r.output_ok}, ff identical={r.ff_identical}")  # fmt: skip
-        ready.clear()
-
+    opts = _Options(
+        engines, generate_outputs, max_new_tokens, batch, timeout_s, cache, fast_forward,
+        compare_ff, mask_walks,
+    )  # fmt: skip
+    bench = _Bench.start(model, opts, log)
     for n, item in enumerate(items, 1):
-        for engine in engines:
-            result = SchemaResult(item.name, item.category, engine=engine)
-            results.append(result)
-            compiled = _compile(item, result, vocab, timeout_s=timeout_s, cache=cache)
-            at = f"[{n}/{len(items)} {time.perf_counter() - started:.0f} s] {engine}"
-            if compiled is None:
-                log(f"{at} {item.name}: not compiled ({result.error_kind})")
-                continue
-            _check_tests(result, item, compiled, loaded.tokenizer, fill_s[engine], mask_walks)
-            log(f"{at} {item.name}: {result.engine_used} in {result.compile_s * 1e3:.1f} ms "
-                f"({result.compile_source})")  # fmt: skip
-            if generate_outputs and engine == engines[0]:
-                ready.append((result, item, compiled))
-                if len(ready) == batch:
-                    flush()
+        bench.measure(item, at=f"[{n}/{len(items)}", started=started)
         if checkpoint is not None:
-            checkpoint(report())
-    if ready:
-        flush()
-    return report()
+            checkpoint(bench.report())
+    if bench.ready:
+        bench.flush()
+    return bench.report()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m quantkit.evals.grammar.jsonschema")
     parser.add_argument(
         "--data",
@@ -292,19 +349,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--json", type=Path, default=None, help="write the report here (after every schema)"
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _items(args: argparse.Namespace) -> list[BenchSchema] | None:
+    """The schemas `args` asks for, or None once the reason is printed (exit 2)."""
     try:
         folder = args.data or default_bench_dir()
     except EvalError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return None
     if not (folder / "maskbench" / "data").is_dir():
         print(f"error: expected JSONSchemaBench at {folder}, found nothing", file=sys.stderr)
-        return 2
+        return None
     if args.mask_walks < 1:
         print(f"error: --mask-walks: expected an integer >= 1, got {args.mask_walks}",
               file=sys.stderr)  # fmt: skip
-        return 2
+        return None
     if args.threads is not None:
         import torch
 
@@ -314,11 +375,29 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not items:
         print(f"error: expected schemas of categories {args.category}, found none", file=sys.stderr)
+        return None
+    return items
+
+
+# The --json reports written in this process (the first save of each): what a Ctrl-C leaves.
+_SAVED: list[Path] = []
+
+
+def _saver(path: Path) -> Any:
+    def save(report: dict[str, Any]) -> None:
+        write_json_atomic(path, report)
+        if path not in _SAVED:
+            _SAVED.append(path)
+
+    return save
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    items = _items(args)
+    if items is None:
         return 2
-    save = None
-    if args.json:
-        path: Path = args.json
-        save = lambda rep: write_json_atomic(path, rep)  # noqa: E731
+    save = None if args.json is None else _saver(args.json)
     started = time.perf_counter()
     report = run_bench(
         items,
@@ -343,5 +422,73 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+# ------------------------------------------------------------------ `python -m`: Ctrl-C, exit
+
+EXIT_INTERRUPTED = 130  # as `quantkit` (quantkit.cli.main), which evals may not import
+# How long the exit waits for grammar builds abandoned at --compile-timeout to end by themselves.
+_SETTLE_S = 5.0
+
+
+def _program() -> int:
+    """`main` as a program: Ctrl-C answered as `quantkit` answers it, in one line (exit 130);
+    the first SIGINT raises KeyboardInterrupt, every later one is ignored (SIG_IGN), so a
+    second Ctrl-C cannot raise inside the answer, an `atexit` callback or the shutdown."""
+
+    def interrupt_once(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # not started ignoring Ctrl-C
+        signal.signal(signal.SIGINT, interrupt_once)
+    try:
+        return main()
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        saved = ", ".join(str(p) for p in _SAVED)
+        print(f"interrupted; the report so far is in {saved}" if saved else
+              "interrupted; nothing was written", file=sys.stderr, flush=True)  # fmt: skip
+        return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # what follows is the process's end
+
+
+def _end_process(code: int) -> NoReturn:
+    """End the process with `code`, without finalizing the interpreter while a grammar build
+    still runs.
+
+    A compile that runs past --compile-timeout is abandoned, not stopped: llguidance's build
+    runs in native code on a daemon thread that nothing can cancel (`compile_llguidance`), and
+    so does an outlines-core index load (`compiler._load_index`). When such a thread returns
+    from native code while the interpreter finalizes, Python 3.11 ends it with pthread_exit,
+    whose forced unwind through llguidance's Rust frames crashes the process: "Segmentation
+    fault" after the table (gdb: the build thread in PyEval_RestoreThread -> take_gil ->
+    PyThread_exit_thread -> _Unwind_ForcedUnwind -> llguidance/_lib.abi3.so, while the main
+    thread was in Py_FinalizeEx). Such a thread cannot be stopped, so the exit waits for it a
+    bounded time (`_SETTLE_S`); if one still runs after that, the `atexit` callbacks run (the
+    outlines-core compile workers are killed there), the output is flushed, and os._exit ends
+    the process without the finalization that would crash. Nothing is lost by skipping it:
+    the report is printed and the --json file written (atomically) by then. Every Python
+    thread of this process is a compile's, so every thread but this one is waited for."""
+    deadline = time.monotonic() + _SETTLE_S
+    for thread in _other_threads():
+        if not isinstance(thread, threading._DummyThread):  # (a foreign one cannot be joined)
+            thread.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in _other_threads()):
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe: the exit code still says it
+                pass
+        os._exit(code)
+    sys.exit(code)
+
+
+def _other_threads() -> list[threading.Thread]:
+    """The Python threads but this one; a thread started outside Python that has run Python
+    code (threading's `_DummyThread`) counts as running: it could enter Python again."""
+    return [t for t in threading.enumerate() if t is not threading.current_thread()]
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _end_process(_program())
