@@ -73,6 +73,10 @@ def main(argv: list[str] | None = None) -> None:
         _say(message)
     if argv is not None and handler is not None:
         signal.signal(signal.SIGINT, handler)
+    if argv is None and (threads := sys.modules.get("quantkit.grammar.native_threads")):
+        # A grammar build abandoned at --compile-timeout may still run in native code, which
+        # crashes interpreter finalization: end as that module says.
+        threads.exit_process(code)
     if code:
         sys.exit(code)
 

@@ -43,7 +43,6 @@ import dataclasses
 import hashlib
 import os
 import tempfile
-import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -63,6 +62,7 @@ from quantkit.grammar.cache_file import (
 from quantkit.grammar.constraints import Grammar
 from quantkit.grammar.llguidance.engine import compile_llguidance, llg_tokenizer
 from quantkit.grammar.narrowing import property_order_note
+from quantkit.grammar.native_threads import run_with_limit
 from quantkit.grammar.outlines.lowering import lower_schema
 from quantkit.grammar.outlines.row import OutlinesRow
 from quantkit.grammar.vocabulary import TokenVocabulary, import_outlines_core
@@ -385,23 +385,15 @@ def _load_index(oc: Any, path: Path, *, key: str, timeout_s: float | None, label
     enough to tell)."""
     if timeout_s is None:
         return _read_index(oc, path, key)
-    outcome: list[Any] = []
-
-    def read() -> None:
-        try:
-            outcome.append(_read_index(oc, path, key))
-        except Exception as e:  # noqa: BLE001 - raised again in the caller's thread
-            outcome.append(e)
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    reader.join(max(timeout_s, 0.0))
+    outcome = run_with_limit(
+        lambda: _read_index(oc, path, key), timeout_s, name="quantkit-index-load"
+    )
     if not outcome:
         raise GrammarError(
             f"{label}: loading the cached index took longer than the limit (--compile-timeout; "
             f"phase: cache load)"
         )
-    if isinstance(outcome[0], Exception):
+    if isinstance(outcome[0], BaseException):
         raise outcome[0]
     return outcome[0]
 

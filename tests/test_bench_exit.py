@@ -1,6 +1,7 @@
-"""`python -m quantkit.evals.grammar.jsonschema` ends cleanly: with grammar builds abandoned at
---compile-timeout still running (they crashed the interpreter's finalization: "Segmentation
-fault" after the table), and on Ctrl-C (one line, exit 130, as `quantkit`).
+"""`python -m quantkit.evals.grammar.jsonschema` and `quantkit generate` end cleanly: with
+grammar builds abandoned at --compile-timeout still running (they crashed the interpreter's
+finalization: "Segmentation fault" after the table), and on Ctrl-C (one line, exit 130, as
+`quantkit`).
 
 The builds are llguidance's, of the fixture subset's Github_ultra schema (~0.25 s for a small
 vocabulary), abandoned at a limit of 1 ms; the interrupts land at fixed calls
@@ -42,13 +43,13 @@ def test_builds_past_the_limit_do_not_crash_the_exit(tiny_model_dir: Path) -> No
 _EXIT = r"""
 import atexit, json, sys, threading
 sys.path.insert(0, sys.argv[1])
-import quantkit.evals.grammar.jsonschema as bench
 from quantkit.errors import GrammarError
 from quantkit.grammar.compiler import compile_grammar
 from quantkit.grammar.constraints import schema_grammar
 from tests.hand_vocab import vocab_of
 
-bench._SETTLE_S = 0.0  # do not wait: the build is surely still running at the exit
+from quantkit.grammar.native_threads import exit_process, still_running
+
 schema = json.loads(open(sys.argv[2]).read())["schema"]
 vocab = vocab_of([chr(c) for c in range(32, 127)])
 try:
@@ -56,8 +57,9 @@ try:
 except GrammarError as e:
     assert "longer than the limit" in str(e), e
 atexit.register(print, "atexit ran")
+assert still_running(), "the build was meant to outlast its limit"
 print("the report", end="")  # not flushed yet: the exit must flush it
-bench._end_process(3)
+exit_process(3, settle_s=0.0)  # do not wait: the build is surely still running
 """
 
 
@@ -99,3 +101,21 @@ def test_ctrl_c_names_the_report_written_so_far(tiny_model_dir: Path, tmp_path: 
     assert ran.code == INTERRUPTED, (ran.code, ran.err)
     assert ran.err.strip() == f"interrupted; the report so far is in {report}", ran.err
     assert len(json.loads(report.read_text())["results"]) == 1
+
+
+def test_generate_with_a_build_past_the_limit_exits_cleanly(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """The CLI too: the llguidance build abandoned at the limit still runs when the command
+    ends; the exit is the grammar error's, not a crash in finalization (exit 139 before)."""
+    schema = tmp_path / "ultra.json"
+    schema.write_text(json.dumps(json.loads(ULTRA.read_text())["schema"]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "quantkit.cli.main", "generate", str(tiny_model_dir),
+         "--schema", str(schema), "--grammar-engine", "llguidance", "--compile-timeout", "0.001",
+         "--max-new-tokens", "4"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert "longer than the limit" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])  # a GrammarError's
+    assert "Traceback" not in proc.stderr and "Segmentation" not in proc.stderr, proc.stderr

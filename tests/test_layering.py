@@ -241,7 +241,12 @@ SUBRULES: dict[str, tuple[str, ...]] = {
     f"{_FK}.cpu": (f"{_FK}.packed_weights", f"{_FK}.checks"),
     # grammar: an engine imports the front's value modules, never the compiler or processor
     # that pick engines, and never the other engine.
-    f"{_GR}.llguidance": (f"{_GR}.constraints", f"{_GR}.vocabulary", f"{_GR}.narrowing"),
+    f"{_GR}.llguidance": (
+        f"{_GR}.constraints",
+        f"{_GR}.vocabulary",
+        f"{_GR}.narrowing",
+        f"{_GR}.native_threads",
+    ),
     f"{_GR}.outlines": (f"{_GR}.constraints", f"{_GR}.vocabulary"),
     # the schema-to-regex lowering is a pure function of the schema: it needs the vocabulary's
     # whitespace rule and nothing else of grammar.

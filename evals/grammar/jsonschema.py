@@ -25,22 +25,20 @@ comparison line per engine. With --json the report is rewritten (atomically) aft
 Usage: python -m quantkit.evals.grammar.jsonschema [--data DIR] [--engine E ...] [--limit N]
            [--per-category K] [--category NAME ...] [--no-generate] [--compare-ff] [--json F]
 Ctrl-C ends it in one line (exit 130, as `quantkit`), naming the --json report written so far;
-grammar builds left running by --compile-timeout do not crash its exit (`_end_process`).
+grammar builds left running by --compile-timeout do not crash its exit
+(`quantkit.grammar.native_threads.exit_process`).
 """
 
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
-import os
 import signal
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from quantkit.errors import EvalError, GrammarError
 from quantkit.evals.common import write_json_atomic
@@ -66,6 +64,7 @@ from quantkit.grammar.compiler import (
     compile_grammar,
 )
 from quantkit.grammar.constraints import schema_grammar
+from quantkit.grammar.native_threads import exit_process
 from quantkit.grammar.vocabulary import TokenVocabulary
 
 __all__ = ["SchemaResult", "main", "run_bench"]
@@ -425,8 +424,6 @@ def main(argv: list[str] | None = None) -> int:
 # ------------------------------------------------------------------ `python -m`: Ctrl-C, exit
 
 EXIT_INTERRUPTED = 130  # as `quantkit` (quantkit.cli.main), which evals may not import
-# How long the exit waits for grammar builds abandoned at --compile-timeout to end by themselves.
-_SETTLE_S = 5.0
 
 
 def _program() -> int:
@@ -452,43 +449,6 @@ def _program() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # what follows is the process's end
 
 
-def _end_process(code: int) -> NoReturn:
-    """End the process with `code`, without finalizing the interpreter while a grammar build
-    still runs.
-
-    A compile that runs past --compile-timeout is abandoned, not stopped: llguidance's build
-    runs in native code on a daemon thread that nothing can cancel (`compile_llguidance`), and
-    so does an outlines-core index load (`compiler._load_index`). When such a thread returns
-    from native code while the interpreter finalizes, Python 3.11 ends it with pthread_exit,
-    whose forced unwind through llguidance's Rust frames crashes the process: "Segmentation
-    fault" after the table (gdb: the build thread in PyEval_RestoreThread -> take_gil ->
-    PyThread_exit_thread -> _Unwind_ForcedUnwind -> llguidance/_lib.abi3.so, while the main
-    thread was in Py_FinalizeEx). Such a thread cannot be stopped, so the exit waits for it a
-    bounded time (`_SETTLE_S`); if one still runs after that, the `atexit` callbacks run (the
-    outlines-core compile workers are killed there), the output is flushed, and os._exit ends
-    the process without the finalization that would crash. Nothing is lost by skipping it:
-    the report is printed and the --json file written (atomically) by then. Every Python
-    thread of this process is a compile's, so every thread but this one is waited for."""
-    deadline = time.monotonic() + _SETTLE_S
-    for thread in _other_threads():
-        if not isinstance(thread, threading._DummyThread):  # (a foreign one cannot be joined)
-            thread.join(max(0.0, deadline - time.monotonic()))
-    if any(t.is_alive() for t in _other_threads()):
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):  # a closed pipe: the exit code still says it
-                pass
-        os._exit(code)
-    sys.exit(code)
-
-
-def _other_threads() -> list[threading.Thread]:
-    """The Python threads but this one; a thread started outside Python that has run Python
-    code (threading's `_DummyThread`) counts as running: it could enter Python again."""
-    return [t for t in threading.enumerate() if t is not threading.current_thread()]
-
-
 if __name__ == "__main__":
-    _end_process(_program())
+    # Builds that ran past --compile-timeout may still run: end without finalizing over them.
+    exit_process(_program())

@@ -22,7 +22,6 @@ own encoder for canonical tokenization; ~0.3 s for a 49k vocabulary, built once 
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +38,7 @@ from quantkit.grammar.llguidance.schema import (
     without_dependencies,
 )
 from quantkit.grammar.narrowing import ordered_objects
+from quantkit.grammar.native_threads import run_with_limit
 from quantkit.grammar.vocabulary import TokenVocabulary
 
 __all__ = ["LlgIndex", "LlgRow", "compile_llguidance", "import_llguidance", "llg_tokenizer"]
@@ -246,18 +246,10 @@ def compile_llguidance(
     """Check and build `grammar` for llguidance within `timeout_s`; GrammarError naming the
     keyword llguidance does not support, or the phase that ran out of time."""
     tokenizer = llg_tokenizer(vocabulary)
-    answer: list[Any] = []
-
-    def build() -> None:
-        try:
-            answer.append(_build(grammar, tokenizer))
-        except BaseException as e:  # raised here, in the caller's thread, not lost as a timeout
-            answer.append(e)
-
     # Native code that drops the GIL: a thread can wait on it, and is abandoned at the limit.
-    worker = threading.Thread(target=build, daemon=True)
-    worker.start()
-    worker.join(timeout_s)
+    answer = run_with_limit(
+        lambda: _build(grammar, tokenizer), timeout_s, name="quantkit-llguidance-build"
+    )
     if not answer:
         raise GrammarError(
             f"{grammar.label}: llguidance grammar build took longer than the limit of "
