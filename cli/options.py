@@ -134,7 +134,8 @@ def _declarations(serving: bool) -> list[Callable[[Any], Any]]:
             help="Speculative decoding: 'ngram' or 'ngram:K' drafts up to K tokens (default 4) "
             "by prompt lookup and verifies them in one model call; greedy output is unchanged, "
             "sampling keeps its distribution. Drafting switches itself off where drafts are not "
-            "accepted.",
+            "accepted; in serve, requests with a response_format or a repetition penalty do not "
+            "draft.",
         ),
     ]
     if serving:
