@@ -357,7 +357,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     for fname in files:
         if not (path / fname).is_file():
             raise CheckpointError(f"missing shard {path / fname} (listed in {INDEX_NAME})")
-        tensors.update(_load_shard(path / fname))
+        tensors.update(load_shard(path / fname))
     if index.is_file():
         missing = sorted(set(weight_map) - set(tensors))
         if missing:
@@ -368,7 +368,7 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _load_shard(file: Path) -> dict[str, torch.Tensor]:
+def load_shard(file: Path) -> dict[str, torch.Tensor]:
     """One safetensors file's tensors; a truncated, empty or foreign file is a CheckpointError
     naming it (safetensors checks the header against the file size before reading a byte)."""
     from safetensors import SafetensorError
@@ -377,9 +377,26 @@ def _load_shard(file: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(file), device="cpu")
     except (SafetensorError, ValueError, RuntimeError) as e:
-        raise CheckpointError(
-            f"{file}: expected a complete safetensors file, got a damaged one ({e})"
-        ) from e
+        raise _damaged(file, e) from e
+
+
+def shard_names(file: Path) -> list[str]:
+    """The tensor names in one safetensors file's header, without reading any tensor; a
+    damaged header is a CheckpointError naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), "pt") as f:
+            return list(f.keys())  # noqa: SIM118 - a safe_open handle is no dict
+    except (SafetensorError, ValueError, RuntimeError, OSError) as e:
+        raise _damaged(file, e) from e
+
+
+def _damaged(file: Path, e: BaseException) -> CheckpointError:
+    return CheckpointError(
+        f"{file}: expected a complete safetensors file, got a damaged one ({e}); a truncated "
+        f"or interrupted copy? copy or download it again"
+    )
 
 
 def _quantized_prefixes(tensors: Mapping[str, torch.Tensor]) -> set[str]:

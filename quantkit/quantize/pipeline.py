@@ -29,7 +29,7 @@ from quantkit.quantize.awq import AwqConfig
 from quantkit.quantize.gptq import GptqConfig
 from quantkit.quantize.layer_walk import LayerErrorReport
 from quantkit.runtime.quant_linear import QuantLinear
-from quantkit.sources.resolve import load_state_dict, read_config
+from quantkit.sources.resolve import check_layer_count, load_state_dict, read_config
 
 # What a layer-by-layer quantizer reports after each decoder layer (`index` and
 # `loss_reduction`, the layer's error change against round-to-nearest).
@@ -115,6 +115,7 @@ def storage_dtype(config: dict[str, Any]) -> torch.dtype:
 def load_dense(model_dir: Path) -> tuple[dict[str, Any], CausalLM, int]:
     """(config, fp32 model, bytes of the source weights)."""
     config = read_config(model_dir)
+    check_layer_count(model_dir, config)  # before gigabytes are read for a config that is wrong
     state = load_state_dict(model_dir)
     size = sum(t.numel() * t.element_size() for t in state.values())
     return config, build_model(config, state, dtype=torch.float32), size

@@ -27,6 +27,7 @@ import torch
 
 from quantkit.cache_manifest import is_whole, whole_or_warned
 from quantkit.errors import CheckpointError, ModelSourceError
+from quantkit.format.checkpoint import load_shard, shard_names
 from quantkit.paths import file_lock, quantkit_home
 from quantkit.sources.gguf import (
     INDEX_NAME,
@@ -212,30 +213,61 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     return config
 
 
+def _shard_files(model_dir: Path) -> tuple[list[str], dict[str, str] | None]:
+    """The safetensors files of `model_dir` (from its index when sharded) and the index's
+    weight map (None without an index); a shard the index lists but the folder lacks is a
+    CheckpointError."""
+    index_file = model_dir / INDEX_NAME
+    if index_file.is_file():
+        weight_map = _read_index(index_file)
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (model_dir / f).is_file()]
+        if missing:
+            raise CheckpointError(f"{index_file} lists shards that are missing: {missing}")
+        return files, weight_map
+    files = sorted(p.name for p in model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: expected *.safetensors weights, found none")
+    return files, None
+
+
+def check_layer_count(model_dir: Path, config: dict[str, Any]) -> None:
+    """config.json's num_hidden_layers against the decoder layers the weights hold, read from
+    the index or the shards' headers (no tensor is read): a config that disagrees fails in
+    milliseconds, before anything is built for it."""
+    files, weight_map = _shard_files(Path(model_dir))
+    names = weight_map if weight_map is not None else [
+        n for f in files for n in shard_names(Path(model_dir) / f)
+    ]  # fmt: skip
+    found = {int(m.group(1)) for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))}
+    layers = config.get("num_hidden_layers")
+    if found and isinstance(layers, int) and layers != max(found) + 1:
+        raise ModelSourceError(
+            f"{Path(model_dir) / 'config.json'}: expected num_hidden_layers {max(found) + 1} "
+            f"(the weights hold layers 0-{max(found)}), got {layers}; the config does not "
+            f"describe these weights"
+        )
+
+
 def load_state_dict(
     model_dir: Path, *, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
-    """Every tensor of a single-file or sharded safetensors model.
+    """Every tensor of a single-file or sharded safetensors model; a damaged or truncated
+    shard, or one the index lists but the folder lacks, is a CheckpointError naming it.
 
     dtype casts the 16/32/64-bit floating tensors only: fp8 weights, integer codes and packed
     words of a quantized checkpoint keep their dtype, since casting them would change values.
     """
-    from safetensors.torch import load_file
-
     model_dir = Path(model_dir)
-    index_file = model_dir / INDEX_NAME
-    if index_file.is_file():
-        files = sorted(set(_read_index(index_file).values()))
-        missing = [f for f in files if not (model_dir / f).is_file()]
-        if missing:
-            raise CheckpointError(f"{index_file} lists shards that are missing: {missing}")
-    else:
-        files = sorted(p.name for p in model_dir.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{model_dir}: expected *.safetensors weights, found none")
+    files, weight_map = _shard_files(model_dir)
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        tensors.update(load_file(model_dir / name))
+        tensors.update(load_shard(model_dir / name))
+    if weight_map is not None and (absent := sorted(set(weight_map) - set(tensors))):
+        raise CheckpointError(
+            f"missing tensor {absent[0]}: {INDEX_NAME} maps it to {weight_map[absent[0]]}, "
+            f"which does not hold it"
+        )
     if dtype is not None:
         castable = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
         tensors = {k: v.to(dtype) if v.dtype in castable else v for k, v in tensors.items()}
