@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import EvalError, QuantkitError
+from quantkit.format.checkpoint import shard_groups, shard_name
 from quantkit.models.config import ModelConfig
 from quantkit.models.decoder import CausalLM
 from quantkit.paths import replace_dir, sweep_leftovers, temp_sibling
@@ -144,20 +145,6 @@ def tensor_plan(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     return plan
 
 
-def shards(plan: list[tuple[str, tuple[int, ...]]], limit: int) -> list[list[int]]:
-    """Consecutive tensors (indices into `plan`) grouped into shards of at most `limit` bytes."""
-    out: list[list[int]] = [[]]
-    size = 0
-    for i, (_, shape) in enumerate(plan):
-        nbytes = 2 * math.prod(shape)
-        if out[-1] and size + nbytes > limit:
-            out.append([])
-            size = 0
-        out[-1].append(i)
-        size += nbytes
-    return out
-
-
 def _is_norm(name: str) -> bool:
     return name.endswith("norm.weight")
 
@@ -219,7 +206,7 @@ def write_synthetic(
     if out.exists() and not force:
         raise EvalError(f"{out}: expected a new directory, got an existing one (--force)")
     plan = tensor_plan(config)
-    groups = shards(plan, shard_bytes)
+    groups = shard_groups([2 * math.prod(s) for _, s in plan], shard_bytes)
     total = sum(2 * math.prod(s) for _, s in plan)
     free = shutil.disk_usage(out.parent if out.parent.exists() else Path(".")).free
     if free < total * 1.05:
@@ -285,7 +272,7 @@ def _fill(
     weight_map: dict[str, str] = {}
     with tqdm(total=total, unit="B", unit_scale=True, desc="writing", disable=not progress) as bar:
         for k, group in enumerate(groups):
-            file = f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
+            file = shard_name(k + 1, len(groups))
             _write_shard(folder / file, [plan[i] for i in group], gen, bar.update)
             weight_map.update({plan[i][0]: file for i in group})
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -385,17 +385,15 @@ def _load_index(oc: Any, path: Path, *, key: str, timeout_s: float | None, label
     enough to tell)."""
     if timeout_s is None:
         return _read_index(oc, path, key)
-    outcome = run_with_limit(
+    done, index = run_with_limit(
         lambda: _read_index(oc, path, key), timeout_s, name="quantkit-index-load"
     )
-    if not outcome:
+    if not done:
         raise GrammarError(
             f"{label}: loading the cached index took longer than the limit (--compile-timeout; "
             f"phase: cache load)"
         )
-    if isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    return outcome[0]
+    return index
 
 
 def _read_index(oc: Any, path: Path, key: str) -> Any:

@@ -32,17 +32,19 @@ _abandoned: list[threading.Thread] = []
 _lock = threading.Lock()
 
 
-def run_with_limit(fn: Callable[[], Any], timeout_s: float | None, *, name: str) -> list[Any]:
-    """Run `fn` on a daemon thread and wait for it up to `timeout_s` seconds (None: no limit).
-    Returns [its result], or [the exception it raised] (to be raised in the caller's thread,
-    not lost as a timeout), or [] when the limit came first: then the thread is abandoned and
-    remembered for `exit_process`."""
+def run_with_limit(
+    fn: Callable[[], Any], timeout_s: float | None, *, name: str
+) -> tuple[bool, Any]:
+    """Run `fn` on a daemon thread and wait for it up to `timeout_s` seconds (None: no limit):
+    (True, its result), its exception raised again here (not lost as a timeout), or (False,
+    None) when the limit came first; then the thread is abandoned and remembered for
+    `exit_process`."""
     answer: list[Any] = []
 
     def work() -> None:
         try:
             answer.append(fn())
-        except BaseException as e:  # noqa: BLE001 - handed to the caller
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
             answer.append(e)
 
     worker = threading.Thread(target=work, daemon=True, name=name)
@@ -53,7 +55,11 @@ def run_with_limit(fn: Callable[[], Any], timeout_s: float | None, *, name: str)
         if worker.is_alive():
             with _lock:
                 _abandoned.append(worker)
-    return answer
+    if not answer:
+        return False, None
+    if isinstance(answer[0], BaseException):
+        raise answer[0]
+    return True, answer[0]
 
 
 def still_running() -> list[threading.Thread]:

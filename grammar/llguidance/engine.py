@@ -247,17 +247,15 @@ def compile_llguidance(
     keyword llguidance does not support, or the phase that ran out of time."""
     tokenizer = llg_tokenizer(vocabulary)
     # Native code that drops the GIL: a thread can wait on it, and is abandoned at the limit.
-    answer = run_with_limit(
+    done, built = run_with_limit(
         lambda: _build(grammar, tokenizer), timeout_s, name="quantkit-llguidance-build"
     )
-    if not answer:
+    if not done:
         raise GrammarError(
             f"{grammar.label}: llguidance grammar build took longer than the limit of "
             f"{limit_s or timeout_s:g} s (--compile-timeout; phase: llguidance build)"
         )
-    if isinstance(answer[0], BaseException):
-        raise answer[0]
-    is_error, messages, text, notes, (template, (items, keys)) = answer[0]
+    is_error, messages, text, notes, (template, (items, keys)) = built
     if is_error:
         reason = (messages[0] if messages else "unknown error").splitlines()[0]
         raise GrammarError(f"{grammar.label}: llguidance cannot compile it: {reason}")

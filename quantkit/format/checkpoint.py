@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -201,13 +201,31 @@ def _save_shard(shard: dict[str, torch.Tensor], path: Path) -> None:
         raise OSError(code, os.strerror(code), str(path)) from e
 
 
+def shard_groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """Indices of consecutive items (their byte `sizes`) grouped into shards of at most `limit`
+    bytes; an item larger than the limit gets a shard of its own. Every writer of shards (the
+    checkpoint, the GGUF conversion, the synthetic models) groups with this."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i, nbytes in enumerate(sizes):
+        if groups[-1] and size + nbytes > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += nbytes
+    return groups
+
+
+def shard_name(i: int, count: int) -> str:
+    """The file name of shard `i` (from 1) of `count`, as transformers names them."""
+    return f"model-{i:05d}-of-{count:05d}.safetensors"
+
+
 def _write_tensors(
     directory: Path, tensors: Mapping[str, torch.Tensor], *, max_shard_bytes: int
 ) -> None:
     """safetensors shards of at most `max_shard_bytes` (a bigger single tensor gets its own)."""
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    total = 0
+    ready: list[tuple[str, torch.Tensor]] = []
     seen: set[int] = set()
     for name, t in tensors.items():
         t = t.detach().to("cpu").contiguous()
@@ -215,19 +233,16 @@ def _write_tensors(
         if t.data_ptr() in seen:
             t = t.clone()
         seen.add(t.data_ptr())
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-        total += nbytes
+        ready.append((name, t))
+    sizes = [t.numel() * t.element_size() for _, t in ready]
+    total = sum(sizes)
+    shards = [dict(ready[i] for i in group) for group in shard_groups(sizes, max_shard_bytes)]
     if len(shards) == 1:
         _save_shard(shards[0], directory / SINGLE_NAME)
         return
     weight_map: dict[str, str] = {}
     for i, shard in enumerate(shards, start=1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        fname = shard_name(i, len(shards))
         _save_shard(shard, directory / fname)
         weight_map.update(dict.fromkeys(shard, fname))
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

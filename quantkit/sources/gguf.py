@@ -25,6 +25,7 @@ import torch
 
 from quantkit.cache_manifest import write_manifest
 from quantkit.errors import ModelSourceError
+from quantkit.format.checkpoint import shard_groups, shard_name
 from quantkit.models.families import gguf_architectures, gguf_family
 from quantkit.models.family import GgufNames
 from quantkit.paths import make_readable, replace_dir
@@ -186,16 +187,9 @@ def _gguf_config(reader: Any) -> dict[str, Any]:
 
 def _plan_shards(reader: Any, max_shard_bytes: int) -> list[list[Any]]:
     """Tensors grouped into shards of at most max_shard_bytes of bf16, in file order."""
-    shards: list[list[Any]] = [[]]
-    size = 0
-    for t in reader.tensors:
-        nbytes = 2 * int(t.n_elements)
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += nbytes
-    return shards
+    tensors = list(reader.tensors)
+    sizes = [2 * int(t.n_elements) for t in tensors]
+    return [[tensors[i] for i in group] for group in shard_groups(sizes, max_shard_bytes)]
 
 
 def _convert_tensor(t: Any, config: dict[str, Any], names: GgufNames) -> torch.Tensor:
@@ -254,11 +248,7 @@ def convert_gguf(
         total = sum(len(s) for s in shards)
         with tqdm(total=total, desc=f"converting {gguf_path.name}", disable=not progress) as bar:
             for i, shard in enumerate(shards):
-                fname = (
-                    "model.safetensors"
-                    if len(shards) == 1
-                    else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                )
+                fname = "model.safetensors" if len(shards) == 1 else shard_name(i + 1, len(shards))
                 tensors = {}
                 for t in shard:
                     name = hf_tensor_name(t.name, names)
