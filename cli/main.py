@@ -8,6 +8,7 @@ exit code that says which kind of failure it was:
 | 2 | usage: an option or argument the command cannot take | `--top-p 2`, an unknown GPU name |
 | 3 | input data: a file or text that is not what it claims | a truncated shard, a bad config |
 | 4 | environment: the machine, not the input | disk full, permission denied, a missing extra |
+| 5 | out of memory: an allocation the machine could not give | a model larger than the RAM |
 | 70 | a bug in quantkit | anything unexpected: the traceback goes to a log file, not the terminal |
 | 130 | interrupted | Ctrl-C at any moment |
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -34,7 +36,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-EXIT_USAGE, EXIT_DATA, EXIT_ENVIRONMENT, EXIT_BUG, EXIT_INTERRUPTED = 2, 3, 4, 70, 130
+EXIT_USAGE, EXIT_DATA, EXIT_ENVIRONMENT, EXIT_MEMORY, EXIT_BUG, EXIT_INTERRUPTED = (
+    2,
+    3,
+    4,
+    5,
+    70,
+    130,
+)
 
 # OS errors users cause or meet, named in words instead of a traceback.
 _OS_WORDS = {
@@ -140,20 +149,40 @@ def _run(argv: list[str] | None) -> tuple[int, str]:
         _silence_stdout()
         return 0, ""
     except OSError as e:
+        if e.errno == errno.ENOMEM:
+            return EXIT_MEMORY, f"error: {_os_line(e)}"
         return EXIT_ENVIRONMENT, f"error: {_os_line(e)}"
     except RecursionError:
         return EXIT_DATA, "error: input nested too deeply (past Python's recursion limit)"
     except UnicodeError as e:
         return EXIT_DATA, f"error: text is not valid {getattr(e, 'encoding', 'UTF-8')}: {e}"
     except MemoryError:
-        return EXIT_ENVIRONMENT, "error: out of memory"
+        return EXIT_MEMORY, "error: out of memory"
     except Exception as e:  # noqa: BLE001 - the boundary: a bug, reported in one line
+        if (line := _allocation_failure(e)) is not None:
+            return EXIT_MEMORY, line
         log = _write_crash_log()
         where = f"traceback in {log}" if log else "no traceback log could be written"
         return EXIT_BUG, (
             f"internal error: {type(e).__name__}: {e} ({where}; this is a bug in quantkit, "
             "please report it with that file)"
         )
+
+
+def _allocation_failure(e: Exception) -> str | None:
+    """The one line for an allocation torch could not make (its CPU allocator raises a plain
+    RuntimeError "... DefaultCPUAllocator: can't allocate memory: you tried to allocate N
+    bytes ...", CUDA a torch.OutOfMemoryError), or None for any other exception."""
+    text = str(e)
+    if type(e).__name__ == "OutOfMemoryError" or "can't allocate memory" in text:
+        asked = re.search(r"tried to allocate (\d+) bytes", text)
+        size = f" ({int(asked.group(1)) / 2**30:.2f} GiB asked for at once)" if asked else ""
+        device = "GPU" if "CUDA" in text or "cuda" in text else "machine"
+        return (
+            f"error: out of memory: the {device} could not give an allocation{size}; use a "
+            f"smaller model, batch or context, or a machine with more memory"
+        )
+    return None
 
 
 def _show_warning(
