@@ -52,7 +52,7 @@ class PackedInt4:
         in_features: int,
     ) -> PackedInt4:
         """From a module's tensors under their checkpoint names (extra names are ignored)."""
-        if scheme.kind != "int4":
+        if scheme.kind != cls.kind:
             raise SchemeError(f"int4_linear: expected an INT4 scheme, got {scheme.describe()}")
         group_size = resolve_group_size(scheme.group_size_for(in_features), in_features)
         return cls(
@@ -114,7 +114,7 @@ class PackedFp8:
     ) -> PackedFp8:
         """From a module's tensors under their checkpoint names (`in_features` is the weight's
         second dimension; taken for a signature shared with `PackedInt4`)."""
-        if scheme.kind != "fp8":
+        if scheme.kind != cls.kind:
             raise SchemeError(f"fp8_linear: expected an fp8 scheme, got {scheme.describe()}")
         return cls(tensors["weight"], tensors["weight_scale"])
 
