@@ -16,7 +16,7 @@ import torch
 from quantkit.batching.metrics import SLO, parse_duration
 from quantkit.batching.types import check_prefix_cache_mb
 from quantkit.batching.workload import LengthDist, parse_rate
-from quantkit.cli.options import Runtime, load, runtime_options
+from quantkit.cli.options import Runtime, load, model_source, runtime_options
 from quantkit.errors import GenerationError
 from quantkit.evals.common import write_json_atomic
 from quantkit.evals.speed.serving import (
@@ -353,12 +353,7 @@ def _bench_server(
     from quantkit.sources.tokenizer import load_tokenizer
 
     info = probe(url, api_key=api_key)
-    if ckpt is None:
-        from quantkit.quantize.embedded import ensure_embedded_int4
-
-        path = ensure_embedded_int4()
-    else:
-        path = resolve_model(ckpt)
+    path = resolve_model(model_source(ckpt))
     cfg = read_config(path)
     tokens = _prompt_tokens(load_tokenizer(path)) if text_prompts else None
     click.echo(

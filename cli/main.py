@@ -36,14 +36,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-EXIT_USAGE, EXIT_DATA, EXIT_ENVIRONMENT, EXIT_MEMORY, EXIT_BUG, EXIT_INTERRUPTED = (
-    2,
-    3,
-    4,
-    5,
-    70,
-    130,
-)
+EXIT_USAGE, EXIT_DATA, EXIT_ENVIRONMENT, EXIT_MEMORY = 2, 3, 4, 5
+EXIT_BUG, EXIT_INTERRUPTED = 70, 130
 
 # OS errors users cause or meet, named in words instead of a traceback.
 _OS_WORDS = {

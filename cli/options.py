@@ -13,6 +13,7 @@ import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import click
@@ -73,13 +74,18 @@ class Runtime:
         )  # fmt: skip
 
 
-def load(model: str | None, options: RuntimeOptions) -> LoadedModel:
-    """MODEL_OR_CKPT, or the embedded default as INT4 (quantized once on first use)."""
+def model_source(model: str | None) -> str | Path:
+    """MODEL_OR_CKPT as given, or the embedded default as INT4 (quantized once on first use)."""
     if model is None:
         from quantkit.quantize.embedded import ensure_embedded_int4
 
-        return load_model(ensure_embedded_int4(), options=options)
-    return load_model(model, options=options)
+        return ensure_embedded_int4()
+    return model
+
+
+def load(model: str | None, options: RuntimeOptions) -> LoadedModel:
+    """Load MODEL_OR_CKPT, or the embedded default (`model_source`)."""
+    return load_model(model_source(model), options=options)
 
 
 _NAMES = tuple(Runtime.__dataclass_fields__)

@@ -25,12 +25,15 @@ def git_commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write `data` as JSON to `path` through a temporary file beside it and a rename."""
+def write_json_atomic(
+    path: Path, data: Any, *, indent: int | None = 1, default: Any = None
+) -> None:
+    """Write `data` as JSON to `path` through a temporary file beside it and a rename (a reader
+    sees the old report or the whole new one); `indent` and `default` as for json.dumps."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_file(path) as tmp:
-        tmp.write_text(json.dumps(data, indent=1))
+        tmp.write_text(json.dumps(data, indent=indent, default=default))
 
 
 def print_and_save(results: Any, table: str, json_path: str | Path | None) -> None:

@@ -28,6 +28,7 @@ from quantkit.evals.accuracy.perplexity import (
     perplexity,
 )
 from quantkit.evals.accuracy.task_data import LOCAL_TASKS, check_task_data, resolve_task_names
+from quantkit.evals.common import write_json_atomic
 from quantkit.runtime.loader import LoadedModel, load_model
 from quantkit.sources.resolve import resolve_model
 from quantkit.sources.tokenizer import load_tokenizer
@@ -401,6 +402,4 @@ def write_json(comparison: Comparison, path: Path) -> None:
         "reference": asdict(comparison.reference),
         "checkpoints": [asdict(c) for c in comparison.candidates],
     }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, default=str, allow_nan=True))
+    write_json_atomic(Path(path), data, indent=2, default=str)

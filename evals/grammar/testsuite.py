@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import EvalError, GrammarError
+from quantkit.evals.common import write_json_atomic
 from quantkit.evals.grammar.data import DATA_ENV, classify_error
 from quantkit.grammar.acceptance import accepts_text
 from quantkit.grammar.constraints import json_schema_grammar
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     print_reports(reports)
     print(f"\n{args.draft}: {time.perf_counter() - started:.0f} s")
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in reports], indent=1))
+        write_json_atomic(args.json, [asdict(r) for r in reports])
     return 0
 
 

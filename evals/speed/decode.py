@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from quantkit.evals.common import git_commit
+from quantkit.evals.common import git_commit, write_json_atomic
 
 PROMPT = (
     "The printing press changed how knowledge moved through Europe. Before it, books were "
@@ -318,7 +318,7 @@ def _report(args: argparse.Namespace, rows: list[Row], ids: list[int]) -> None:
             "new_tokens": args.new_tokens,
             "prompt_tokens": len(ids),
         }
-        args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}))
+        write_json_atomic(args.json, {"meta": meta, "rows": [asdict(r) for r in rows]}, indent=None)
 
 
 def main(argv: list[str] | None = None) -> None:
