@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         _ignore_interrupts()  # the command is over: from here on the process only ends
         warnings.showwarning = shown  # in-process callers (tests) get theirs back
+    if message and code != 0:
+        message = _with_kept(message)
     if message:
         _say(message)
     if argv is not None and handler is not None:
@@ -201,6 +203,18 @@ def _interrupted() -> str:
     if WRITTEN:  # the Ctrl-C came after an output was complete and in place
         return f"interrupted after writing {', '.join(str(p) for p in WRITTEN)}"
     return "interrupted; nothing was written"
+
+
+def _with_kept(line: str) -> str:
+    """The failure's line, and what it kept for the next run (`paths.KEPT`), on one line."""
+    from quantkit.paths import KEPT
+
+    if not KEPT:
+        return line
+    kept, KEPT[:] = "; ".join(KEPT), []
+    if line == "interrupted; nothing was written":
+        return f"interrupted; {kept}"
+    return f"{line} ({kept})"
 
 
 def _os_line(e: OSError) -> str:

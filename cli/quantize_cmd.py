@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from quantkit.errors import SchemeError
 from quantkit.evals.accuracy.perplexity import perplexity
 from quantkit.models.decoder import CausalLM
+from quantkit.paths import KEPT
 from quantkit.quantize.algorithms import (
     DEFAULT_CALIB_SAMPLES,
     GPTQ_CALIB_SAMPLES,
@@ -23,6 +24,7 @@ from quantkit.quantize.choice import choose_scheme
 from quantkit.quantize.gptq import GptqConfig
 from quantkit.quantize.pipeline import LayerProgress, QuantizeOutcome
 from quantkit.quantize.recipe import Calibration, Hooks, Recipe, quantize_and_save
+from quantkit.quantize.staging import staging_dir
 
 
 @click.command("quantize")
@@ -100,6 +102,12 @@ from quantkit.quantize.recipe import Calibration, Hooks, Recipe, quantize_and_sa
 )
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Checkpoint directory.")
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
+@click.option(
+    "--restart",
+    is_flag=True,
+    help="Discard the finished layers an interrupted run left in OUTPUT.partial/ and start over "
+    "(without it, the same command resumes from the first unfinished layer).",
+)
 def quantize_cmd(
     model: str,
     bits: int,
@@ -119,6 +127,7 @@ def quantize_cmd(
     eval_tokens: int,
     output: Path | None,
     force: bool,
+    restart: bool,
 ) -> None:
     """Quantize MODEL (a local HF directory, a .gguf file, or smollm2-135m) to a
     compressed-tensors checkpoint."""
@@ -143,7 +152,10 @@ def quantize_cmd(
     )
     hooks = _progress(_perplexity_scorer(eval_tokens))
     try:
-        outcome, report = quantize_and_save(recipe, out, force=force, hooks=hooks)
+        outcome, report = quantize_and_save(recipe, out, force=force, hooks=hooks, restart=restart)
+    except BaseException:
+        _say_kept(out)
+        raise
     finally:
         if hooks.bar is not None:
             hooks.bar.close()
@@ -151,27 +163,29 @@ def quantize_cmd(
 
 
 class _CliHooks(Hooks):
-    bar: tqdm | None = None  # made when a calibrated algorithm starts its layer walk
-    method: str = ""
+    bar: tqdm | None = None  # made when the layer walk starts
+    method: Algorithm | None = None
 
 
 def _progress(score: Any) -> _CliHooks:
-    """A progress bar per decoder layer for the calibrated algorithms."""
+    """A progress bar per decoder layer (a resumed run starts it at the layers kept)."""
     hooks = _CliHooks(score=score)
 
     def on_start(method: Algorithm, layers: int) -> None:
-        hooks.method = method.name
-        if method.calibrated:
-            hooks.bar = tqdm(desc=method.name.upper(), unit="layer", total=layers)
+        hooks.method = method
+        hooks.bar = tqdm(desc=method.name.upper(), unit="layer", total=layers)
 
     def on_layer(report: LayerProgress) -> None:
-        assert hooks.bar is not None
-        # AWQ compares the layer's output MSE, GPTQ the Linears' output error (tr(dW H dW^T)).
-        what = "MSE" if hooks.method == "awq" else "error"
-        hooks.bar.set_postfix_str(
-            f"layer {report.index}: {what} vs RTN {-report.loss_reduction:+.0%}"
-        )
+        assert hooks.bar is not None and hooks.method is not None
+        if hooks.method.calibrated:
+            # AWQ compares the layer's output MSE, GPTQ the Linears' output error (tr(dW H dW^T)).
+            what = "MSE" if hooks.method.name == "awq" else "error"
+            hooks.bar.set_postfix_str(
+                f"layer {report.index}: {what} vs RTN {-report.loss_reduction:+.0%}"
+            )
         hooks.bar.update(1)
+        if hooks.bar.n >= (hooks.bar.total or 0):
+            hooks.bar.close()  # before the lines the checkpoint's writing may print
 
     hooks.on_start, hooks.on_layer = on_start, on_layer
     return hooks
@@ -196,6 +210,17 @@ def _perplexity_scorer(eval_tokens: int) -> Any:
     return score
 
 
+def _say_kept(out: Path) -> None:
+    """After a failure or Ctrl-C: where the finished layers wait, and how to continue (said
+    on the CLI's last line, `paths.KEPT`)."""
+    staged = staging_dir(out)
+    done = len(list(staged.glob("layer-*.safetensors"))) if staged.is_dir() else 0
+    if done:
+        KEPT.append(
+            f"{done} finished layer(s) kept in {staged}: run the same command again to resume"
+        )
+
+
 def _given(ctx: click.Context) -> set[str]:
     """The parameters set on the command line (not defaults or the environment)."""
     source = click.core.ParameterSource.COMMANDLINE
@@ -218,6 +243,8 @@ def _summary(
         click.echo(
             f"calibration  {c['source']}: {c['samples']} x {c['seq_len']} tokens, seed {c['seed']}"
         )
+    if report.get("resumed_at_layer"):
+        click.echo(f"resumed      at layer {report['resumed_at_layer']} (earlier layers kept)")
     phases = "  ".join(f"{k.removesuffix('_s')} {v:.1f}s" for k, v in t.items())
     click.echo(f"time         {phases}")
     before, after = outcome.bytes_before, outcome.bytes_after

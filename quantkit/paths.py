@@ -102,6 +102,9 @@ def make_readable(folder: Path) -> None:
 # Targets `replace_dir` has put in place in this process: an interruption after one of them
 # must not be reported as "nothing was written" (the CLI's boundary reads this).
 WRITTEN: list[Path] = []
+# Work a failed or interrupted command keeps for its next run to continue (a quantization's
+# finished layers): the CLI's one last line says where it is and how to go on.
+KEPT: list[str] = []
 
 
 def temp_sibling(target: Path, kind: str) -> Path:

@@ -4,9 +4,11 @@
 works everywhere. This test fills a real file system (ENOSPC): a tmpfs just larger than one
 checkpoint, mounted in a private user + mount namespace (`unshare -rm`, no root needed where
 user namespaces are allowed), holding the checkpoint that `--force` would replace. The new
-checkpoint cannot fit beside it: one line, exit 4 (environment), the old checkpoint
-byte-identical, no temporary directory left. Everything runs inside the namespace, since the
-mount is gone when it ends; the script prints what the test asserts on.
+checkpoint cannot fit beside it: one error line, exit 4 (environment), the old checkpoint
+byte-identical, no temporary directory left but the staging directory of the finished layers
+(`<output>.partial`); with room made (the tmpfs grown), the same command resumes from it and
+finishes. Everything runs inside the namespace, since the mount is gone when it ends; the
+script prints what the test asserts on.
 """
 
 from __future__ import annotations
@@ -37,13 +39,17 @@ SCRIPT = textwrap.dedent(
     def hashes():
         return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in target.iterdir()}
     before = hashes()
-    ran = subprocess.run(
-        [sys.executable, "-m", "quantkit.cli.main", "quantize", model, "--method", "rtn",
-         "--eval-tokens", "0", "-o", str(target), "--force"],
-        capture_output=True, text=True,
-    )
+    command = [sys.executable, "-m", "quantkit.cli.main", "quantize", model, "--method", "rtn",
+               "--eval-tokens", "0", "-o", str(target), "--force"]
+    ran = subprocess.run(command, capture_output=True, text=True)
+    after, left = hashes(), sorted(p.name for p in mnt.iterdir())
+    # Room made (the staged layers and the new checkpoint both fit): the same command resumes.
+    subprocess.run(["mount", "-o", f"remount,size={3 * int(size)}", str(mnt)], check=True)
+    again = subprocess.run(command, capture_output=True, text=True)
     print(json.dumps({"code": ran.returncode, "err": ran.stderr, "before": before,
-                      "after": hashes(), "left": sorted(p.name for p in mnt.iterdir())}))
+                      "after": after, "left": left, "again": again.returncode,
+                      "again_out": again.stdout + again.stderr,
+                      "left_after": sorted(p.name for p in mnt.iterdir())}))
     """
 )
 
@@ -86,9 +92,13 @@ def test_a_full_tmpfs_under_force_keeps_the_old_checkpoint(
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    lines = [ln for ln in result["err"].splitlines() if ln.strip()]
+    errors = [ln for ln in result["err"].splitlines() if ln.startswith("error:")]
     assert "Traceback" not in result["err"], result["err"]
-    assert result["code"] == ENVIRONMENT and len(lines) == 1, result
-    assert "no space left on the device" in lines[0], lines
+    assert result["code"] == ENVIRONMENT and len(errors) == 1, result
+    assert "no space left on the device" in errors[0], errors
+    assert "run the same command again to resume" in result["err"]
     assert result["after"] == result["before"]  # the old checkpoint, byte for byte
-    assert result["left"] == ["keep"], result["left"]  # no temporary directory left
+    # No temporary directory left; the finished layers wait for the next run.
+    assert result["left"] == ["keep", "keep.partial"], result["left"]
+    assert result["again"] == 0 and "resumed      at layer" in result["again_out"], result
+    assert result["left_after"] == ["keep"], result["left_after"]

@@ -1063,8 +1063,8 @@ def test_ctrl_c_during_a_grammar_compile_is_one_line(cli: WarmCli, ckpt: Path, h
 @pytest.mark.parametrize(
     "where",
     [
-        "quantkit.quantize.pipeline:quantize_model",  # the quantization starts
-        "quantkit.format.checkpoint:_save_shard",  # mid-write: the temporary folder exists
+        "quantkit.quantize.streaming:stream_quantize",  # the quantization starts
+        "quantkit.format.checkpoint:save_shard",  # the first layer's file is being written
     ],
 )
 def test_ctrl_c_during_quantize_writes_nothing(
@@ -1077,6 +1077,21 @@ def test_ctrl_c_during_quantize_writes_nothing(
     assert "Traceback" not in ran.err, ran.err
     _check(ran, INTERRUPTED, "interrupted; nothing was written")
     assert list((tmp_path / "models").iterdir()) == []  # no checkpoint, no temporary folder
+
+
+def test_ctrl_c_after_finished_layers_keeps_them_for_the_next_run(
+    cli: WarmCli, tiny_model_dir: Path, home: Path, tmp_path: Path
+) -> None:
+    """Every layer is done when Ctrl-C lands: the one line says where they wait, and the same
+    command finishes from them."""
+    target = tmp_path / "out"
+    args = ("quantize", tiny_model_dir, "--method", "rtn", "--eval-tokens", "0", "-o", target)
+    ran = cli.run(*args, home=home, interrupt_at="quantkit.quantize.staging:Staging.save_outer")
+    _check(ran, INTERRUPTED, "interrupted; 2 finished layer(s) kept in ")
+    assert "run the same command again to resume" in ran.lines[0]
+    again = cli.run(*args, home=home)
+    assert again.code == 0 and "resumed      at layer 2" in again.out, again.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "out"]
 
 
 def test_ctrl_c_during_imports_is_one_line(tmp_path: Path) -> None:

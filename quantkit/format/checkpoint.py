@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from quantkit.format.compressed_tensors import (
     scheme_to_quantization_config,
 )
 from quantkit.format.formats import FORMATS
+from quantkit.format.lazy_safetensors import SafetensorsFiles, damaged
 from quantkit.format.scheme import QuantScheme
 from quantkit.format.tensors import check_module_tensors
 from quantkit.paths import make_readable, replace_dir, sweep_leftovers, temp_sibling
@@ -99,7 +100,9 @@ def save_checkpoint(
     check_output_dir(out, force=force, source_dir=source_dir)
     if max_shard_bytes <= 0:
         raise CheckpointError(f"max_shard_bytes: expected a positive size, got {max_shard_bytes}")
-    _check_state_dict(tensors, scheme=scheme, quantized_modules=quantized_modules)
+    if not isinstance(tensors, LazyTensors):
+        # A lazy source (a streamed quantization) checked each module as it finished it.
+        _check_state_dict(tensors, scheme=scheme, quantized_modules=quantized_modules)
     full_config = dict(config)
     head = "lm_head" in quantized_modules
     full_config["quantization_config"] = scheme_to_quantization_config(scheme, quantized_head=head)
@@ -186,7 +189,7 @@ def _check_state_dict(
 _OS_ERROR = re.compile(r"os error (\d+)")
 
 
-def _save_shard(shard: dict[str, torch.Tensor], path: Path) -> None:
+def save_shard(shard: dict[str, torch.Tensor], path: Path) -> None:
     """safetensors' save_file, whose failed writes (a full disk, a file-size limit) come as
     SafetensorError with the OS error inside its message: raised as the OSError it was, so the
     CLI names the path and the cause like any other failed write."""
@@ -221,32 +224,75 @@ def shard_name(i: int, count: int) -> str:
     return f"model-{i:05d}-of-{count:05d}.safetensors"
 
 
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """Tensors by name that are read when looked up, with their sizes known without reading:
+    what a streamed quantization hands the checkpoint writer, so a model larger than memory
+    is written one shard at a time."""
+
+    def nbytes(self, name: str) -> int:
+        raise NotImplementedError
+
+
+class FileTensors(LazyTensors):
+    """Named tensors of safetensors files, in a chosen order, each read when looked up."""
+
+    def __init__(self, files: SafetensorsFiles, order: Sequence[str]) -> None:
+        missing = [n for n in order if n not in files]
+        if missing:
+            raise CheckpointError(f"missing tensor {missing[0]}: no staged file holds it")
+        self.files, self.order = files, list(order)
+        self._names = set(self.order)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self.files.read(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def nbytes(self, name: str) -> int:
+        return self.files.entries[name].nbytes
+
+
+def tensor_nbytes(tensors: Mapping[str, torch.Tensor], name: str) -> int:
+    """The bytes of one tensor of `tensors`, without reading it when it is lazy."""
+    if isinstance(tensors, LazyTensors):
+        return tensors.nbytes(name)
+    t = tensors[name]
+    return t.numel() * t.element_size()
+
+
 def _write_tensors(
     directory: Path, tensors: Mapping[str, torch.Tensor], *, max_shard_bytes: int
 ) -> None:
-    """safetensors shards of at most `max_shard_bytes` (a bigger single tensor gets its own)."""
-    ready: list[tuple[str, torch.Tensor]] = []
-    seen: set[int] = set()
-    for name, t in tensors.items():
-        t = t.detach().to("cpu").contiguous()
-        # safetensors refuses tensors that share memory (tied weights, views); copy those.
-        if t.data_ptr() in seen:
-            t = t.clone()
-        seen.add(t.data_ptr())
-        ready.append((name, t))
-    sizes = [t.numel() * t.element_size() for _, t in ready]
+    """safetensors shards of at most `max_shard_bytes` (a bigger single tensor gets its own),
+    each made and freed in turn: one shard's tensors are in memory at a time."""
+    names = list(tensors)
+    sizes = [tensor_nbytes(tensors, name) for name in names]
     total = sum(sizes)
-    shards = [dict(ready[i] for i in group) for group in shard_groups(sizes, max_shard_bytes)]
-    if len(shards) == 1:
-        _save_shard(shards[0], directory / SINGLE_NAME)
-        return
+    groups = shard_groups(sizes, max_shard_bytes)
+    seen: set[int] = set()
     weight_map: dict[str, str] = {}
-    for i, shard in enumerate(shards, start=1):
-        fname = shard_name(i, len(shards))
-        _save_shard(shard, directory / fname)
+    for i, group in enumerate(groups, start=1):
+        shard: dict[str, torch.Tensor] = {}
+        for name in (names[j] for j in group):
+            t = tensors[name].detach().to("cpu").contiguous()
+            # safetensors refuses tensors that share memory (tied weights, views); copy those.
+            if t.data_ptr() in seen:
+                t = t.clone()
+            seen.add(t.data_ptr())
+            shard[name] = t
+        fname = SINGLE_NAME if len(groups) == 1 else shard_name(i, len(groups))
+        save_shard(shard, directory / fname)
         weight_map.update(dict.fromkeys(shard, fname))
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        del shard
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------- load
@@ -392,7 +438,7 @@ def load_shard(file: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(file), device="cpu")
     except (SafetensorError, ValueError, RuntimeError) as e:
-        raise _damaged(file, e) from e
+        raise damaged(file, e) from e
 
 
 def shard_names(file: Path) -> list[str]:
@@ -404,14 +450,7 @@ def shard_names(file: Path) -> list[str]:
         with safe_open(str(file), "pt") as f:
             return list(f.keys())  # noqa: SIM118 - a safe_open handle is no dict
     except (SafetensorError, ValueError, RuntimeError, OSError) as e:
-        raise _damaged(file, e) from e
-
-
-def _damaged(file: Path, e: BaseException) -> CheckpointError:
-    return CheckpointError(
-        f"{file}: expected a complete safetensors file, got a damaged one ({e}); a truncated "
-        f"or interrupted copy? copy or download it again"
-    )
+        raise damaged(file, e) from e
 
 
 def _quantized_prefixes(tensors: Mapping[str, torch.Tensor]) -> set[str]:
@@ -429,8 +468,8 @@ def _module_view(tensors: Mapping[str, torch.Tensor], prefix: str) -> dict[str, 
     """The tensors of one module under their local names ("weight_packed", ...)."""
     start = prefix + "."
     return {
-        name[len(start) :]: t
-        for name, t in tensors.items()
+        name[len(start) :]: tensors[name]
+        for name in tensors
         if name.startswith(start) and "." not in name[len(start) :]
     }
 

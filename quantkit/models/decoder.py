@@ -368,36 +368,11 @@ def build_model(
     state = dict(state)
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    wanted = {k for k, _ in model.named_parameters()} | {
-        k for k, _ in model.named_buffers() if not k.endswith("inv_freq")
-    }
-    wanted -= {k for k in wanted if any(k.startswith(m + ".") for m in (modules or {}))}
-    beyond = sorted(
-        (int(m.group(1)), k)
-        for k in state
-        if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m.group(1)) >= cfg.num_layers
-    )
-    if beyond:
-        raise ModelSourceError(
-            f"weights: {beyond[0][1]} has no place in a model of {cfg.num_layers} layers "
-            f"(config.json num_hidden_layers); expected the config that matches the weights"
-        )
-    missing = sorted(wanted - state.keys())
-    if missing:
-        raise ModelSourceError(
-            f"model weights incomplete: expected {len(wanted)} tensors, missing {len(missing)} "
-            f"(first: {missing[0]})"
-        )
+    wanted = wanted_tensors(model, modules or {})
+    check_weights(cfg, model, {k: tuple(v.shape) for k, v in state.items()}, wanted)
     dense = {
         k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items() if k in wanted
     }
-    shapes = {k: t.shape for k, t in model.state_dict(keep_vars=True).items()}
-    for k, t in dense.items():
-        if k in shapes and t.shape != shapes[k]:
-            raise ModelSourceError(
-                f"tensor {k}: expected shape {list(shapes[k])} from config.json, got "
-                f"{list(t.shape)}; the config does not describe these weights"
-            )
     model.load_state_dict(dense, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -406,3 +381,46 @@ def build_model(
     for module in (modules or {}).values():
         module.to(dense["model.embed_tokens.weight"].device)
     return model.eval()
+
+
+def wanted_tensors(model: nn.Module, modules: dict[str, nn.Module]) -> set[str]:
+    """The state-dict names `model` loads from a checkpoint: its parameters and buffers but the
+    rotary frequencies (rebuilt) and the tensors of `modules` (replaced by name)."""
+    wanted = {k for k, _ in model.named_parameters()} | {
+        k for k, _ in model.named_buffers() if not k.endswith("inv_freq")
+    }
+    return wanted - {k for k in wanted if any(k.startswith(m + ".") for m in modules)}
+
+
+def check_weights(
+    cfg: ModelConfig,
+    model: nn.Module,
+    shapes: dict[str, tuple[int, ...]],
+    wanted: set[str],
+) -> None:
+    """The weights' names and `shapes` against the model the config describes (built on meta):
+    a layer beyond the config's count, a missing tensor or a wrong shape is a ModelSourceError.
+    Called with the shapes alone, before a byte of weights is read, by the streaming loader."""
+    beyond = sorted(
+        (int(m.group(1)), k)
+        for k in shapes
+        if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m.group(1)) >= cfg.num_layers
+    )
+    if beyond:
+        raise ModelSourceError(
+            f"weights: {beyond[0][1]} has no place in a model of {cfg.num_layers} layers "
+            f"(config.json num_hidden_layers); expected the config that matches the weights"
+        )
+    missing = sorted(wanted - shapes.keys())
+    if missing:
+        raise ModelSourceError(
+            f"model weights incomplete: expected {len(wanted)} tensors, missing {len(missing)} "
+            f"(first: {missing[0]})"
+        )
+    own = {k: tuple(t.shape) for k, t in model.state_dict(keep_vars=True).items()}
+    for k in sorted(wanted & shapes.keys()):
+        if k in own and shapes[k] != own[k]:
+            raise ModelSourceError(
+                f"tensor {k}: expected shape {list(own[k])} from config.json, got "
+                f"{list(shapes[k])}; the config does not describe these weights"
+            )

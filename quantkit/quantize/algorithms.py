@@ -2,8 +2,9 @@
 
 An algorithm chooses the codes; the format (`QuantScheme`) says how they are stored. Each entry
 says which formats it can produce, whether it needs calibration text (and how much by default),
-and the function that quantizes every decoder Linear of a loaded model. The pipeline looks the
-algorithm up once and calls it; a new algorithm is one function plus one entry here.
+and its walk: a step that quantizes one decoder layer at a time (`layer_walk.LayerWalk`), which
+the in-memory and the streaming pipelines drive alike. A new algorithm is one walk plus one entry
+here.
 
 | algorithm | formats | calibration | what it does |
 |---|---|---|---|
@@ -18,15 +19,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from quantkit.errors import SchemeError
 from quantkit.format.formats import FORMATS
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import CausalLM
 from quantkit.models.family import Family
-from quantkit.quantize.awq import AwqConfig, awq_quantize
-from quantkit.quantize.gptq import GptqConfig, gptq_quantize
-from quantkit.quantize.layer_walk import LayerErrorReport
+from quantkit.quantize.awq import AwqConfig, awq_walk
+from quantkit.quantize.gptq import GptqConfig, gptq_walk
+from quantkit.quantize.layer_walk import LayerErrorReport, LayerWalk
 
 # Calibration windows (x 512 tokens) for the activation statistics. 64, not AWQ's 128: on
 # SmolLM2-135M, 64 samples closed 56-57% of the RTN gap on every seed measured while 128 gave
@@ -42,24 +44,21 @@ ModuleTensors = dict[str, dict[str, torch.Tensor]]  # module name -> its checkpo
 
 @dataclass
 class QuantizeJob:
-    """Everything an algorithm needs: the dense model (changed in place), its family entry, the
-    resolved format, the Linears to quantize and the dtype their scales are stored in."""
+    """Everything an algorithm needs: the model (its embedding, rotary tables and config; the
+    decoder layers come to the walk's step one at a time), its family entry, the resolved
+    format and the dtype the scales are stored in."""
 
     model: CausalLM
     arch: Family
     scheme: QuantScheme
-    layers: list[tuple[str, int]]  # (module name, in_features)
     storage_dtype: torch.dtype
     samples: torch.Tensor | None = None  # calibration token ids [n, seq_len]
     awq: AwqConfig = field(default_factory=AwqConfig)
     gptq: GptqConfig = field(default_factory=GptqConfig)
-    on_layer: Callable[[LayerErrorReport], None] | None = None
-
-    def weight(self, name: str) -> torch.Tensor:
-        return self.model.get_submodule(name).weight.data
 
 
-Run = Callable[[QuantizeJob], tuple[ModuleTensors, list[LayerErrorReport]]]
+# job -> the walk whose step returns the layer's checkpoint tensors (`ModuleTensors`).
+Walk = Callable[[QuantizeJob], LayerWalk]
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,7 @@ class Algorithm:
     name: str
     only: tuple[str, ...] | None  # the QuantScheme kinds it can produce; None = every format
     calib_samples: int  # default calibration windows; 0 = needs no calibration text
-    run: Run
+    walk: Walk
 
     @property
     def calibrated(self) -> bool:
@@ -79,37 +78,42 @@ class Algorithm:
         return tuple(FORMATS) if self.only is None else self.only
 
 
-def _rtn(job: QuantizeJob) -> tuple[ModuleTensors, list[LayerErrorReport]]:
-    fmt, scheme = job.scheme.format, job.scheme
-    out: ModuleTensors = {}
-    for name, _ in job.layers:
-        q = fmt.round_to_nearest(job.weight(name), scheme)
-        out[name] = fmt.store(q, scheme, dtype=job.storage_dtype)
-    return out, []
+def _rtn(job: QuantizeJob) -> LayerWalk:
+    fmt, scheme, linears = job.scheme.format, job.scheme, job.model.config.layer_linears()
+
+    def step(index: int, layer: nn.Module, x: torch.Tensor | None) -> tuple:
+        out: ModuleTensors = {}
+        for name in linears:
+            q = fmt.round_to_nearest(layer.get_submodule(name).weight.data, scheme)
+            out[f"model.layers.{index}.{name}"] = fmt.store(q, scheme, dtype=job.storage_dtype)
+        return out, LayerErrorReport(index), None
+
+    return LayerWalk(step)
 
 
-def _awq(job: QuantizeJob) -> tuple[ModuleTensors, list[LayerErrorReport]]:
+def _awq(job: QuantizeJob) -> LayerWalk:
     assert job.samples is not None
-    weights, reports = awq_quantize(
-        job.model, job.samples, scheme=job.scheme, arch=job.arch, cfg=job.awq, on_layer=job.on_layer
-    )
-    out = {n: q.tensors(scheme=job.scheme, dtype=job.storage_dtype) for n, q in weights.items()}
-    return out, list(reports)
+    walk = awq_walk(job.model, job.samples, scheme=job.scheme, arch=job.arch, cfg=job.awq)
+
+    def step(index: int, layer: nn.Module, x: torch.Tensor | None) -> tuple:
+        weights, report, x = walk.step(index, layer, x)
+        out = {n: q.tensors(scheme=job.scheme, dtype=job.storage_dtype) for n, q in weights.items()}
+        return out, report, x
+
+    return LayerWalk(step, walk.x)
 
 
-def _gptq(job: QuantizeJob) -> tuple[ModuleTensors, list[LayerErrorReport]]:
+def _gptq(job: QuantizeJob) -> LayerWalk:
     assert job.samples is not None
-    out, reports = gptq_quantize(
+    # The codes are chosen for the scales as the checkpoint stores them.
+    return gptq_walk(
         job.model,
         job.samples,
         arch=job.arch,
         scheme=job.scheme,
         cfg=job.gptq,
-        # The codes are chosen for the scales as the checkpoint stores them.
         scale_dtype=job.storage_dtype,
-        on_layer=job.on_layer,
     )
-    return out, list(reports)
 
 
 ALGORITHMS: dict[str, Algorithm] = {

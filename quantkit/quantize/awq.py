@@ -28,11 +28,13 @@ from quantkit.models.decoder import CausalLM
 from quantkit.models.family import Family, ScaleGroup
 from quantkit.quantize.layer_walk import (
     LayerErrorReport,
+    LayerWalk,
     PhaseClock,
     finish_layer,
     first_layer_inputs,
     layer_call,
     run_chunked,
+    run_walk,
 )
 from quantkit.quantize.moe import expert_linears, expert_token_counts, moe_scale_groups
 from quantkit.quantize.rtn import Int4Weights, rtn_quantize_weight
@@ -249,6 +251,39 @@ class _Plan:
     seq_len: int
 
 
+def awq_walk(
+    model: CausalLM,
+    samples: torch.Tensor,
+    *,
+    scheme: QuantScheme,
+    arch: Family | None = None,
+    cfg: AwqConfig | None = None,
+) -> LayerWalk:
+    """AWQ as a `LayerWalk`: each step quantizes one decoder layer in place (weights become
+    their dequantized values, norms absorb the scales) and returns its INT4 weights by module
+    name. `model` supplies the embedding, the rotary tables and the config; its decoder layers
+    are passed to the step one at a time. The Linears and scale groups are the family's (`arch`,
+    default `model.family`)."""
+    arch = arch or model.family
+    cfg = cfg or AwqConfig()
+    n_seq, seq_len = samples.shape
+    x, cos, sin = first_layer_inputs(model, samples, batch_sequences=cfg.batch_sequences)
+    picks = _draw_picks(n_seq, seq_len, cfg)
+    groups = _model_scale_groups(model, arch)
+    linears, routed = model.config.layer_linears(), expert_linears(model)
+    plan = _Plan(model, arch, scheme, cfg, groups, linears, routed, picks, cos, sin, seq_len)
+
+    def step(
+        index: int, layer: nn.Module, x: torch.Tensor | None
+    ) -> tuple[dict[str, Int4Weights], LayerReport, torch.Tensor]:
+        assert x is not None
+        result: dict[str, Int4Weights] = {}
+        report, x = _quantize_layer(plan, index, layer, x, result)
+        return result, report, x
+
+    return LayerWalk(step, x)
+
+
 def awq_quantize(
     model: CausalLM,
     samples: torch.Tensor,
@@ -258,22 +293,10 @@ def awq_quantize(
     cfg: AwqConfig | None = None,
     on_layer: Callable[[LayerReport], None] | None = None,
 ) -> tuple[dict[str, Int4Weights], list[LayerReport]]:
-    """Quantize every decoder Linear of `model` in place (weights become their dequantized
-    values, norms absorb the scales) and return the INT4 weights by module name. The Linears and
-    scale groups are the family's (`arch`, default `model.family`)."""
-    arch = arch or model.family
-    cfg = cfg or AwqConfig()
-    n_seq, seq_len = samples.shape
-    x, cos, sin = first_layer_inputs(model, samples, batch_sequences=cfg.batch_sequences)
-    picks = _draw_picks(n_seq, seq_len, cfg)
-    result: dict[str, Int4Weights] = {}
-    reports: list[LayerReport] = []
-    groups = _model_scale_groups(model, arch)
-    linears, routed = model.config.layer_linears(), expert_linears(model)
-    plan = _Plan(model, arch, scheme, cfg, groups, linears, routed, picks, cos, sin, seq_len)
-    for index, layer in enumerate(model.model.layers):
-        x = _quantize_layer(plan, index, layer, x, result, reports, on_layer)
-    return result, reports
+    """Quantize every decoder Linear of a loaded `model` in place (`awq_walk`) and return the
+    INT4 weights by module name, with one report per layer."""
+    walk = awq_walk(model, samples, scheme=scheme, arch=arch, cfg=cfg)
+    return run_walk(walk, model.model.layers, on_layer)
 
 
 def _quantize_layer(
@@ -282,11 +305,9 @@ def _quantize_layer(
     layer: nn.Module,
     x: torch.Tensor,
     result: dict[str, Int4Weights],
-    reports: list[LayerReport],
-    on_layer: Callable[[LayerReport], None] | None,
-) -> torch.Tensor:
+) -> tuple[LayerReport, torch.Tensor]:
     """One layer's pass: capture, RTN baseline, scale search and fold, clip and quantize (into
-    `result`), its report; returns the quantized layer's output, the next layer's input."""
+    `result`); returns its report and the quantized layer's output, the next layer's input."""
     cfg = plan.cfg
     report = LayerReport(index)
     inputs = {g.input or g.linears[0] for g in plan.groups} | set(plan.linears)
@@ -316,10 +337,7 @@ def _quantize_layer(
     out_q = run_chunked(run_layer, x_attn_seq, cfg.batch_sequences)
     report.method_error = float((out_q - layer_target).pow(2).mean())
     # Feed the quantized layer's output onward.
-    return finish_layer(
-        run_layer, x, cfg.batch_sequences, clock=clock, report=report, reports=reports,
-        on_layer=on_layer,
-    )  # fmt: skip
+    return report, finish_layer(run_layer, x, cfg.batch_sequences, clock=clock)
 
 
 def _scale_layer(

@@ -53,10 +53,12 @@ from quantkit.models.decoder import CausalLM
 from quantkit.models.family import Family
 from quantkit.quantize.layer_walk import (
     LayerErrorReport,
+    LayerWalk,
     PhaseClock,
     finish_layer,
     first_layer_inputs,
     layer_call,
+    run_walk,
 )
 from quantkit.quantize.moe import expert_token_counts, moe_input_groups
 
@@ -339,7 +341,7 @@ def _capture_hessians(
     return hessians
 
 
-def gptq_quantize(
+def gptq_walk(
     model: CausalLM,
     samples: torch.Tensor,
     *,
@@ -347,20 +349,23 @@ def gptq_quantize(
     scheme: QuantScheme,
     cfg: GptqConfig | None = None,
     scale_dtype: torch.dtype = torch.float32,
-    on_layer: Callable[[GptqLayerReport], None] | None = None,
-) -> tuple[dict[str, dict[str, torch.Tensor]], list[GptqLayerReport]]:
-    """GPTQ-round every decoder Linear of `model` to `scheme` (int4 or fp8) with scales stored in
-    `scale_dtype`. The model's weights become their dequantized values in place; returns
-    {module name: its checkpoint tensors (local names)} and one report per layer. The Linears
-    and their input groups are the family's (`arch`, default `model.family`)."""
+) -> LayerWalk:
+    """GPTQ as a `LayerWalk`: each step GPTQ-rounds one decoder layer's Linears to `scheme`
+    (int4 or fp8) with scales stored in `scale_dtype`, gives them their dequantized values in
+    place and returns {module name: its checkpoint tensors (local names)}. `model` supplies the
+    embedding, rotary tables and config. The Linears and their input groups are the family's
+    (`arch`, default `model.family`)."""
     arch = arch or model.family
     cfg = cfg or GptqConfig()
     x, cos, sin = first_layer_inputs(model, samples, batch_sequences=cfg.batch_sequences)
     input_groups = [*arch.input_groups, *moe_input_groups(model)]
     stages = [[g] for g in input_groups] if cfg.sequential else [input_groups]
-    result: dict[str, dict[str, torch.Tensor]] = {}
-    reports: list[GptqLayerReport] = []
-    for index, layer in enumerate(model.model.layers):
+
+    def step(
+        index: int, layer: nn.Module, x: torch.Tensor | None
+    ) -> tuple[dict[str, dict[str, torch.Tensor]], GptqLayerReport, torch.Tensor]:
+        assert x is not None
+        result: dict[str, dict[str, torch.Tensor]] = {}
         report = GptqLayerReport(index)
         clock = PhaseClock(report.seconds)
         run_layer = layer_call(layer, cos, sin)
@@ -372,32 +377,61 @@ def gptq_quantize(
             if stage[0] == input_groups[0]:
                 report.count_experts(expert_token_counts(model, _tokens(hessians)))
             for group in stage:
-                mods = [layer.get_submodule(n) for n in group]
-                # Stacked rows: Linears sharing an input share H, and rows round independently
-                # (every scale and zero point is per row).
-                w = torch.cat([m.weight.data for m in mods]).float()
-                if hessians[group[0]].tokens == 0:
-                    # An expert no calibration token reached: round to nearest, same scales.
-                    rounder = ROUNDERS[scheme.kind](w, scheme, scale_dtype=scale_dtype)
-                    q = stored = rounder.stored(rounder.nearest(w))
-                else:
-                    h = hessians[group[0]].matrix()
-                    q, rounder = gptq_weight(w, h, scheme=scheme, cfg=cfg, scale_dtype=scale_dtype)
-                    stored = rounder.stored(q)
-                    report.method_error += output_error(w, stored, h)
-                    report.rtn_error += output_error(w, rounder.nearest(w), h)
-                row = 0
-                for name, m in zip(group, mods, strict=True):
-                    rows = slice(row, row + m.out_features)
-                    result[f"model.layers.{index}.{name}"] = rounder.tensors(
-                        q, rows, dtype=scale_dtype
-                    )
-                    m.weight.data = stored[rows].to(m.weight.dtype)
-                    row += m.out_features
+                rounded = _round_group(layer, group, hessians, report, scheme, cfg, scale_dtype)
+                result.update({f"model.layers.{index}.{n}": t for n, t in rounded.items()})
             clock.lap("round")
         # Feed the quantized layer's output onward.
-        x = finish_layer(
-            run_layer, x, cfg.batch_sequences, clock=clock, report=report, reports=reports,
-            on_layer=on_layer,
-        )  # fmt: skip
-    return result, reports
+        return result, report, finish_layer(run_layer, x, cfg.batch_sequences, clock=clock)
+
+    return LayerWalk(step, x)
+
+
+def _round_group(
+    layer: nn.Module,
+    group: tuple[str, ...],
+    hessians: dict[str, Hessian],
+    report: GptqLayerReport,
+    scheme: QuantScheme,
+    cfg: GptqConfig,
+    scale_dtype: torch.dtype,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Round one input group's Linears and give them their stored values; returns their
+    checkpoint tensors by layer-relative name."""
+    result: dict[str, dict[str, torch.Tensor]] = {}
+    mods = [layer.get_submodule(n) for n in group]
+    # Stacked rows: Linears sharing an input share H, and rows round independently (every
+    # scale and zero point is per row).
+    w = torch.cat([m.weight.data for m in mods]).float()
+    if hessians[group[0]].tokens == 0:
+        # An expert no calibration token reached: round to nearest, same scales.
+        rounder = ROUNDERS[scheme.kind](w, scheme, scale_dtype=scale_dtype)
+        q = stored = rounder.stored(rounder.nearest(w))
+    else:
+        h = hessians[group[0]].matrix()
+        q, rounder = gptq_weight(w, h, scheme=scheme, cfg=cfg, scale_dtype=scale_dtype)
+        stored = rounder.stored(q)
+        report.method_error += output_error(w, stored, h)
+        report.rtn_error += output_error(w, rounder.nearest(w), h)
+    row = 0
+    for name, m in zip(group, mods, strict=True):
+        rows = slice(row, row + m.out_features)
+        result[name] = rounder.tensors(q, rows, dtype=scale_dtype)
+        m.weight.data = stored[rows].to(m.weight.dtype)
+        row += m.out_features
+    return result
+
+
+def gptq_quantize(
+    model: CausalLM,
+    samples: torch.Tensor,
+    *,
+    arch: Family | None = None,
+    scheme: QuantScheme,
+    cfg: GptqConfig | None = None,
+    scale_dtype: torch.dtype = torch.float32,
+    on_layer: Callable[[GptqLayerReport], None] | None = None,
+) -> tuple[dict[str, dict[str, torch.Tensor]], list[GptqLayerReport]]:
+    """GPTQ-round every decoder Linear of a loaded `model` in place (`gptq_walk`); returns
+    {module name: its checkpoint tensors (local names)} and one report per layer."""
+    walk = gptq_walk(model, samples, arch=arch, scheme=scheme, cfg=cfg, scale_dtype=scale_dtype)
+    return run_walk(walk, model.model.layers, on_layer)

@@ -1,18 +1,21 @@
 """What the layer-by-layer quantizers (AWQ, GPTQ) share: the calibration activations entering
 the first decoder layer, a decoder layer as a function of its input, chunked runs, a clock per
 phase, the per-layer report's error change against round to nearest, and the end of each layer's
-step (`finish_layer`).
+step (`finish_layer`), and the walk itself (`LayerWalk`, `run_walk`).
 
-Both quantizers walk the decoder one layer at a time and feed the *quantized* layer's output to
-the next, so peak memory is the model plus one layer's activations over the calibration set.
+Every algorithm is a `LayerWalk`: a step that quantizes one decoder layer given the activations
+entering it and returns the next layer's. The in-memory pipeline steps through a loaded model;
+the streaming one builds each layer from the source files, steps it, writes it and frees it, so
+both produce the same tensors from the same code. AWQ and GPTQ feed the *quantized* layer's
+output to the next, so later layers calibrate against the errors they will really see.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -82,25 +85,45 @@ class PhaseClock:
         self.t = now
 
 
-Report = TypeVar("Report", bound=LayerErrorReport)
-
-
 def finish_layer(
-    run_layer: Callable,
-    x: torch.Tensor,
-    chunk: int,
-    *,
-    clock: PhaseClock,
-    report: Report,
-    reports: list[Report],
-    on_layer: Callable[[Report], None] | None,
+    run_layer: Callable, x: torch.Tensor, chunk: int, *, clock: PhaseClock
 ) -> torch.Tensor:
     """The end of one layer's step: the quantized layer's output over x (in chunks of `chunk`
-    sequences), the next layer's input, timed as "propagate"; then the report is appended to
-    `reports` and passed to `on_layer`."""
+    sequences), the next layer's input, timed as "propagate"."""
     x = run_chunked(run_layer, x, chunk)
     clock.lap("propagate")
-    reports.append(report)
-    if on_layer is not None:
-        on_layer(report)
     return x
+
+
+Weights = TypeVar("Weights")
+Report = TypeVar("Report", bound=LayerErrorReport)
+# step(index, layer, x) -> (the layer's quantized weights by full module name, its report, the
+# next layer's input). The layer is changed in place: its Linears compute what the checkpoint
+# will (dequantized weights) and norms carry any folded scales.
+Step = Callable[[int, nn.Module, "torch.Tensor | None"], tuple[dict[str, Any], Any, Any]]
+
+
+@dataclass
+class LayerWalk:
+    """An algorithm's pass over the decoder, one layer at a time (see the module docstring)."""
+
+    step: Step
+    x: torch.Tensor | None = None  # activations entering layer 0; None without calibration
+
+
+def run_walk(
+    walk: LayerWalk,
+    layers: Iterable[nn.Module],
+    on_layer: Callable[[Any], None] | None = None,
+) -> tuple[dict[str, Any], list[Any]]:
+    """Step through `layers` in order: every layer's weights merged, and the reports."""
+    weights: dict[str, Any] = {}
+    reports: list[Any] = []
+    x = walk.x
+    for index, layer in enumerate(layers):
+        out, report, x = walk.step(index, layer, x)
+        weights.update(out)
+        reports.append(report)
+        if on_layer is not None:
+            on_layer(report)
+    return weights, reports

@@ -9,7 +9,7 @@ either, so tests and scripts can call it directly.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from quantkit.format.checkpoint import (
     LoadedCheckpoint,
     dequantize_checkpoint_tensors,
     save_checkpoint,
+    tensor_nbytes,
 )
 from quantkit.format.dtypes import DTYPES
 from quantkit.format.scheme import QuantScheme
@@ -27,7 +28,7 @@ from quantkit.models.decoder import CausalLM, build_model
 from quantkit.quantize.algorithms import QuantizeJob, algorithm_for
 from quantkit.quantize.awq import AwqConfig
 from quantkit.quantize.gptq import GptqConfig
-from quantkit.quantize.layer_walk import LayerErrorReport
+from quantkit.quantize.layer_walk import LayerErrorReport, run_walk
 from quantkit.runtime.quant_linear import QuantLinear
 from quantkit.sources.resolve import check_layer_count, load_state_dict, read_config
 
@@ -41,7 +42,8 @@ class QuantizeOutcome:
     scheme: QuantScheme
     algorithm: str
     config: dict[str, Any]
-    tensors: dict[str, torch.Tensor]  # the checkpoint's state dict
+    # The checkpoint's state dict: in memory, or read from staged files when written (streamed).
+    tensors: Mapping[str, torch.Tensor]
     quantized_modules: list[str]
     storage_dtype: torch.dtype
     layer_reports: list[LayerProgress] = field(default_factory=list)
@@ -51,7 +53,7 @@ class QuantizeOutcome:
 
     @property
     def bytes_after(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return sum(tensor_nbytes(self.tensors, name) for name in self.tensors)
 
     def save(
         self,
@@ -88,7 +90,7 @@ class QuantizeOutcome:
     def dense_state(self) -> dict[str, torch.Tensor]:
         """fp32 dense weights equal to what the checkpoint computes with (stored scales)."""
         loaded = LoadedCheckpoint(
-            Path("."), self.config, self.scheme, self.tensors, self.quantized_modules, None
+            Path("."), self.config, self.scheme, dict(self.tensors), self.quantized_modules, None
         )
         dense = dequantize_checkpoint_tensors(loaded, dtype=torch.float32)
         return {k: v.float() if v.is_floating_point() else v for k, v in dense.items()}
@@ -96,15 +98,16 @@ class QuantizeOutcome:
     def runtime_model(self) -> CausalLM:
         """The model as the checkpoint runs it: `QuantLinear`s on the stored tensors, so what
         only happens at run time (W8A8's per-token activation quantization) is included."""
+        tensors = dict(self.tensors)  # read once when streamed
         loaded = LoadedCheckpoint(
-            Path("."), self.config, self.scheme, self.tensors, self.quantized_modules, None
+            Path("."), self.config, self.scheme, tensors, self.quantized_modules, None
         )
         modules: dict[str, torch.nn.Module] = {}
         for name in self.quantized_modules:
             local = loaded.module_tensors(name)
             bias = local.pop("bias", None)
             modules[name] = QuantLinear.from_tensors(local, scheme=self.scheme, bias=bias)
-        return build_model(self.config, self.tensors, modules=modules)
+        return build_model(self.config, tensors, modules=modules)
 
 
 def storage_dtype(config: dict[str, Any]) -> torch.dtype:
@@ -170,10 +173,10 @@ def quantize_model(
         ids = samples()
         timings["calibration_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-    job = QuantizeJob(model, model.family, scheme, layers, dtype, samples=ids, on_layer=on_layer)
+    job = QuantizeJob(model, model.family, scheme, dtype, samples=ids)
     job.awq = awq or job.awq
     job.gptq = gptq or job.gptq
-    module_tensors, reports = method.run(job)
+    module_tensors, reports = run_walk(method.walk(job), model.model.layers, on_layer)
     if quantize_head:
         w = model.lm_head.weight.detach()
         q = scheme.format.round_to_nearest(w, scheme)

@@ -10,12 +10,16 @@ quantkit.json stores, and writes the checkpoint atomically.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import resource
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from quantkit.errors import SchemeError
 from quantkit.format.checkpoint import check_output_dir
@@ -25,8 +29,11 @@ from quantkit.quantize.algorithms import Algorithm, algorithm_for
 from quantkit.quantize.awq import AwqConfig
 from quantkit.quantize.calibration import calibration_samples, read_calib_file, wiki_split
 from quantkit.quantize.gptq import GptqConfig
-from quantkit.quantize.pipeline import LayerProgress, QuantizeOutcome, quantize_model
-from quantkit.sources.resolve import resolve_model
+from quantkit.quantize.pipeline import LayerProgress, QuantizeOutcome
+from quantkit.quantize.source_model import SourceModel, open_source
+from quantkit.quantize.staging import Staging, staging_dir
+from quantkit.quantize.streaming import stream_quantize
+from quantkit.sources.resolve import load_state_dict, resolve_model
 from quantkit.sources.tokenizer import load_tokenizer
 
 BUNDLED_CALIBRATION = "wikipedia (bundled articles, calibration split)"
@@ -83,9 +90,13 @@ def quantize_and_save(
     progress: bool = True,
     hooks: Hooks | None = None,
     extra_report: dict[str, Any] | None = None,
+    restart: bool = False,
 ) -> tuple[QuantizeOutcome, dict[str, Any]]:
-    """Quantize `recipe.model` and write the checkpoint to `out`; returns the outcome and the
-    report stored in quantkit.json."""
+    """Quantize `recipe.model` layer by layer (`streaming`) and write the checkpoint to `out`;
+    returns the outcome and the report stored in quantkit.json.
+
+    Finished layers wait in `<out>.partial/`: a run that is killed leaves them there, and the
+    same call again continues from the first unfinished layer (`restart` starts over)."""
     started = time.perf_counter()
     hooks = hooks or Hooks()
     method = recipe.method()
@@ -94,6 +105,9 @@ def quantize_and_save(
     check_output_dir(out, force=force)  # fail before minutes of work, not after
     texts = read_calib_file(cal.path) if cal.path is not None else None
     model_dir = resolve_model(recipe.model, home=home, progress=progress)
+    t0 = time.perf_counter()
+    source = open_source(model_dir)  # headers only: a config that is wrong fails here
+    open_s = time.perf_counter() - t0
     n_samples = cal.samples or method.calib_samples
     calib_ids = None
     # Loaded once (~2 s for SmolLM2's tokenizer.json) for calibration and the scorer alike.
@@ -105,46 +119,89 @@ def quantize_and_save(
             docs, tokenizer, n_samples=n_samples, seq_len=cal.seq_len, seed=cal.seed
         )
     scores: dict[str, Any] = {}
-
-    def on_loaded(dense: CausalLM) -> None:
+    if hooks.score is not None:  # the whole reference model, for its perplexity
+        reference = build_model(source.config, load_state_dict(model_dir))
+        scores.update(hooks.score(reference, "reference", tokenizer))
+        del reference
+    staging = Staging(staging_dir(out), _fingerprint(recipe, method, source, calib_ids))
+    resumed = staging.open(restart=restart)
+    if hooks.on_start is not None:
+        hooks.on_start(method, source.num_layers)
+    try:
+        outcome = stream_quantize(
+            source,
+            staging,
+            scheme=recipe.scheme,
+            algorithm=method.name,
+            samples=None if calib_ids is None else lambda: calib_ids,
+            awq=recipe.awq,
+            gptq=recipe.gptq,
+            on_layer=hooks.on_layer,
+            quantize_head=recipe.quantize_head,
+            resumed=resumed,
+        )
+        outcome.timings = {"load_s": open_s, **outcome.timings}
         if hooks.score is not None:
-            scores.update(hooks.score(dense, "reference", tokenizer))
-        if hooks.on_start is not None:
-            hooks.on_start(method, dense.config.num_layers)
-
-    outcome = quantize_model(
-        model_dir,
-        scheme=recipe.scheme,
-        algorithm=method.name,
-        samples=None if calib_ids is None else lambda: calib_ids,
-        awq=recipe.awq,
-        gptq=recipe.gptq,
-        on_layer=hooks.on_layer,
-        on_loaded=on_loaded,
-        quantize_head=recipe.quantize_head,
-    )
-    if hooks.score is not None:
+            t0 = time.perf_counter()
+            scores.update(hooks.score(quantized_model(outcome), "quantized", tokenizer))
+            outcome.timings["eval_s"] = time.perf_counter() - t0
+        calibration = None
+        if method.calibrated:
+            source_name = str(cal.path) if cal.path is not None else BUNDLED_CALIBRATION
+            calibration = {
+                "source": source_name,
+                "samples": n_samples,
+                "seq_len": cal.seq_len,
+                "seed": cal.seed,
+            }
+        report = build_report(
+            outcome, model=recipe.model, calibration=calibration, ppl=scores, gptq=recipe.gptq
+        )
+        if resumed:
+            report["resumed_at_layer"] = resumed
+        report.update(extra_report or {})
         t0 = time.perf_counter()
-        scores.update(hooks.score(quantized_model(outcome), "quantized", tokenizer))
-        outcome.timings["eval_s"] = time.perf_counter() - t0
-    calibration = None
-    if method.calibrated:
-        source = str(cal.path) if cal.path is not None else BUNDLED_CALIBRATION
-        calibration = {
-            "source": source,
-            "samples": n_samples,
-            "seq_len": cal.seq_len,
-            "seed": cal.seed,
-        }
-    report = build_report(
-        outcome, model=recipe.model, calibration=calibration, ppl=scores, gptq=recipe.gptq
-    )
-    report.update(extra_report or {})
-    t0 = time.perf_counter()
-    outcome.save(out, source_dir=model_dir, report=report, force=force)
-    outcome.timings["write_s"] = time.perf_counter() - t0
+        outcome.save(out, source_dir=model_dir, report=report, force=force)
+        outcome.timings["write_s"] = time.perf_counter() - t0
+    except BaseException:
+        if not staging.layers:  # nothing finished: nothing worth keeping
+            staging.remove()
+        raise
+    finally:
+        staging.close()
+    staging.remove()
     outcome.timings["total_s"] = time.perf_counter() - started
     return outcome, report
+
+
+def _fingerprint(
+    recipe: Recipe, method: Algorithm, source: SourceModel, calib_ids: torch.Tensor | None
+) -> dict[str, Any]:
+    """What a staging directory may only be resumed with: the same weights files and config,
+    format, algorithm and settings, and calibration tokens (hashed)."""
+    files = sorted({e.file for e in source.files.entries.values()})
+    settings: dict[str, Any] = {}
+    if method.name == "awq":
+        settings = asdict(recipe.awq)
+    elif method.name == "gptq":
+        settings = asdict(recipe.gptq)
+    calibration = None
+    if calib_ids is not None:
+        calibration = _digest(calib_ids.contiguous().numpy().tobytes())
+    return {
+        "model": str(source.model_dir.resolve()),
+        "weights": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
+        "config": _digest(json.dumps(source.config, sort_keys=True).encode()),
+        "scheme": recipe.scheme.to_json(),
+        "method": method.name,
+        "settings": settings,
+        "quantize_head": recipe.quantize_head,
+        "calibration": calibration,
+    }
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
 
 
 def quantized_model(outcome: QuantizeOutcome) -> CausalLM:
