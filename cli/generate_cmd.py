@@ -1,6 +1,7 @@
 """`quantkit generate [MODEL_OR_CKPT] --prompt TEXT`: stream a completion, then say how close the
 decode came to the machine's bandwidth ceiling. `--schema FILE.json | --regex PATTERN | --choice A
---choice B ...` constrain the output (see `quantkit.cli.grammar_run`)."""
+--choice B ... | --grammar FILE.lark|FILE.gbnf` constrain the output (see
+`quantkit.cli.grammar_run`)."""
 
 from __future__ import annotations
 
@@ -165,11 +166,19 @@ def _print_summary(summary: dict[str, Any]) -> None:
 @click.option("--regex", default=None, help="Output: text that fully matches this regex.")
 @click.option("--choice", "choices", multiple=True, help="Output: one of these (repeatable).")
 @click.option(
+    "--grammar",
+    "grammar_file",
+    default=None,
+    help="Output: text this context-free grammar derives: Lark syntax as llguidance reads it, or "
+    "llama.cpp GBNF if the file ends in .gbnf (converted to Lark). llguidance only.",
+)
+@click.option(
     "--compile-timeout",
     type=float,
     default=DEFAULT_TIMEOUT_S,
     show_default=True,
-    help="Seconds allowed to compile the --schema/--regex/--choice grammar (every phase).",
+    help="Seconds allowed to compile the --schema/--regex/--choice/--grammar grammar (every "
+    "phase, a --grammar file's conversion and check included).",
 )
 @click.option(
     "--grammar-engine",
@@ -177,7 +186,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
     default=DEFAULT_ENGINE,
     show_default=True,
     help="Constraint engine: llguidance, outlines (outlines-core), or auto (llguidance for "
-    "schemas, outlines for --regex/--choice, each falling back to the other).",
+    "schemas, outlines for --regex/--choice, each falling back to the other; --grammar: "
+    "llguidance only).",
 )
 @click.option(
     "--fast-forward/--no-fast-forward",
@@ -203,6 +213,7 @@ def generate_cmd(
     schema_file: str | None,
     regex: str | None,
     choices: tuple[str, ...],
+    grammar_file: str | None,
     compile_timeout: float,
     grammar_engine: str,
     fast_forward: bool,
@@ -217,14 +228,14 @@ def generate_cmd(
     included; `tokens` lists the output ids (EOS excluded)."""
     # Every check that needs no model first, so bad input fails in milliseconds.
     grammar, prompt = _grammar_and_prompt(
-        prompt, schema_file, regex, choices, compile_timeout, grammar_engine
+        prompt, schema_file, regex, choices, grammar_file, compile_timeout, grammar_engine
     )
     spec = runtime.speculation()
     if spec is not None and (grammar is not None or compile_step):
         raise GenerationError(
-            "--speculate: expected no --schema/--regex/--choice (a grammar advances one token "
-            "a step; --fast-forward skips its forced tokens instead) and no --compile, got "
-            + ("a grammar" if grammar is not None else "--compile")
+            "--speculate: expected no --schema/--regex/--choice/--grammar (a grammar advances "
+            "one token a step; --fast-forward skips its forced tokens instead) and no --compile, "
+            "got " + ("a grammar" if grammar is not None else "--compile")
         )
     params = SamplingParams(
         temperature=temperature,
@@ -272,6 +283,7 @@ def _grammar_and_prompt(
     schema_file: str | None,
     regex: str | None,
     choices: tuple[str, ...],
+    grammar_file: str | None,
     compile_timeout: float,
     engine: str,
 ) -> tuple[GrammarRun | None, str]:
@@ -280,6 +292,7 @@ def _grammar_and_prompt(
         schema=schema_file,
         regex=regex,
         choices=choices,
+        grammar_file=grammar_file,
         compile_timeout=compile_timeout,
         engine=engine,
     )

@@ -1,9 +1,10 @@
-"""What `quantkit generate --schema/--regex/--choice` needs, kept out of the thin CLI module.
+"""What `quantkit generate --schema/--regex/--choice/--grammar` needs, kept out of the thin CLI
+module.
 
 The command calls, in order:
 
-    run = GrammarRun.from_options(schema=..., regex=..., choices=..., compile_timeout=...,
-                                  engine="auto")
+    run = GrammarRun.from_options(schema=..., regex=..., choices=..., grammar_file=...,
+                                  compile_timeout=..., engine="auto")
     prompt = run.prompt(prompt)                  # the default prompt for a schema
     ... load the model ...
     processor = run.processor(loaded)            # compile (or load from cache), log to stderr
@@ -12,19 +13,23 @@ The command calls, in order:
     run.finish(result, output=path)              # validate; write --output atomically
 
 Every user mistake is a GrammarError (one line, non-zero exit through the CLI's handler), raised
-before the model loads where possible.
+before the model loads where possible: a --grammar file is read, converted from GBNF and its
+syntax checked first, within --compile-timeout; the compile for the model's tokenizer gets the
+rest of that limit.
 """
 
 from __future__ import annotations
 
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from quantkit.errors import GenerationError, GrammarError
+from quantkit.grammar.cfg import lark_accepts, load_grammar_file
 from quantkit.grammar.compiler import (
     DEFAULT_ENGINE,
     DEFAULT_TIMEOUT_S,
@@ -74,6 +79,7 @@ class GrammarRun:
     compile_timeout: float | None = DEFAULT_TIMEOUT_S
     log: Callable[[str], None] = _stderr
     engine: str = DEFAULT_ENGINE
+    spent_s: float = 0.0  # of compile_timeout, used before the compile (a --grammar's check)
     compiled: CompiledGrammar | None = field(default=None, init=False)
     processor_: GrammarLogitsProcessor | None = field(default=None, init=False)
 
@@ -84,6 +90,7 @@ class GrammarRun:
         schema: str | Path | None = None,
         regex: str | None = None,
         choices: Sequence[str] = (),
+        grammar_file: str | Path | None = None,
         compile_timeout: float | None = DEFAULT_TIMEOUT_S,
         log: Callable[[str], None] = _stderr,
         engine: str = DEFAULT_ENGINE,
@@ -91,25 +98,34 @@ class GrammarRun:
         """The run the options ask for, or None without a constraint. Checks everything that
         needs no model: one constraint at most, the engine, the schema file (against its
         metaschema; lowering it for outlines-core waits for the compile and its time limit),
-        the regex's syntax."""
+        the regex's syntax, the grammar file (converted from GBNF, its syntax checked, within
+        the compile time limit)."""
         if engine not in ENGINES:
             raise GrammarError(
                 f"--grammar-engine: expected one of {', '.join(ENGINES)}, got {engine!r}"
             )
-        given = [
-            n for n, v in (("--schema", schema), ("--regex", regex), ("--choice", choices)) if v
-        ]
+        options = (
+            ("--schema", schema), ("--regex", regex), ("--choice", choices),
+            ("--grammar", grammar_file),
+        )  # fmt: skip
+        given = [n for n, v in options if v]
         if len(given) > 1:
             raise GrammarError(
                 f"{' and '.join(given)}: expected at most one of --schema, --regex, --choice, "
-                f"got {len(given)}"
+                f"--grammar, got {len(given)}"
+            )
+        if grammar_file and engine == "outlines":
+            raise GrammarError(
+                "--grammar-engine outlines: expected llguidance or auto with --grammar "
+                "(outlines-core compiles regular expressions, not context-free grammars), got "
+                "outlines"
             )
         if compile_timeout is not None and not 0 < compile_timeout <= MAX_TIMEOUT_S:
             raise GrammarError(
                 f"--compile-timeout: expected seconds in (0, {MAX_TIMEOUT_S:g}], "
                 f"got {compile_timeout}"
             )
-        for flag, value in (("--schema", schema), ("--regex", regex)):
+        for flag, value in (("--schema", schema), ("--regex", regex), ("--grammar", grammar_file)):
             if value is not None and str(value) == "":
                 # An empty constraint is a mistake, never "unconstrained" in disguise.
                 raise GrammarError(f"{flag}: expected a non-empty value, got ''")
@@ -123,6 +139,13 @@ class GrammarRun:
             grammar = regex_grammar(regex)
         elif choices:
             grammar = choice_grammar(choices)
+        elif grammar_file is not None:
+            started = time.perf_counter()
+            grammar = load_grammar_file(grammar_file, timeout_s=compile_timeout)
+            spent = time.perf_counter() - started
+            return cls(
+                grammar, compile_timeout=compile_timeout, log=log, engine=engine, spent_s=spent
+            )
         else:
             return None
         return cls(grammar, compile_timeout=compile_timeout, log=log, engine=engine)
@@ -147,10 +170,14 @@ class GrammarRun:
             limit = "none" if self.compile_timeout is None else f"{self.compile_timeout:g} s"
             self.log(f"compiling {self.grammar.label} (engine {self.engine}, limit {limit}) ...")
             self.compiled = compile_grammar(
-                self.grammar, vocab, engine=self.engine, timeout_s=self.compile_timeout
-            )
+                self.grammar, vocab, engine=self.engine, timeout_s=self.compile_timeout,
+                spent_s=self.spent_s,
+            )  # fmt: skip
             for note in self.compiled.notes:  # never narrowed silently
-                self.log(f"warning: {self.compiled.engine} narrows the schema: {note}")
+                if self.grammar.kind == "json_schema":
+                    self.log(f"warning: {self.compiled.engine} narrows the schema: {note}")
+                else:  # llguidance's warnings about a grammar (it narrows none)
+                    self.log(f"warning: {note}")
         self.processor_ = GrammarLogitsProcessor(self.compiled, max_new_tokens=max_new_tokens)
         return self.processor_
 
@@ -161,6 +188,8 @@ class GrammarRun:
         if self.grammar.kind == "json_schema":
             problem = validate_json(text, self.grammar.schema)
             return None if problem is None else f"does not validate: {problem}"
+        if self.grammar.kind == "lark":
+            return None if lark_accepts(self.grammar, text) else f"not in {self.grammar.label}"
         if re.fullmatch(self.grammar.regex or "", text) is None:
             return f"does not match {self.grammar.label}"
         return None
@@ -226,10 +255,11 @@ class GrammarRun:
         if summary["budget_steered"]:
             lines.append("budget     steered to finish within --max-new-tokens (byte by byte)")
         notes = summary["grammar_notes"]
+        tag = "narrowed   " if self.grammar.kind == "json_schema" else "warning    "
         for note in notes[:3]:
-            lines.append(f"narrowed   {note}")
+            lines.append(f"{tag}{note}")
         if len(notes) > 3:
-            lines.append(f"narrowed   ... and {len(notes) - 3} more (see --json)")
+            lines.append(f"{tag}... and {len(notes) - 3} more (see --json)")
         verdict = "valid" if summary["output_valid"] else summary["output_problem"]
         what = "JSON, matches the schema" if self.grammar.kind == "json_schema" else "matches"
         lines.append(f"output     {what}" if summary["output_valid"] else f"output     {verdict}")

@@ -1,6 +1,8 @@
 """Grammar -> a compiled grammar of one of two engines, within one time limit.
 
-Engines (`ENGINES`; `compile_grammar(engine=...)`, the CLI's --grammar-engine):
+Engines (`ENGINES`; `compile_grammar(engine=...)`, the CLI's --grammar-engine). A Lark grammar
+(`cfg`, context-free) goes to llguidance alone: outlines-core compiles regular languages only,
+so asking for it is a GrammarError, and auto picks llguidance.
 
 - "llguidance" (`llguidance.engine`): compiles the JSON schema itself in milliseconds; what it
   cannot represent exactly it refuses, naming the keyword, or (`llguidance.schema`) narrows with
@@ -180,11 +182,14 @@ def compile_grammar(
     home: Path | None = None,
     memory_limit_bytes: int = DEFAULT_MEMORY_LIMIT,
     plan: bool = True,
+    spent_s: float = 0.0,
 ) -> CompiledGrammar:
     """`grammar` compiled for `vocabulary` by `engine` ("auto": see the module docstring).
 
     timeout_s: the limit for every phase together (lowering, index build, cache load; None:
         in this process, without a limit). A run past it is a GrammarError naming the phase.
+    spent_s: seconds of `timeout_s` already used by an earlier phase (a Lark grammar's syntax
+        check, `cfg.load_grammar_file`): the compile gets what is left.
     cache: read and write outlines-core's disk cache (the memory cache is always used).
     plan: outlines-core only: also build the completion plan (a byte-level index of the same
         regex, see `budget`), within the same time limit.
@@ -195,14 +200,10 @@ def compile_grammar(
         )
     if timeout_s is not None and not timeout_s > 0:
         raise GrammarError(f"--compile-timeout: expected a number of seconds > 0, got {timeout_s}")
-    order = [engine]
-    if engine == "auto":
-        order = ["llguidance", "outlines"]
-        if grammar.kind != "json_schema":
-            order.reverse()
+    order = _engine_order(grammar, engine)
     if "llguidance" in order:  # per vocabulary, once (~0.3 s), like building the vocabulary
         llg_tokenizer(vocabulary)
-    started = time.perf_counter()
+    started = time.perf_counter() - spent_s
     tried: list[str] = []
     for name in order:
         left = None if timeout_s is None else timeout_s - (time.perf_counter() - started)
@@ -227,7 +228,29 @@ def compile_grammar(
             if len(order) == 1:
                 raise
             tried.append(f"{name}: {e}")
-    raise GrammarError(" / ".join(tried) or f"{grammar.label}: no time left to compile it")
+    raise GrammarError(
+        " / ".join(tried)
+        or f"{grammar.label}: no time left to compile it within the limit of {timeout_s or 0:g} s "
+        f"(--compile-timeout)"
+    )
+
+
+def _engine_order(grammar: Grammar, engine: str) -> list[str]:
+    """The engines to try, in order (see the module docstring)."""
+    if grammar.kind == "lark":
+        if engine == "outlines":
+            raise GrammarError(
+                f"--grammar-engine outlines: expected llguidance or auto for {grammar.label} "
+                f"(outlines-core compiles regular expressions, not context-free grammars), "
+                f"got outlines"
+            )
+        return ["llguidance"]
+    if engine != "auto":
+        return [engine]
+    order = ["llguidance", "outlines"]
+    if grammar.kind != "json_schema":
+        order.reverse()
+    return order
 
 
 def _compile_outlines(

@@ -1,8 +1,10 @@
-"""What a user can constrain generation to: a JSON schema, a regex, or a choice of strings.
+"""What a user can constrain generation to: a JSON schema, a regex, a choice of strings, or a
+context-free grammar in Lark syntax.
 
-Each becomes a `Grammar`: the schema (llguidance's input) or one regex over the output text
-(outlines-core's input), plus what is needed to check and explain the result (the schema for
-validation, notes on where the grammar is narrower than the schema). `schema_grammar` leaves the
+Each becomes a `Grammar`: the schema (llguidance's input), one regex over the output text
+(outlines-core's input) or the Lark text (llguidance's only: `cfg` reads it from a file, GBNF
+converted), plus what is needed to check and explain the result (the schema for validation,
+notes on where the grammar is narrower than the schema). `schema_grammar` leaves the
 regex to be lowered later, only if outlines-core is the engine, under the compile time limit
 (`lowering`); `json_schema_grammar` lowers at once.
 """
@@ -28,6 +30,7 @@ __all__ = [
     "Grammar",
     "choice_grammar",
     "json_schema_grammar",
+    "lark_grammar",
     "load_schema_file",
     "regex_grammar",
     "schema_grammar",
@@ -37,16 +40,18 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Grammar:
-    """kind: "json_schema", "regex" or "choice"; regex: what outlines-core compiles (None for
-    a schema not lowered yet: see `lowering.lower_schema`); label: a short description for
-    messages; schema: the parsed schema (json_schema only); notes: where the grammar is
-    narrower than the schema (still sound), for the user."""
+    """kind: "json_schema", "regex", "choice" or "lark"; regex: what outlines-core compiles
+    (None for a schema not lowered yet, see `lowering.lower_schema`, and for a Lark grammar,
+    which no regex can express); label: a short description for messages; schema: the parsed
+    schema (json_schema only); notes: where the grammar is narrower than the schema (still
+    sound), for the user; lark: the Lark text llguidance compiles (lark only)."""
 
     kind: str
     regex: str | None
     label: str
     schema: Any = None
     notes: tuple[str, ...] = ()
+    lark: str | None = None
 
 
 def load_schema_file(path: str | Path) -> Any:
@@ -111,6 +116,15 @@ def choice_grammar(options: Sequence[str]) -> Grammar:
     ordered = sorted(options, key=lambda o: (-len(o), o))
     regex = "(?:" + "|".join(escape_literal(o) for o in ordered) + ")"
     return Grammar("choice", regex, f"choice of {len(options)}")
+
+
+def lark_grammar(text: str, *, label: str = "grammar") -> Grammar:
+    """A grammar for the texts `text` (a Lark grammar in llguidance's dialect) derives from its
+    `start` rule. Only emptiness is checked here: llguidance reads the syntax when it compiles
+    (`cfg.load_grammar_file` checks it earlier, under the time limit)."""
+    if not isinstance(text, str) or not text.strip():
+        raise GrammarError(f"{label}: expected a non-empty Lark grammar, got {text!r}")
+    return Grammar("lark", None, label, lark=text)
 
 
 def validate_json(text: str, schema: Any) -> str | None:

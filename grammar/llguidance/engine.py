@@ -1,5 +1,6 @@
-"""The llguidance engine: JSON schemas (and regexes) compiled natively, masks from an Earley
-parser over a lazy lexer.
+"""The llguidance engine: JSON schemas, regexes and Lark grammars (context-free, the one kind
+outlines-core cannot take; see `lark`) compiled natively, masks from an Earley parser over a
+lazy lexer.
 
 Where outlines-core turns a schema into one regex and walks the whole vocabulary through its
 automaton up front (0.28 s p50, minutes for some schemas), llguidance builds its lexer lazily
@@ -17,11 +18,18 @@ only, holding back a last token that the next bytes could still merge into).
 The tokenizer: llguidance's `LLTokenizer` is built from the same `TokenVocabulary` the other
 engine uses (same ids, same bytes, so both fill the same bitmask), with the model tokenizer's
 own encoder for canonical tokenization; ~0.3 s for a 49k vocabulary, built once per vocabulary.
+
+The build runs on a thread with a 1 GiB stack (`BUILD_STACK_BYTES`, address space mapped only
+as it is touched): llguidance recurses once per rule of a chain of rules (r0 -> r1 -> ...,
+~3 KB a level), and 3000 chained rules overflowed a thread's default stack, a segmentation
+fault; on 1 GiB llguidance checked a 150000-rule chain (27 s, 2-core AMD EPYC) and refused a
+200000-rule one in one line, at its own size limit (500000 symbols), before the stack's.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +49,18 @@ from quantkit.grammar.narrowing import ordered_objects
 from quantkit.grammar.native_threads import run_with_limit
 from quantkit.grammar.vocabulary import TokenVocabulary
 
-__all__ = ["LlgIndex", "LlgRow", "compile_llguidance", "import_llguidance", "llg_tokenizer"]
+__all__ = [
+    "BUILD_STACK_BYTES",
+    "LlgIndex",
+    "LlgRow",
+    "compile_llguidance",
+    "error_line",
+    "import_llguidance",
+    "llg_tokenizer",
+]
+
+# See the module docstring: deep enough that llguidance's size limit comes before the stack's.
+BUILD_STACK_BYTES = 1 << 30
 
 # Compact JSON: see the module docstring. coerce_one_of stays off: treating oneOf as anyOf
 # would accept instances matching two branches (unsound); lenient off: no ignored keywords.
@@ -162,10 +181,24 @@ class LlgRow:
         return list(self.matcher.compute_ff_tokens())
 
 
+def error_line(messages: list[str]) -> str:
+    """llguidance's first message as one line: "at 2(8): duplicate rule" (line 2, column 8,
+    then the grammar's lines quoted below) becomes "line 2 column 8: duplicate rule", and a
+    detail it puts on a later line ("error: unclosed group" of a bad regex) is kept."""
+    lines = (messages[0] if messages else "").strip().splitlines() or ["unknown error"]
+    first = re.sub(r"^(?:at )?(\d+)\((\d+)\): ", r"line \1 column \2: ", lines[0].strip())
+    details = [ln.strip()[len("error:") :].strip() for ln in lines[1:]
+               if ln.strip().startswith("error:")]  # fmt: skip
+    return "; ".join([first.rstrip(": "), *details])
+
+
 def _grammar_text(grammar: Grammar, schema: Any, options: dict[str, Any]) -> str:
     llg = import_llguidance()
     if grammar.kind == "json_schema":
         return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+    if grammar.kind == "lark":
+        assert grammar.lark is not None  # lark grammars always carry their text
+        return llg.LLMatcher.grammar_from_lark(grammar.lark)
     assert grammar.regex is not None  # regex and choice grammars always carry theirs
     return llg.LLMatcher.grammar_from_regex(grammar.regex)
 
@@ -248,8 +281,9 @@ def compile_llguidance(
     tokenizer = llg_tokenizer(vocabulary)
     # Native code that drops the GIL: a thread can wait on it, and is abandoned at the limit.
     done, built = run_with_limit(
-        lambda: _build(grammar, tokenizer), timeout_s, name="quantkit-llguidance-build"
-    )
+        lambda: _build(grammar, tokenizer), timeout_s, name="quantkit-llguidance-build",
+        stack_bytes=BUILD_STACK_BYTES,
+    )  # fmt: skip
     if not done:
         raise GrammarError(
             f"{grammar.label}: llguidance grammar build took longer than the limit of "
@@ -257,7 +291,10 @@ def compile_llguidance(
         )
     is_error, messages, text, notes, (template, (items, keys)) = built
     if is_error:
-        reason = (messages[0] if messages else "unknown error").splitlines()[0]
+        if grammar.kind == "lark":  # positions and details matter to whoever wrote the grammar
+            reason = error_line(messages)
+        else:
+            reason = (messages[0] if messages else "unknown error").splitlines()[0]
         raise GrammarError(f"{grammar.label}: llguidance cannot compile it: {reason}")
     notes += [f"llguidance: {m}" for m in messages]
     ending = EndingTokens.of(vocabulary) if items or keys else None
