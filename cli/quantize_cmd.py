@@ -272,4 +272,6 @@ def _summary(
             f"perplexity   {ppl['reference']:.3f} -> {ppl['quantized']:.3f} ({change:+.1%}) "
             f"on {ppl['tokens']} held-out tokens, window {ppl['window']}"
         )
-    click.echo(f"peak RSS     {report['peak_rss_mb']:.0f} MB")
+    estimate = report.get("peak_rss_estimate_mb")
+    planned = f" (estimated before the run: at most {estimate} MB)" if estimate else ""
+    click.echo(f"peak RSS     {report['peak_rss_mb']:.0f} MB{planned}")

@@ -437,21 +437,21 @@ def test_interrupted_write_leaves_nothing(
     source_dir: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import safetensors.torch
+    from quantkit.format import checkpoint
 
     out = tmp_path / "out"
     if existing:
         save(out, source_dir, SCHEMES["fp8-w8a16"])
-    real_save = safetensors.torch.save_file
+    real_save = checkpoint.write_safetensors
     calls = []
 
-    def flaky_save(tensors, filename, metadata=None):
+    def flaky_save(filename, tensors, metadata=None):
         calls.append(filename)
         if len(calls) == 2:  # the first shard is written, the second one dies
             raise exc("interrupted")
-        real_save(tensors, filename, metadata=metadata)
+        real_save(filename, tensors, metadata=metadata)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", flaky_save)
+    monkeypatch.setattr(checkpoint, "write_safetensors", flaky_save)
     with pytest.raises(exc):
         save(out, source_dir, SCHEMES["int4-asym-g32"], force=True, max_shard_bytes=2000)
     assert len(calls) == 2

@@ -156,3 +156,27 @@ def test_a_new_format_is_validated_by_its_own_contract(int8: WeightFormat) -> No
     bad = {"weight": torch.zeros(4, 8, dtype=torch.int16), "weight_scale": torch.ones(4, 1)}
     with pytest.raises(CheckpointError, match=r"tensor weight: expected dtype int8, got int16"):
         QuantLinear.from_tensors(bad, scheme=scheme)
+
+
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        QuantScheme("int4", 32),
+        QuantScheme("int4", 64, symmetric=True),
+        QuantScheme("int4", -1),
+        QuantScheme("fp8"),
+    ],  # fmt: skip
+    ids=["int4-g32", "int4-g64-sym", "int4-channel", "fp8"],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_round_and_store_in_row_blocks_is_the_whole_store(scheme, dtype) -> None:
+    """Rounding a Linear a block of rows at a time (to bound the fp32 temporaries) gives the
+    very tensors of rounding it whole, blocks that divide no packing unit included."""
+    w = torch.randn(37, 128, generator=torch.Generator().manual_seed(3)) * 0.05
+    fmt = scheme.format
+    whole = fmt.store(fmt.round_to_nearest(w, scheme), scheme, dtype=dtype)
+    for rows in (1, 5, 8, 36, 37, 4096):
+        blocks = fmt.round_and_store(w, scheme, dtype=dtype, rows=rows)
+        assert blocks.keys() == whole.keys()
+        for name, t in whole.items():
+            assert t.dtype == blocks[name].dtype and torch.equal(t, blocks[name]), (rows, name)

@@ -32,6 +32,7 @@ from quantkit.grammar.processor import GrammarLogitsProcessor
 from quantkit.grammar.vocabulary import TokenVocabulary
 from tests.conftest import run_cli as run
 from tests.hand_vocab import EOS, vocab_of
+from tests.test_grammar_cli import last_line_error
 
 DATA = Path(__file__).resolve().parent / "data" / "grammars"
 SELECT = DATA / "select.lark"
@@ -314,16 +315,6 @@ def test_a_long_chain_of_rules_does_not_overflow_the_stack(tmp_path: Path) -> No
 # ----------------------------------------------------------------- the CLI
 
 
-def one_error_line(code: int, err: str, *needles: str) -> str:
-    assert code == 2, err
-    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-    assert lines and lines[-1].startswith("error:") and "Traceback" not in err, err
-    assert len(lines) == 1 or (len(lines) == 2 and lines[0].startswith("compiling")), err
-    for needle in needles:
-        assert needle in lines[-1], (needle, lines[-1])
-    return lines[-1]
-
-
 @pytest.mark.parametrize(
     "name,text",
     [
@@ -386,7 +377,7 @@ def test_bad_input_one_line_each(
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     code, _, err = run(capsys, "generate", str(tiny_model_dir), "--prompt", "x", *args)
-    one_error_line(code, err, *needles)
+    last_line_error(code, err, *needles)
 
 
 def test_cfg_eval_without_lark_says_how_to_install_it(

@@ -14,10 +14,8 @@ Facts checked against compressed-tensors 0.20.1: its `PackedQuantizationCompress
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import re
 import shutil
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -33,7 +31,8 @@ from quantkit.format.compressed_tensors import (
     scheme_to_quantization_config,
 )
 from quantkit.format.formats import FORMATS
-from quantkit.format.lazy_safetensors import SafetensorsFiles, damaged
+from quantkit.format.lazy_safetensors import SafetensorsFiles, TensorEntry, damaged
+from quantkit.format.safetensors_writer import write_safetensors
 from quantkit.format.scheme import QuantScheme
 from quantkit.format.tensors import check_module_tensors
 from quantkit.paths import make_readable, replace_dir, sweep_leftovers, temp_sibling
@@ -186,22 +185,11 @@ def _check_state_dict(
         check_module_tensors(_module_view(tensors, prefix), scheme=scheme, prefix=prefix)
 
 
-_OS_ERROR = re.compile(r"os error (\d+)")
-
-
-def save_shard(shard: dict[str, torch.Tensor], path: Path) -> None:
-    """safetensors' save_file, whose failed writes (a full disk, a file-size limit) come as
-    SafetensorError with the OS error inside its message: raised as the OSError it was, so the
-    CLI names the path and the cause like any other failed write."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
-    try:
-        save_file(shard, str(path), metadata={"format": "pt"})
-    except SafetensorError as e:
-        match = _OS_ERROR.search(str(e))
-        code = int(match[1]) if match else errno.EIO
-        raise OSError(code, os.strerror(code), str(path)) from e
+def save_shard(shard: Mapping[str, torch.Tensor | TensorEntry], path: Path) -> None:
+    """One safetensors file, written a tensor at a time (`safetensors_writer`: the same bytes
+    `safetensors` writes, without its copy of every tensor); a failed write (a full disk, a
+    file-size limit) is the OSError it was, naming the path."""
+    write_safetensors(path, shard, metadata={"format": "pt"})
 
 
 def shard_groups(sizes: Sequence[int], limit: int) -> list[list[int]]:
@@ -258,6 +246,12 @@ class FileTensors(LazyTensors):
         return self.files.entries[name].nbytes
 
 
+def _item(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor | TensorEntry:
+    if isinstance(tensors, FileTensors):
+        return tensors.files.entries[name]
+    return tensors[name]
+
+
 def tensor_nbytes(tensors: Mapping[str, torch.Tensor], name: str) -> int:
     """The bytes of one tensor of `tensors`, without reading it when it is lazy."""
     if isinstance(tensors, LazyTensors):
@@ -270,22 +264,15 @@ def _write_tensors(
     directory: Path, tensors: Mapping[str, torch.Tensor], *, max_shard_bytes: int
 ) -> None:
     """safetensors shards of at most `max_shard_bytes` (a bigger single tensor gets its own),
-    each made and freed in turn: one shard's tensors are in memory at a time."""
+    each written a tensor at a time."""
     names = list(tensors)
     sizes = [tensor_nbytes(tensors, name) for name in names]
     total = sum(sizes)
     groups = shard_groups(sizes, max_shard_bytes)
-    seen: set[int] = set()
     weight_map: dict[str, str] = {}
     for i, group in enumerate(groups, start=1):
-        shard: dict[str, torch.Tensor] = {}
-        for name in (names[j] for j in group):
-            t = tensors[name].detach().to("cpu").contiguous()
-            # safetensors refuses tensors that share memory (tied weights, views); copy those.
-            if t.data_ptr() in seen:
-                t = t.clone()
-            seen.add(t.data_ptr())
-            shard[name] = t
+        # A staged tensor is copied file to file; one in memory is written from where it is.
+        shard = {names[j]: _item(tensors, names[j]) for j in group}
         fname = SINGLE_NAME if len(groups) == 1 else shard_name(i, len(groups))
         save_shard(shard, directory / fname)
         weight_map.update(dict.fromkeys(shard, fname))
@@ -427,6 +414,20 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
                 f"{weight_map[missing[0]]}, which does not hold it"
             )
     return tensors
+
+
+def read_weight_map(index_file: Path) -> dict[str, str]:
+    """The tensor -> shard map of a sharded model's index; an unreadable one is a
+    CheckpointError naming the file."""
+    try:
+        weight_map = json.loads(Path(index_file).read_text())["weight_map"]
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"{index_file}: expected JSON with a weight_map, got an unreadable file ({e})"
+        ) from e
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_file}: expected weight_map to be an object")
+    return weight_map
 
 
 def load_shard(file: Path) -> dict[str, torch.Tensor]:

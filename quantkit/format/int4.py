@@ -202,14 +202,13 @@ class Int4Format(WeightFormat):
             )
         return int4_tensors(q.codes, q.scale, q.zero, dtype=dtype)
 
-    def store(self, q: Codes, scheme: SchemeView, *, dtype: torch.dtype) -> Tensors:
+    def stored_codes(self, q: Codes, scheme: SchemeView, *, dtype: torch.dtype) -> Codes:
         """The codes were chosen for fp32 scales; they are re-derived for the scale as stored,
         so the checkpoint's weights are the best this storage dtype allows."""
         scale = q.scale.to(dtype).float()
         g = scheme.group_size_for(q.codes.shape[1])
         w = int4_dequantize(q.codes, q.scale, q.zero, group_size=g)
-        codes = int4_quantize(w, scale, q.zero, group_size=g)
-        return self.pack(Codes(codes, scale, q.zero), scheme, dtype=dtype)
+        return Codes(int4_quantize(w, scale, q.zero, group_size=g), scale, q.zero)
 
     def dequantize(
         self, tensors: Mapping[str, torch.Tensor], scheme: SchemeView, *, dtype: torch.dtype

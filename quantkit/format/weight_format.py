@@ -137,8 +137,36 @@ class WeightFormat(ABC):
 
     def store(self, q: Codes, scheme: SchemeView, *, dtype: torch.dtype) -> Tensors:
         """The tensors a quantizer writes: `pack`, after whatever fix-up storing the scales in
-        `dtype` calls for (by default none)."""
-        return self.pack(q, scheme, dtype=dtype)
+        `dtype` calls for (`stored_codes`)."""
+        return self.pack(self.stored_codes(q, scheme, dtype=dtype), scheme, dtype=dtype)
+
+    def stored_codes(self, q: Codes, scheme: SchemeView, *, dtype: torch.dtype) -> Codes:
+        """The codes and scales as the checkpoint will hold them, scales stored in `dtype`
+        (by default the codes as given). Row by row, like `round_to_nearest`."""
+        return q
+
+    def round_and_store(
+        self, weight: torch.Tensor, scheme: SchemeView, *, dtype: torch.dtype, rows: int = 1024
+    ) -> Tensors:
+        """`store(round_to_nearest(weight))`, `rows` output rows at a time: every format's
+        rounding and fix-up treat each row on its own (its scales are per row or per group of
+        a row), so the tensors are the same while the fp32 temporaries are one block's, not
+        the whole Linear's (a 128k-row head, the widest Linears of an 8B model)."""
+        blocks = [
+            self.stored_codes(
+                self.round_to_nearest(weight[i : i + rows], scheme), scheme, dtype=dtype
+            )
+            for i in range(0, weight.shape[0], rows)
+        ]
+        if len(blocks) == 1:
+            return self.pack(blocks[0], scheme, dtype=dtype)
+        zeros = [b.zero for b in blocks]
+        joined = Codes(
+            torch.cat([b.codes for b in blocks]),
+            torch.cat([b.scale for b in blocks]),
+            None if zeros[0] is None else torch.cat(zeros),  # type: ignore[arg-type]
+        )
+        return self.pack(joined, scheme, dtype=dtype)
 
     @abstractmethod
     def dequantize(

@@ -84,8 +84,10 @@ def _rtn(job: QuantizeJob) -> LayerWalk:
     def step(index: int, layer: nn.Module, x: torch.Tensor | None) -> tuple:
         out: ModuleTensors = {}
         for name in linears:
-            q = fmt.round_to_nearest(layer.get_submodule(name).weight.data, scheme)
-            out[f"model.layers.{index}.{name}"] = fmt.store(q, scheme, dtype=job.storage_dtype)
+            w = layer.get_submodule(name).weight.data
+            out[f"model.layers.{index}.{name}"] = fmt.round_and_store(
+                w, scheme, dtype=job.storage_dtype
+            )
         return out, LayerErrorReport(index), None
 
     return LayerWalk(step)

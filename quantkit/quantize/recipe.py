@@ -29,6 +29,7 @@ from quantkit.quantize.algorithms import Algorithm, algorithm_for
 from quantkit.quantize.awq import AwqConfig
 from quantkit.quantize.calibration import calibration_samples, read_calib_file, wiki_split
 from quantkit.quantize.gptq import GptqConfig
+from quantkit.quantize.memory_plan import check_memory, plan_memory
 from quantkit.quantize.pipeline import LayerProgress, QuantizeOutcome
 from quantkit.quantize.source_model import SourceModel, open_source
 from quantkit.quantize.staging import Staging, staging_dir
@@ -109,6 +110,12 @@ def quantize_and_save(
     source = open_source(model_dir)  # headers only: a config that is wrong fails here
     open_s = time.perf_counter() - t0
     n_samples = cal.samples or method.calib_samples
+    plan = plan_memory(
+        source, calibrated=method.name if method.calibrated else None, samples=n_samples,
+        seq_len=cal.seq_len, quantize_head=recipe.quantize_head, score=hooks.score is not None,
+        awq=recipe.awq, gptq=recipe.gptq,
+    )  # fmt: skip
+    check_memory(plan)  # before anything is read: refused with both numbers, not killed later
     calib_ids = None
     # Loaded once (~2 s for SmolLM2's tokenizer.json) for calibration and the scorer alike.
     tokenizer = load_tokenizer(model_dir) if method.calibrated or hooks.score else None
@@ -157,6 +164,7 @@ def quantize_and_save(
         report = build_report(
             outcome, model=recipe.model, calibration=calibration, ppl=scores, gptq=recipe.gptq
         )
+        report["peak_rss_estimate_mb"] = round(plan.peak / 2**20)
         if resumed:
             report["resumed_at_layer"] = resumed
         report.update(extra_report or {})

@@ -28,6 +28,8 @@ EMBED = "model.embed_tokens.weight"
 # Dense tensors converted to the storage dtype this many elements at a time (the fp32 copy of a
 # 128k-token embedding would be 2 GB).
 _CONVERT_CHUNK = 1 << 24
+# Widths fp32 holds exactly (NaN payloads aside), so fp32 and back returns the same bits.
+_EXACT_IN_FP32 = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass
@@ -75,6 +77,8 @@ class SourceModel:
         t = self.files.read(name)
         if not t.is_floating_point():
             return t
+        if t.dtype == dtype and dtype in _EXACT_IN_FP32 and not torch.isnan(t).any():
+            return t  # through fp32 and back is the identity: no second copy of the table
         if t.dim() == 0:
             return t.to(torch.float32).to(dtype)
         out = torch.empty(t.shape, dtype=dtype)

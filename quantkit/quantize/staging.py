@@ -7,8 +7,9 @@ that lets a killed run continue where it stopped.
   a hash of the calibration tokens) and, per finished decoder layer, the names of its tensors in
   checkpoint order and its report; written atomically after each layer's files are on disk.
 - `layer-00007.safetensors`: one finished layer's tensors (dense in the storage dtype, and its
-  quantized Linears' checkpoint tensors); `outer.safetensors`: the embedding, final norm and
-  head once the layers are done.
+  quantized Linears' checkpoint tensors); `outer-embed.safetensors`, `outer-norm...` and
+  `outer-head...`: the embedding, final norm and head once the layers are done, one file each
+  (one of them in memory at a time).
 - `activations-00007.safetensors`: for a calibrated algorithm, the activations leaving the last
   finished layer (fp32, exactly as computed), so a resumed run feeds the next layer the same
   input an uninterrupted run would have: the checkpoint is bit-identical either way.
@@ -37,7 +38,6 @@ from quantkit.format.lazy_safetensors import SafetensorsFiles, read_header
 from quantkit.paths import atomic_file
 
 MANIFEST = "manifest.json"
-OUTER = "outer.safetensors"
 STAGING_VERSION = 1
 
 
@@ -48,6 +48,10 @@ def staging_dir(out: Path) -> Path:
 
 def layer_file(index: int) -> str:
     return f"layer-{index:05d}.safetensors"
+
+
+def outer_file(part: str) -> str:
+    return f"outer-{part}.safetensors"
 
 
 def activations_file(index: int) -> str:
@@ -62,7 +66,7 @@ class Staging:
         self.path = Path(path)
         self.fingerprint = fingerprint
         self.layers: dict[int, dict[str, Any]] = {}  # index -> {"names": [...], "report": {...}}
-        self.outer: list[str] | None = None
+        self.outer: dict[str, list[str]] = {}  # part ("embed", "norm", "head") -> names
         self._lock: TextIO | None = None
 
     # ----------------------------------------------------------------------- open / resume
@@ -81,7 +85,7 @@ class Staging:
         manifest = self._read_manifest(manifest_file)
         self._check_same_run(manifest.get("fingerprint", {}))
         self.layers = {int(k): v for k, v in manifest.get("layers", {}).items()}
-        self.outer = manifest.get("outer")
+        self.outer = dict(manifest.get("outer") or {})
         done = 0
         while done in self.layers and (self.path / layer_file(done)).is_file():
             done += 1
@@ -154,9 +158,10 @@ class Staging:
         # Only the newest activations are ever read again.
         (self.path / activations_file(index - 1)).unlink(missing_ok=True)
 
-    def save_outer(self, tensors: dict[str, torch.Tensor]) -> None:
-        _durable_save(tensors, self.path / OUTER)
-        self.outer = list(tensors)
+    def save_outer(self, part: str, tensors: dict[str, torch.Tensor]) -> None:
+        """One of the tensors outside the decoder layers (`part`: embed, norm, head) is done."""
+        _durable_save(tensors, self.path / outer_file(part))
+        self.outer[part] = list(tensors)
         self._write_manifest()
 
     def _write_manifest(self) -> None:
@@ -188,8 +193,7 @@ class Staging:
     def files(self) -> SafetensorsFiles:
         """Every staged tensor, readable one at a time."""
         names = [layer_file(i) for i in sorted(self.layers)]
-        if self.outer is not None:
-            names.append(OUTER)
+        names += [outer_file(part) for part in self.outer]
         return SafetensorsFiles(self.path / n for n in names)
 
     def remove(self) -> None:

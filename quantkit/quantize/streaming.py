@@ -81,8 +81,9 @@ def stream_quantize(
         reports.append(report)
         if on_layer is not None:
             on_layer(report)
-    if staging.outer is None:
-        staging.save_outer(_outer_tensors(source, scheme, dtype, quantize_head))
+    for part, make in _outer_parts(source, scheme, dtype, quantize_head):
+        if part not in staging.outer:
+            staging.save_outer(part, make())
     timings["quantize_s"] = time.perf_counter() - t0
     modules = [name for name, _ in layers + head]
     config = {**source.config, "tie_word_embeddings": False} if quantize_head else source.config
@@ -123,22 +124,27 @@ def _layer_tensors(
     return tensors
 
 
-def _outer_tensors(
+def _outer_parts(
     source: SourceModel, scheme: QuantScheme, dtype: torch.dtype, quantize_head: bool
-) -> dict[str, torch.Tensor]:
-    """The embedding, the final norm and the head (dense, its own when untied; or rounded to
-    nearest in the scheme with `quantize_head`)."""
-    tensors = {EMBED: source.read_as(EMBED, dtype)}
-    tensors["model.norm.weight"] = source.read_as("model.norm.weight", dtype)
-    if quantize_head:
+) -> list[tuple[str, Callable[[], dict[str, torch.Tensor]]]]:
+    """The tensors outside the decoder layers, each made (and written, and freed) in turn: the
+    embedding, the final norm and the head (dense, its own when untied; or rounded to nearest
+    in the scheme with `quantize_head`)."""
+
+    def head() -> dict[str, torch.Tensor]:
+        if not quantize_head:
+            return {"lm_head.weight": source.read_as(source.head_source, dtype)}
         w = source.read_fp32(source.head_source)
-        q = scheme.format.round_to_nearest(w, scheme)
-        del w
-        for suffix, t in scheme.format.store(q, scheme, dtype=dtype).items():
-            tensors[f"lm_head.{suffix}"] = t
-    elif not source.config.get("tie_word_embeddings"):
-        tensors["lm_head.weight"] = source.read_as(source.head_source, dtype)
-    return tensors
+        stored = scheme.format.round_and_store(w, scheme, dtype=dtype)
+        return {f"lm_head.{suffix}": t for suffix, t in stored.items()}
+
+    parts: list[tuple[str, Callable[[], dict[str, torch.Tensor]]]] = [
+        ("embed", lambda: {EMBED: source.read_as(EMBED, dtype)}),
+        ("norm", lambda: {"model.norm.weight": source.read_as("model.norm.weight", dtype)}),
+    ]
+    if quantize_head or not source.config.get("tie_word_embeddings"):
+        parts.append(("head", head))
+    return parts
 
 
 def _checkpoint_order(source: SourceModel, staging: Staging, modules: list[str]) -> list[str]:
@@ -147,7 +153,7 @@ def _checkpoint_order(source: SourceModel, staging: Staging, modules: list[str])
     in-memory pipeline writes, so shards split at the same places). An FP8 Linear's `weight`
     is a quantized tensor, not a dense one, though the dense model has the same name."""
     staged: list[str] = [n for i in sorted(staging.layers) for n in staging.layers[i]["names"]]
-    staged += staging.outer or []
+    staged += [n for names in staging.outer.values() for n in names]
     available, quantized = set(staged), set(modules)
     dense = [
         k

@@ -16,7 +16,6 @@ huggingface_hub (and its HTTP client) is imported inside the functions: the CLI 
 from __future__ import annotations
 
 import glob
-import json
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import ModelSourceError
-from quantkit.format.checkpoint import COPIED_FILES, INDEX_NAME
+from quantkit.format.checkpoint import COPIED_FILES, INDEX_NAME, read_weight_map
 
 __all__ = ["HUB_SPEC", "hub_snapshot", "parse_hub_spec"]
 
@@ -106,18 +105,6 @@ def _no_safetensors(spec: str, top: set[str]) -> ModelSourceError:
     )
 
 
-def _read_weight_map(index_file: Path) -> dict[str, str]:
-    try:
-        weight_map = json.loads(index_file.read_text())["weight_map"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ModelSourceError(
-            f"{index_file}: expected JSON with a weight_map, got an unreadable file ({e})"
-        ) from e
-    if not isinstance(weight_map, dict):
-        raise ModelSourceError(f"{index_file}: expected weight_map to be an object")
-    return weight_map
-
-
 # --------------------------------------------------------------------------- online
 
 
@@ -148,7 +135,7 @@ def _download(
 
     def weight_map() -> dict[str, str]:
         index = hf_hub_download(repo_id, INDEX_NAME, revision=revision, tqdm_class=_quiet_bar())
-        return _read_weight_map(Path(index))
+        return read_weight_map(Path(index))
 
     wanted = _wanted_files(spec, listing, weight_map)
     absent = [n for n in wanted if n not in listing]
@@ -230,7 +217,7 @@ def _cached_snapshot(spec: str, repo_id: str, revision: str | None, *, why: str)
     index = folder / INDEX_NAME
     # An index the tree listing names but the folder lacks: no shards to name yet; the index
     # itself is then reported missing below.
-    wanted = _wanted_files(spec, names, lambda: _read_weight_map(index) if index.is_file() else {})
+    wanted = _wanted_files(spec, names, lambda: read_weight_map(index) if index.is_file() else {})
     if missing := [n for n in wanted if not (folder / n).is_file()]:
         raise ModelSourceError(
             f"MODEL {spec}: expected {len(wanted)} files in the cached snapshot {folder}, "

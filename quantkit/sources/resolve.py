@@ -30,7 +30,7 @@ import torch
 
 from quantkit.cache_manifest import is_whole, whole_or_warned
 from quantkit.errors import CheckpointError, ModelSourceError
-from quantkit.format.checkpoint import load_shard, shard_names
+from quantkit.format.checkpoint import load_shard, read_weight_map, shard_names
 from quantkit.paths import file_lock, quantkit_home
 from quantkit.sources.gguf import (
     INDEX_NAME,
@@ -122,7 +122,8 @@ def _validate_hf_dir(path: Path) -> Path:
         raise ModelSourceError(f"{path}: expected *.safetensors weights, found none")
     index_file = path / INDEX_NAME
     if index_file.is_file():
-        missing = sorted({f for f in _read_index(index_file).values() if not (path / f).is_file()})
+        shards = set(read_weight_map(index_file).values())
+        missing = sorted(f for f in shards if not (path / f).is_file())
         if missing:
             raise ModelSourceError(
                 f"{index_file} lists shards that are missing: {', '.join(missing)}"
@@ -192,16 +193,6 @@ def _cached_conversion(gguf_path: Path, target: Path, *, progress: bool) -> Path
 # --------------------------------------------------------------------------- read
 
 
-def _read_index(index_file: Path) -> dict[str, str]:
-    try:
-        weight_map = json.loads(index_file.read_text())["weight_map"]
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(
-            f"{index_file}: expected JSON with a weight_map, got an unreadable file ({e})"
-        ) from e
-    return weight_map
-
-
 def read_config(model_dir: Path) -> dict[str, Any]:
     """config.json of `model_dir` as a dict."""
     config_file = Path(model_dir) / "config.json"
@@ -222,7 +213,7 @@ def shard_files(model_dir: Path) -> tuple[list[str], dict[str, str] | None]:
     CheckpointError."""
     index_file = model_dir / INDEX_NAME
     if index_file.is_file():
-        weight_map = _read_index(index_file)
+        weight_map = read_weight_map(index_file)
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not (model_dir / f).is_file()]
         if missing:
