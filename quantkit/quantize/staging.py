@@ -25,8 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -216,12 +215,3 @@ def _durable_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
 def _short(value: object) -> str:
     text = json.dumps(value, sort_keys=True, default=str)
     return text if len(text) <= 80 else text[:77] + "..."
-
-
-@contextmanager
-def kept_on_error(staging: Staging) -> Iterator[Staging]:
-    """Release the lock however the block ends; the directory itself stays for a resume."""
-    try:
-        yield staging
-    finally:
-        staging.close()
