@@ -27,10 +27,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.sigint_hook import sigint_hook_source
+
 INTERRUPTED = 130
 NOTHING_WRITTEN = "interrupted; nothing was written"
 
-WRAPPER = r'''
+WRAPPER = (
+    sigint_hook_source()
+    + r'''
 import atexit, os, runpy, signal, sys, threading
 
 FIRST, THEN = os.environ["QK_SIGINT_FIRST"], os.environ["QK_SIGINT_THEN"]
@@ -54,29 +58,9 @@ class CtrlCOnImport:
         if name == FIRST:
             sys.meta_path.remove(self)
             if THEN == "answer":  # armed now: a warning's line before this is not the answer
-                at_call("__main__:_say")  # run by runpy, the CLI's module is __main__
+                at_call("__main__:_say", ctrl_c)  # run by runpy, the CLI's module is __main__
             ctrl_c(f"import {name}")
         return None
-
-
-def at_call(spec):
-    """SIGINT as the Nth call of MODULE's QUALNAME starts, spec "MODULE:QUALNAME[#N]" (a
-    profile hook; the KeyboardInterrupt raised in it unsets it, so one per run)."""
-    where, _, nth = spec.partition("#")
-    module, qualname = where.split(":")
-    left = [int(nth or 1)]
-
-    def hook(frame, event, arg):
-        code = frame.f_code
-        if event == "call" and code.co_qualname == qualname and frame.f_globals.get(
-            "__name__"
-        ) == module:
-            left[0] -= 1
-            if not left[0]:
-                sys.setprofile(None)
-                ctrl_c(spec)
-
-    sys.setprofile(hook)
 
 
 class Late:
@@ -91,7 +75,7 @@ def when_main_stops():
 
 
 if ":" in FIRST:
-    at_call(FIRST)
+    at_call(FIRST, ctrl_c)
 elif FIRST:
     sys.meta_path.insert(0, CtrlCOnImport())
 if THEN == "atexit":
@@ -106,6 +90,7 @@ finally:
     if THEN == "exit":
         ctrl_c("exit")
 '''
+)
 
 
 @dataclass(frozen=True)

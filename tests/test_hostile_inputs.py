@@ -42,13 +42,16 @@ import pytest
 import torch
 
 from tests.conftest import TINY_LLAMA, run_cli
+from tests.sigint_hook import sigint_hook_source
 
 USAGE, DATA, ENVIRONMENT, BUG, INTERRUPTED = 2, 3, 4, 70, 130
 CONTEXT = TINY_LLAMA["max_position_embeddings"]
 
 # --------------------------------------------------------------------- the CLI in a child process
 
-_WARM_CLI = r"""
+_WARM_CLI = (
+    sigint_hook_source()
+    + r"""
 import atexit, json, os, resource, signal, sys
 
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C at the terminal is for the cases
@@ -67,26 +70,6 @@ import torch._dynamo
 WRITE = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
 
 
-def sigint_at(spec):
-    # SIGINT, as a Ctrl-C, at the Nth call of a function: spec "MODULE:QUALNAME[#N]" (a profile
-    # hook that removes itself; the KeyboardInterrupt is raised as the call starts).
-    where, _, nth = spec.partition("#")
-    module, qualname = where.split(":")
-    left = [int(nth or 1)]
-
-    def hook(frame, event, arg):
-        code = frame.f_code
-        if event == "call" and code.co_qualname == qualname and frame.f_globals.get(
-            "__name__"
-        ) == module:
-            left[0] -= 1
-            if not left[0]:
-                sys.setprofile(None)
-                os.kill(os.getpid(), signal.SIGINT)
-
-    sys.setprofile(hook)
-
-
 def child(req):
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.chdir(req["cwd"])
@@ -102,7 +85,8 @@ def child(req):
         resource.setrlimit(resource.RLIMIT_FSIZE, (req["fsize"], req["fsize"]))
     sys.argv = ["quantkit", *req["args"]]
     if req["sigint_at"] is not None:
-        sigint_at(req["sigint_at"])
+        # SIGINT, as a Ctrl-C, as the call starts (a KeyboardInterrupt raised there).
+        at_call(req["sigint_at"], lambda spec: os.kill(os.getpid(), signal.SIGINT))
     code = 0
     try:
         main(req["args"])
@@ -128,6 +112,7 @@ for line in sys.stdin:
     print(f"pid {pid}", flush=True)
     print(f"exit {os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}", flush=True)
 """
+)
 
 
 @dataclass(frozen=True)
