@@ -141,11 +141,19 @@ def test_token_limit_before_the_grammar_is_complete(tiny_model_dir: Path, capsys
 def test_bad_input_one_line_each(
     tiny_model_dir: Path, tmp_path: Path, capsys, monkeypatch, files, args, needles
 ) -> None:
+    generate_refuses(tiny_model_dir, tmp_path, capsys, monkeypatch, files, args, needles)
+
+
+def generate_refuses(
+    model: Path, tmp_path: Path, capsys, monkeypatch, files: dict, args: list, needles: list
+) -> str:
+    """`generate MODEL ARGS` in `tmp_path`, holding `files`, ends in one error line that
+    holds every needle (exit 2, no traceback); returns that line."""
     monkeypatch.chdir(tmp_path)
     for name, text in files.items():
         (tmp_path / name).write_text(text)
-    code, _, err = run(capsys, "generate", str(tiny_model_dir), *args)
-    last_line_error(code, err, *needles)
+    code, _, err = run(capsys, "generate", str(model), *args)
+    return last_line_error(code, err, *needles)
 
 
 def test_compile_past_the_limit(tiny_model_dir: Path, capsys) -> None:

@@ -32,7 +32,7 @@ from quantkit.grammar.processor import GrammarLogitsProcessor
 from quantkit.grammar.vocabulary import TokenVocabulary
 from tests.conftest import run_cli as run
 from tests.hand_vocab import EOS, vocab_of
-from tests.test_grammar_cli import last_line_error
+from tests.test_grammar_cli import generate_refuses
 
 DATA = Path(__file__).resolve().parent / "data" / "grammars"
 SELECT = DATA / "select.lark"
@@ -373,11 +373,9 @@ def test_cli_generates_text_of_the_grammar(
 def test_bad_input_one_line_each(
     tiny_model_dir: Path, tmp_path: Path, capsys, monkeypatch, files, args, needles
 ) -> None:
-    monkeypatch.chdir(tmp_path)
-    for name, text in files.items():
-        (tmp_path / name).write_text(text)
-    code, _, err = run(capsys, "generate", str(tiny_model_dir), "--prompt", "x", *args)
-    last_line_error(code, err, *needles)
+    generate_refuses(
+        tiny_model_dir, tmp_path, capsys, monkeypatch, files, ["--prompt", "x", *args], needles
+    )
 
 
 def test_cfg_eval_without_lark_says_how_to_install_it(
