@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import GrammarError
-from quantkit.grammar.constraints import Grammar, lark_grammar
+from quantkit.grammar.constraints import Grammar, lark_grammar, read_option_file
 from quantkit.grammar.llguidance.engine import BUILD_STACK_BYTES, import_llguidance
 from quantkit.grammar.llguidance.lark import check_syntax, text_accepted
 from quantkit.grammar.native_threads import run_with_limit
@@ -84,12 +84,7 @@ def lark_accepts(grammar: Grammar, text: str) -> bool:
 
 def _read(path: Path) -> str:
     """The file's text; GrammarError if it cannot be read, is not UTF-8 or is empty."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise GrammarError(f"--grammar {path}: cannot read it ({e.strerror or e})") from None
-    except UnicodeDecodeError:
-        raise GrammarError(f"--grammar {path}: expected UTF-8 text, got binary data") from None
+    text = read_option_file("--grammar", path, "UTF-8 text")
     if not text.strip():
         raise GrammarError(f"--grammar {path}: expected a grammar, got an empty file")
     return text

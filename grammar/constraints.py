@@ -54,15 +54,21 @@ class Grammar:
     lark: str | None = None
 
 
+def read_option_file(option: str, path: Path, kind: str) -> str:
+    """The text of the file an option names; GrammarError if it cannot be read or is not
+    UTF-8 (`kind` says what was expected)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise GrammarError(f"{option} {path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise GrammarError(f"{option} {path}: expected {kind}, got binary data") from None
+
+
 def load_schema_file(path: str | Path) -> Any:
     """The parsed JSON of a schema file; GrammarError if it cannot be read or is not JSON."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as e:
-        raise GrammarError(f"--schema {path}: cannot read it ({e.strerror or e})") from None
-    except UnicodeDecodeError:
-        raise GrammarError(f"--schema {path}: expected UTF-8 JSON text, got binary data") from None
+    text = read_option_file("--schema", path, "UTF-8 JSON text")
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
