@@ -118,8 +118,12 @@ def _run(argv: list[str] | None) -> tuple[int, str]:
         import click
 
         from quantkit.errors import QuantkitError
+        from quantkit.paths import KEPT, WRITTEN
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED, "interrupted; nothing was written"
+    # What this invocation writes and keeps (an in-process caller runs several).
+    WRITTEN.clear()
+    KEPT.clear()
     args = sys.argv[1:] if argv is None else argv
     for i, arg in enumerate(args, start=1):
         try:
@@ -198,23 +202,20 @@ def _interrupted() -> str:
     # A KeyboardInterrupt not raised by `_interrupt_once` (`paths` raises one for a SIGINT it
     # held back) has not set SIGINT aside yet: set it now, before anything else can be hit.
     _ignore_interrupts()
-    from quantkit.paths import WRITTEN
+    from quantkit.paths import KEPT, WRITTEN
 
     if WRITTEN:  # the Ctrl-C came after an output was complete and in place
         return f"interrupted after writing {', '.join(str(p) for p in WRITTEN)}"
+    if KEPT:  # work kept for the next run to continue (a quantization's finished layers)
+        return f"interrupted; {'; '.join(KEPT)}"
     return "interrupted; nothing was written"
 
 
 def _with_kept(line: str) -> str:
-    """The failure's line, and what it kept for the next run (`paths.KEPT`), on one line."""
+    """An error's line, and what the command kept for the next run (`paths.KEPT`)."""
     from quantkit.paths import KEPT
 
-    if not KEPT:
-        return line
-    kept, KEPT[:] = "; ".join(KEPT), []
-    if line == "interrupted; nothing was written":
-        return f"interrupted; {kept}"
-    return f"{line} ({kept})"
+    return f"{line} ({'; '.join(KEPT)})" if KEPT else line
 
 
 def _os_line(e: OSError) -> str:
