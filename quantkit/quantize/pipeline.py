@@ -179,8 +179,7 @@ def quantize_model(
     module_tensors, reports = run_walk(method.walk(job), model.model.layers, on_layer)
     if quantize_head:
         w = model.lm_head.weight.detach()
-        q = scheme.format.round_to_nearest(w, scheme)
-        module_tensors["lm_head"] = scheme.format.store(q, scheme, dtype=dtype)
+        module_tensors["lm_head"] = scheme.format.round_and_store(w, scheme, dtype=dtype)
     timings["quantize_s"] = time.perf_counter() - t0
     tensors: dict[str, torch.Tensor] = {}
     for key, value in model.state_dict().items():

@@ -76,7 +76,7 @@ def stream_quantize(
         out, report, x = walk.step(index, layer, x)
         tensors = _layer_tensors(index, layer, out, scheme, dtype)
         del layer, out
-        staging.save_layer(index, tensors, _report_json(report), x)
+        staging.save_layer(index, tensors, asdict(report), x)
         del tensors
         reports.append(report)
         if on_layer is not None:
@@ -162,10 +162,6 @@ def _checkpoint_order(source: SourceModel, staging: Staging, modules: list[str])
     ]
     taken = set(dense)
     return dense + [n for n in staged if n not in taken]
-
-
-def _report_json(report: LayerErrorReport) -> dict[str, Any]:
-    return asdict(report)
 
 
 def _report_from(data: dict[str, Any]) -> LayerErrorReport:
