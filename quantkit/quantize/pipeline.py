@@ -9,7 +9,7 @@ either, so tests and scripts can call it directly.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -124,6 +124,29 @@ def load_dense(model_dir: Path) -> tuple[dict[str, Any], CausalLM, int]:
     return config, build_model(config, state, dtype=torch.float32), size
 
 
+def is_quantized_weight(key: str, modules: Container[str]) -> bool:
+    """Whether `key` is the dense `weight` of a Linear the checkpoint stores quantized (its
+    format's tensors stand in its place; an FP8 Linear's own `weight` is one of them)."""
+    module, _, local = key.rpartition(".")
+    return local == "weight" and module in modules
+
+
+def dense_tensors(
+    state: Mapping[str, torch.Tensor],
+    dtype: torch.dtype,
+    quantized: Container[str],
+    *,
+    prefix: str = "",
+) -> dict[str, torch.Tensor]:
+    """The checkpoint's dense tensors from a state dict (names given `prefix`): all but the
+    quantized Linears' weights, floating ones in the storage `dtype`, in the state's order."""
+    return {
+        prefix + key: value.to(dtype) if value.is_floating_point() else value
+        for key, value in state.items()
+        if not is_quantized_weight(prefix + key, quantized)
+    }
+
+
 def quantized_linears(model: CausalLM) -> list[tuple[str, int]]:
     """(module name, in_features) of every Linear the scheme quantizes: the family's Linears of
     each decoder layer and every expert's (embeddings, lm_head and MoE routers stay dense)."""
@@ -181,14 +204,9 @@ def quantize_model(
         w = model.lm_head.weight.detach()
         module_tensors["lm_head"] = scheme.format.round_and_store(w, scheme, dtype=dtype)
     timings["quantize_s"] = time.perf_counter() - t0
-    tensors: dict[str, torch.Tensor] = {}
-    for key, value in model.state_dict().items():
-        module = key.rpartition(".")[0]
-        if module in module_tensors and key.endswith(".weight"):
-            continue
-        if key == "lm_head.weight" and (quantize_head or config.get("tie_word_embeddings")):
-            continue
-        tensors[key] = value.to(dtype) if value.is_floating_point() else value
+    tensors = dense_tensors(model.state_dict(), dtype, module_tensors)
+    if quantize_head or config.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
     for name, local in module_tensors.items():
         for suffix, t in local.items():
             tensors[f"{name}.{suffix}"] = t

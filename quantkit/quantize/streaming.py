@@ -25,7 +25,13 @@ from quantkit.quantize.algorithms import QuantizeJob, algorithm_for
 from quantkit.quantize.awq import AwqConfig
 from quantkit.quantize.gptq import GptqConfig
 from quantkit.quantize.layer_walk import LayerErrorReport
-from quantkit.quantize.pipeline import QuantizeOutcome, quantized_linears, storage_dtype
+from quantkit.quantize.pipeline import (
+    QuantizeOutcome,
+    dense_tensors,
+    is_quantized_weight,
+    quantized_linears,
+    storage_dtype,
+)
 from quantkit.quantize.source_model import EMBED, SourceModel
 from quantkit.quantize.staging import Staging
 
@@ -111,12 +117,7 @@ def _layer_tensors(
     with any folded scales, biases, routers) in the storage dtype, then each quantized Linear's,
     checked against the format before anything is written."""
     prefix = f"model.layers.{index}."
-    tensors: dict[str, torch.Tensor] = {}
-    for key, value in layer.state_dict().items():
-        module = prefix + key.rpartition(".")[0]
-        if module in quantized and key.endswith(".weight"):
-            continue
-        tensors[prefix + key] = value.to(dtype) if value.is_floating_point() else value
+    tensors = dense_tensors(layer.state_dict(), dtype, quantized, prefix=prefix)
     for name, local in quantized.items():
         check_module_tensors(local, scheme=scheme, prefix=name)
         for suffix, t in local.items():
@@ -158,7 +159,7 @@ def _checkpoint_order(source: SourceModel, staging: Staging, modules: list[str])
     dense = [
         k
         for k in source.shell.state_dict()
-        if k in available and not (k.endswith(".weight") and k[: -len(".weight")] in quantized)
+        if k in available and not is_quantized_weight(k, quantized)
     ]
     taken = set(dense)
     return dense + [n for n in staged if n not in taken]
