@@ -31,7 +31,12 @@ from quantkit.format.compressed_tensors import (
     scheme_to_quantization_config,
 )
 from quantkit.format.formats import FORMATS
-from quantkit.format.lazy_safetensors import SafetensorsFiles, TensorEntry, damaged
+from quantkit.format.lazy_safetensors import (
+    SafetensorsFiles,
+    TensorEntry,
+    damaged,
+    read_header,
+)
 from quantkit.format.safetensors_writer import write_safetensors
 from quantkit.format.scheme import QuantScheme
 from quantkit.format.tensors import check_module_tensors
@@ -445,13 +450,7 @@ def load_shard(file: Path) -> dict[str, torch.Tensor]:
 def shard_names(file: Path) -> list[str]:
     """The tensor names in one safetensors file's header, without reading any tensor; a
     damaged header is a CheckpointError naming the file."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(file), "pt") as f:
-            return list(f.keys())  # noqa: SIM118 - a safe_open handle is no dict
-    except (SafetensorError, ValueError, RuntimeError, OSError) as e:
-        raise damaged(file, e) from e
+    return list(read_header(file))
 
 
 def _quantized_prefixes(tensors: Mapping[str, torch.Tensor]) -> set[str]:

@@ -15,6 +15,7 @@ optional "__metadata__" entry.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Iterable
@@ -98,9 +99,7 @@ def _entry(file: Path, name: str, info: object, base: int, size: int) -> TensorE
         start, end = (int(o) for o in info["data_offsets"])  # type: ignore[index]
     except (KeyError, TypeError, ValueError) as e:
         raise damaged(file, f"tensor {name}: unreadable entry {info!r:.80}") from e
-    numel = 1
-    for d in shape:
-        numel *= d
+    numel = math.prod(shape)
     itemsize = torch.empty((), dtype=dtype).element_size()
     if end - start != numel * itemsize or start < 0 or base + end > size:
         raise damaged(file, f"tensor {name} lies at bytes {start}-{end} of a {size}-byte file")

@@ -18,6 +18,7 @@ needs the most and the option that lowers it, instead of an allocation failing a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from quantkit.errors import QuantkitError
@@ -107,7 +108,7 @@ def plan_memory(
     # Writing the checkpoint copies the staged files' bytes file to file: no phase of its own.
     phases = {"decoder layer": layer, "embedding and head": outer}
     if score:
-        params = sum(_numel(e.shape) for e in entries.values())
+        params = sum(math.prod(e.shape) for e in entries.values())
         phases["perplexity"] = 2 * 4 * params
         remedies["perplexity"] = "--eval-tokens 0 (no perplexity before and after)"
     return MemoryPlan(phases, remedies)
@@ -155,14 +156,7 @@ def check_memory(plan: MemoryPlan, *, available: int | None = None) -> None:
 
 def _layer_numel(source: SourceModel, index: int) -> int:
     prefix = f"model.layers.{index}."
-    return sum(_numel(e.shape) for k, e in source.files.entries.items() if k.startswith(prefix))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return sum(math.prod(e.shape) for k, e in source.files.entries.items() if k.startswith(prefix))
 
 
 def _read_int(path: str) -> int | None:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import CheckpointError
-from quantkit.format.lazy_safetensors import SafetensorsFiles, read_tensor
+from quantkit.format.lazy_safetensors import SafetensorsFiles, TensorEntry, read_tensor
 from quantkit.models.config import ModelConfig
 from quantkit.models.decoder import CausalLM, DecoderLayer, check_weights, wanted_tensors
 from quantkit.models.layers import Rotary
@@ -95,7 +95,7 @@ class SourceModel:
         rows = []
         for i in ids:
             start = entry.start + int(i) * row_bytes
-            one = type(entry)(entry.file, entry.dtype, (width,), start, start + row_bytes)
+            one = TensorEntry(entry.file, entry.dtype, (width,), start, start + row_bytes)
             rows.append(read_tensor(one).to(torch.float32))
         return torch.stack(rows) if rows else torch.empty(0, width)
 
