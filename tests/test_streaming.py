@@ -139,6 +139,9 @@ def test_two_runs_cannot_share_a_staging_directory(tmp_path: Path) -> None:
     first.open()
     with pytest.raises(CheckpointError, match="another quantize run"):
         Staging(tmp_path / "s", {}).open()
+    with pytest.raises(CheckpointError, match="another quantize run"):
+        Staging(tmp_path / "s", {}).open(restart=True)
+    assert (tmp_path / "s" / "manifest.json").is_file()  # --restart emptied nothing
     first.close()
 
 

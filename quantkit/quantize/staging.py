@@ -73,10 +73,19 @@ class Staging:
     def open(self, *, restart: bool = False) -> int:
         """Take the directory (made if missing, emptied with `restart`); returns the number of
         finished layers a previous run of the same command left (0 for a fresh start)."""
-        if restart and self.path.exists():
-            shutil.rmtree(self.path)
         self.path.mkdir(parents=True, exist_ok=True)
-        self._take_lock()
+        self._take_lock()  # first: --restart must not empty a directory another run writes
+        try:
+            return self._resume(restart)
+        except BaseException:
+            self.close()  # a refused directory is not held
+            raise
+
+    def _resume(self, restart: bool) -> int:
+        if restart:
+            for entry in self.path.iterdir():
+                if entry.name != ".lock":
+                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         manifest_file = self.path / MANIFEST
         if not manifest_file.is_file():
             self._write_manifest()
