@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -412,13 +412,19 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"missing shard {path / fname} (listed in {INDEX_NAME})")
         tensors.update(load_shard(path / fname))
     if index.is_file():
-        missing = sorted(set(weight_map) - set(tensors))
-        if missing:
-            raise CheckpointError(
-                f"missing tensor {missing[0]}: {INDEX_NAME} maps it to "
-                f"{weight_map[missing[0]]}, which does not hold it"
-            )
+        check_index_holds(weight_map, tensors)
     return tensors
+
+
+def check_index_holds(weight_map: Mapping[str, str], names: Iterable[str]) -> None:
+    """Every tensor the index maps is among `names` (what its shards hold); else a
+    CheckpointError naming the first missing one and the shard the index says holds it."""
+    missing = sorted(set(weight_map) - set(names))
+    if missing:
+        raise CheckpointError(
+            f"missing tensor {missing[0]}: {INDEX_NAME} maps it to {weight_map[missing[0]]}, "
+            f"which does not hold it"
+        )
 
 
 def read_weight_map(index_file: Path) -> dict[str, str]:

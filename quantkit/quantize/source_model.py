@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantkit.errors import CheckpointError
+from quantkit.format.checkpoint import check_index_holds
 from quantkit.format.lazy_safetensors import SafetensorsFiles, TensorEntry, read_tensor
 from quantkit.models.config import ModelConfig
 from quantkit.models.decoder import CausalLM, DecoderLayer, check_weights, wanted_tensors
 from quantkit.models.layers import Rotary
-from quantkit.sources.resolve import INDEX_NAME, check_layer_count, read_config, shard_files
+from quantkit.sources.resolve import check_layer_count, read_config, shard_files
 
 EMBED = "model.embed_tokens.weight"
 # Dense tensors converted to the storage dtype this many elements at a time (the fp32 copy of a
@@ -116,12 +116,7 @@ def open_source(model_dir: Path) -> SourceModel:
     names, weight_map = shard_files(model_dir)
     files = SafetensorsFiles(model_dir / n for n in names)
     if weight_map is not None:
-        absent = sorted(set(weight_map) - set(files.entries))
-        if absent:
-            raise CheckpointError(
-                f"missing tensor {absent[0]}: {INDEX_NAME} maps it to {weight_map[absent[0]]}, "
-                f"which does not hold it"
-            )
+        check_index_holds(weight_map, files.entries)
     cfg = ModelConfig.from_dict(config)
     with torch.device("meta"):
         shell = CausalLM(cfg)

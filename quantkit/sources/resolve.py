@@ -30,7 +30,12 @@ import torch
 
 from quantkit.cache_manifest import is_whole, whole_or_warned
 from quantkit.errors import CheckpointError, ModelSourceError
-from quantkit.format.checkpoint import load_shard, read_weight_map, shard_names
+from quantkit.format.checkpoint import (
+    check_index_holds,
+    load_shard,
+    read_weight_map,
+    shard_names,
+)
 from quantkit.paths import file_lock, quantkit_home
 from quantkit.sources.gguf import (
     INDEX_NAME,
@@ -257,11 +262,8 @@ def load_state_dict(
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
         tensors.update(load_shard(model_dir / name))
-    if weight_map is not None and (absent := sorted(set(weight_map) - set(tensors))):
-        raise CheckpointError(
-            f"missing tensor {absent[0]}: {INDEX_NAME} maps it to {weight_map[absent[0]]}, "
-            f"which does not hold it"
-        )
+    if weight_map is not None:
+        check_index_holds(weight_map, tensors)
     if dtype is not None:
         castable = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
         tensors = {k: v.to(dtype) if v.dtype in castable else v for k, v in tensors.items()}
