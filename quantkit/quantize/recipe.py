@@ -30,11 +30,11 @@ from quantkit.quantize.awq import AwqConfig
 from quantkit.quantize.calibration import calibration_samples, read_calib_file, wiki_split
 from quantkit.quantize.gptq import GptqConfig
 from quantkit.quantize.memory_plan import check_memory, plan_memory
-from quantkit.quantize.pipeline import LayerProgress, QuantizeOutcome
+from quantkit.quantize.pipeline import LayerProgress, QuantizeOutcome, load_dense
 from quantkit.quantize.source_model import SourceModel, open_source
 from quantkit.quantize.staging import Staging, staging_dir
 from quantkit.quantize.streaming import stream_quantize
-from quantkit.sources.resolve import load_state_dict, resolve_model
+from quantkit.sources.resolve import resolve_model
 from quantkit.sources.tokenizer import load_tokenizer
 
 BUNDLED_CALIBRATION = "wikipedia (bundled articles, calibration split)"
@@ -127,7 +127,7 @@ def quantize_and_save(
         )
     scores: dict[str, Any] = {}
     if hooks.score is not None:  # the whole reference model, for its perplexity
-        reference = build_model(source.config, load_state_dict(model_dir))
+        _, reference, _ = load_dense(model_dir)
         scores.update(hooks.score(reference, "reference", tokenizer))
         del reference
     staging = Staging(staging_dir(out), _fingerprint(recipe, method, source, calib_ids))
