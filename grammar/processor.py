@@ -46,6 +46,8 @@ __all__ = ["GrammarLogitsProcessor"]
 # Inside the budget window, walk at most this many allowed tokens through the plan (Python,
 # ~1 us a byte); a state allowing more is free text, where single bytes are tried instead.
 _WALK_LIMIT = 4096
+# An llguidance row's walk to completion stops this many bytes past what could still fit.
+_PATH_SLACK = 64
 
 
 def _bit(token: int) -> np.int32:
@@ -148,6 +150,8 @@ class GrammarLogitsProcessor:
         self._plans = [None if g is None else g.plan for g in grammars]
         self._done = [False] * batch
         self._counts = [0] * batch
+        # llguidance rows: walk to completion again once the tokens left fall to this.
+        self._check_at = [float("inf")] * batch
         # Padded embeddings: bits past the tokenizer's size stay 0, never allowed.
         self._bits = np.zeros((batch, (vocab + 31) // 32), dtype=np.int32)
 
@@ -200,6 +204,8 @@ class GrammarLogitsProcessor:
             plan = self._plans[row]
             if self.max_new_tokens is not None and plan is not None:
                 self._steer(row, line, guide, plan)
+            elif self.max_new_tokens is not None and hasattr(guide, "closing_path"):
+                self._steer_walk(row, line, guide)
             if guide.is_finished():
                 for token in self._eos:
                     line[token >> 5] |= _bit(token)
@@ -243,6 +249,34 @@ class GrammarLogitsProcessor:
         for token in fits or [t for d, t in scored if d == best]:
             keep[token >> 5] |= _bit(token)
         line[:] = keep
+
+    def _steer_walk(self, row: int, line: np.ndarray, guide: Any) -> None:
+        """The llguidance rows' budget steering (`llguidance.closing`): walk a copy of the
+        row's matcher to completion when the tokens left come near the last walk's length
+        (halfway there from the last walk, then every step inside the window), and inside
+        the window allow only the tokens that follow the walk's path (EOS alone once the
+        document is complete). Left alone when no such token is allowed (a distinct-items
+        check took it out)."""
+        assert self.max_new_tokens is not None
+        left = self.max_new_tokens - self._counts[row]  # tokens left, this step's included
+        if left > self._check_at[row]:
+            return
+        path, _ = guide.closing_path(limit=left + WINDOW + _PATH_SLACK)
+        spare = left - (len(path) + 1 + WINDOW)  # the EOS takes one of the tokens left
+        if spare > 0:
+            self._check_at[row] = left - max(1, spare // 2)
+            return
+        self.steered.add(row)
+        if not path:  # complete: only EOS (added by the caller)
+            line.fill(0)
+            return
+        keep = np.zeros_like(line)
+        for token in guide.along(path):
+            word, bit = token >> 5, _bit(token)
+            if line[word] & bit:
+                keep[word] |= bit
+        if keep.any():
+            line[:] = keep
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()

@@ -333,8 +333,13 @@ class DistinctRow:
     engine = "llguidance"
 
     def __init__(self, row: Any, ending: EndingTokens, *, items: bool = True,
-                 keys: bool = False) -> None:  # fmt: skip
+                 keys: bool = False, after_fill: Callable[[DistinctItems, np.ndarray], Any]
+                 | None = None) -> None:  # fmt: skip
         self.row, self.ending = row, ending
+        # Called with the text's state and the mask's words at the end of every `fill`
+        # (`runaway.curb`: steering out of a runaway number, string or nesting).
+        self.after_fill = after_fill
+        self.curbs: dict[str, int] = {}  # what `after_fill` reported doing, and how often
         self.state = DistinctItems(
             items=items,
             keys=keys,
@@ -361,8 +366,15 @@ class DistinctRow:
         words = line.view(np.uint32)
         if state.keys and (state.in_string or state.writable or self.ending.unclear):
             self._clear_repeated_keys(words)
-        if not state.items or not state.in_array:
-            return
+        if state.items and state.in_array:
+            self._clear_repeated_items(words)
+        if self.after_fill is not None:
+            rule = self.after_fill(state, words)
+            if rule:
+                self.curbs[rule] = self.curbs.get(rule, 0) + 1
+
+    def _clear_repeated_items(self, words: np.ndarray) -> None:
+        state = self.state
         ends = self.ending.quote if state.in_string else self.ending.any_end
         if not state.has_items:
             ends = ends & self.ending.two_ends
@@ -370,6 +382,14 @@ class DistinctRow:
             if state.first_repeat([self.ending.token_bytes[token]]) == 0:
                 words[token >> 5] &= ~np.uint32(1 << (token & 31))
                 self.cleared += 1
+
+    def closing_path(self, *, limit: int) -> tuple[bytes, bool]:
+        """See `LlgRow.closing_path`."""
+        return self.row.closing_path(limit=limit)
+
+    def along(self, path: bytes) -> list[int]:
+        """See `LlgRow.along`."""
+        return self.row.along(path)
 
     def _clear_repeated_keys(self, words: np.ndarray) -> None:
         """Clear the tokens that would end a key its object has already: inside a key, the

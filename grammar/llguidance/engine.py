@@ -31,14 +31,17 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from quantkit.errors import GrammarError, MissingExtraError
 from quantkit.grammar.constraints import Grammar
+from quantkit.grammar.llguidance.closing import ClosingWalk
 from quantkit.grammar.llguidance.distinct_items import DistinctRow, EndingTokens
 from quantkit.grammar.llguidance.order import Orders, any_order
+from quantkit.grammar.llguidance.runaway import RunawayTokens, curb
 from quantkit.grammar.llguidance.schema import (
     llguidance_schema,
     one_of_exclusive,
@@ -148,13 +151,18 @@ class LlgIndex:
     notes: tuple[str, ...] = ()
     distinct: EndingTokens | None = None  # set: rows check distinct items and/or keys
     items: bool = False  # rows refuse a repeated array item (uniqueItems dropped)
-    keys: bool = False  # rows refuse a repeated object key (declared keys made patterns)
+    keys: bool = False  # rows refuse a repeated object key (every JSON schema)
+    walk: ClosingWalk | None = field(default=None, compare=False, repr=False)
+    runaway: RunawayTokens | None = field(default=None, compare=False, repr=False)
 
     def new_row(self) -> LlgRow | DistinctRow:
-        row = LlgRow(self.template.deep_copy())
+        assert self.walk is not None  # set by compile_llguidance
+        row = LlgRow(self.template.deep_copy(), self.walk)
         if self.distinct is None:
             return row
-        return DistinctRow(row, self.distinct, items=self.items, keys=self.keys)
+        steer = None if self.runaway is None else partial(curb, tokens=self.runaway)
+        return DistinctRow(row, self.distinct, items=self.items, keys=self.keys,
+                           after_fill=steer)  # fmt: skip
 
 
 class LlgRow:
@@ -162,8 +170,8 @@ class LlgRow:
 
     engine = "llguidance"
 
-    def __init__(self, matcher: Any) -> None:
-        self.matcher = matcher
+    def __init__(self, matcher: Any, walk: ClosingWalk) -> None:
+        self.matcher, self.walk = matcher, walk
         if matcher.is_error():
             raise GrammarError(f"llguidance: {matcher.get_error()}")
 
@@ -179,6 +187,15 @@ class LlgRow:
     def forced_tokens(self) -> list[int]:
         """The tokens the grammar forces next (canonical, safe to append without sampling)."""
         return list(self.matcher.compute_ff_tokens())
+
+    def closing_path(self, *, limit: int) -> tuple[bytes, bool]:
+        """A way to complete the document from here, in bytes, and whether it is complete
+        (`closing.ClosingWalk.path`, on a copy of the matcher)."""
+        return self.walk.path(self.matcher, limit=limit)
+
+    def along(self, path: bytes) -> list[int]:
+        """The tokens that follow `path` (`closing.ClosingWalk.along`)."""
+        return self.walk.along(path)
 
 
 def error_line(messages: list[str]) -> str:
@@ -297,5 +314,12 @@ def compile_llguidance(
             reason = (messages[0] if messages else "unknown error").splitlines()[0]
         raise GrammarError(f"{grammar.label}: llguidance cannot compile it: {reason}")
     notes += [f"llguidance: {m}" for m in messages]
+    # Every JSON document's objects hold distinct keys, whatever wrote them (declared names
+    # made patterns, patternProperties, additionalProperties: llguidance lets those repeat),
+    # and its rows are steered out of runaways (`runaway`).
+    json_text = grammar.kind == "json_schema"
+    keys = keys or json_text
     ending = EndingTokens.of(vocabulary) if items or keys else None
-    return LlgIndex(tokenizer, text, template, tuple(notes), ending, items=items, keys=keys)
+    return LlgIndex(tokenizer, text, template, tuple(notes), ending, items=items, keys=keys,
+                    walk=ClosingWalk.of(vocabulary),
+                    runaway=RunawayTokens.of(vocabulary) if json_text else None)  # fmt: skip

@@ -1,0 +1,110 @@
+"""Steering a JSON row out of a runaway: a number that never ends, a string caught in a loop,
+containers nested ever deeper.
+
+A small model decoding greedily can stay inside what a schema leaves unbounded until the token
+limit: `100000000000...`, `"BEFLUSK_BEFLUSK_BEFLUSK_...`, `{"a":{"a":{"a":...`. The grammar
+allows every one of those tokens, so masking alone never ends them, and the budget steering
+(`closing`) only rescues the document at the very end, after hundreds of tokens of noise.
+`curb` takes out, from a row's mask, the tokens that would carry such a runaway on, whenever
+the mask still allows something else (it only ever narrows a choice, never empties it, so a
+schema that truly asks for a long number or deep nesting still gets it):
+
+- a number (outside strings, the bytes `0-9 . e E + -` at the end of the text) of `MAX_NUMBER`
+  bytes: tokens that begin with one of those bytes;
+- a string whose last `REPEAT_BYTES` or more bytes are one piece of at most `MAX_PERIOD` bytes
+  written three or more times over: every token but those beginning with the closing quote;
+- `MAX_DEPTH` containers open: tokens that open another (first byte past spaces `{` or `[`).
+
+The row's text and open containers come from the same tracker that checks distinct keys and
+items (`distinct_items.DistinctItems`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from quantkit.grammar.llguidance.distinct_items import DistinctItems
+from quantkit.grammar.vocabulary import TokenVocabulary
+
+__all__ = ["MAX_DEPTH", "MAX_NUMBER", "REPEAT_BYTES", "RunawayTokens", "curb", "repeats"]
+
+MAX_NUMBER = 16  # bytes: past int64's 19 digits nothing real is written in JSON anyway
+MAX_DEPTH = 12
+REPEAT_BYTES = 24
+MAX_PERIOD = 32
+_NUMBER = frozenset(b"0123456789.eE+-")
+
+
+class RunawayTokens:
+    """Per vocabulary, bitmask lines (uint32 words, token i at bit i % 32 of word i // 32) of
+    the tokens that continue a number, that open a container, and that close a string."""
+
+    _cache: dict[str, RunawayTokens] = {}
+
+    def __init__(self, vocabulary: TokenVocabulary) -> None:
+        words = (vocabulary.size + 31) // 32
+        self.number, self.opens, self.quote = (np.zeros(words, dtype=np.uint32)
+                                               for _ in range(3))  # fmt: skip
+        for token, data in vocabulary.token_bytes.items():
+            if not data:
+                continue
+            at, bit = token >> 5, np.uint32(1 << (token & 31))
+            if data[0] in _NUMBER:
+                self.number[at] |= bit
+            if data.lstrip(b" \t\r\n")[:1] in (b"{", b"["):
+                self.opens[at] |= bit
+            if data[0] == ord('"'):
+                self.quote[at] |= bit
+
+    @classmethod
+    def of(cls, vocabulary: TokenVocabulary) -> RunawayTokens:
+        found = cls._cache.get(vocabulary.fingerprint)
+        if found is None:
+            found = cls._cache[vocabulary.fingerprint] = cls(vocabulary)
+        return found
+
+
+def repeats(data: bytes | bytearray) -> bool:
+    """Whether `data` ends in one piece of at most MAX_PERIOD bytes written over and over:
+    at least three times, and REPEAT_BYTES bytes in all."""
+    size = len(data)
+    for period in range(1, MAX_PERIOD + 1):
+        times = max(3, -(-REPEAT_BYTES // period))
+        if times * period > size:
+            return False
+        piece = data[size - period :]
+        if data[size - times * period :] == piece * times:
+            return True
+    return False
+
+
+def _number_tail(text: bytearray) -> int:
+    """How many of the text's last bytes are a number's (up to MAX_NUMBER)."""
+    count = 0
+    for byte in reversed(text[-MAX_NUMBER:]):
+        if byte not in _NUMBER:
+            break
+        count += 1
+    return count
+
+
+def curb(state: DistinctItems, words: np.ndarray, tokens: RunawayTokens) -> str | None:
+    """Take a runaway's tokens out of `words` (a row's mask) where something else is left;
+    the rule applied ("number", "string", "depth"), or None."""
+    if state.in_string:
+        if state.escaped:
+            return None
+        start = max(state.string_start + 1, len(state.text) - REPEAT_BYTES * 3 - MAX_PERIOD)
+        if len(state.text) - start < REPEAT_BYTES or not repeats(state.text[start:]):
+            return None
+        rule, kept = "string", words & tokens.quote
+    elif _number_tail(state.text) >= MAX_NUMBER:
+        rule, kept = "number", words & ~tokens.number
+    elif len(state.stack) >= MAX_DEPTH:
+        rule, kept = "depth", words & ~tokens.opens
+    else:
+        return None
+    if not kept.any():
+        return None
+    words[:] = kept
+    return rule

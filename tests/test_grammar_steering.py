@@ -1,0 +1,193 @@
+"""The llguidance rows finish: budget steering along a walk to completion (`llguidance.closing`),
+steering out of runaways (`llguidance.runaway`), no key twice in any object, and `strict`
+schemas (`grammar.strict`). A 'model' here is a preference list: each step it takes the first
+of its wishes the processor leaves allowed (else the lowest allowed id), as a greedy model
+stuck in a loop would."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from quantkit.grammar.compiler import compile_grammar
+from quantkit.grammar.constraints import regex_grammar, validate_json
+from quantkit.grammar.llguidance.closing import ClosingWalk
+from quantkit.grammar.llguidance.runaway import MAX_DEPTH, MAX_NUMBER, repeats
+from quantkit.grammar.processor import GrammarLogitsProcessor
+from quantkit.grammar.strict import strict_schema
+from quantkit.grammar.vocabulary import TokenVocabulary
+from tests.hand_vocab import EOS, vocab_of
+from tests.hand_vocab import llguidance as llg
+
+PIECES = [*'{}[]":,abcdefghijklmnopqrstuvwxyz0123456789.-', '"a":', '{"a":', "ab", "00",
+          '"a":1,', "BEF_", '"name":"', "true"]  # fmt: skip
+
+pytestmark = pytest.mark.usefixtures("grammar_home")
+
+
+@pytest.fixture(scope="module")
+def vocab() -> TokenVocabulary:
+    return vocab_of(PIECES)
+
+
+def _id(piece: str) -> int:
+    return PIECES.index(piece) + 1
+
+
+def greedy(processor: GrammarLogitsProcessor, vocab: TokenVocabulary, wishes: list[str],
+           *, steps: int) -> tuple[str, bool]:  # fmt: skip
+    """Decode with a model that always scores `wishes` highest, in that order; (text, ended
+    with EOS within `steps`)."""
+    scores = torch.zeros(vocab.size)
+    for rank, piece in enumerate(wishes):
+        scores[_id(piece)] = 100.0 - rank
+    scores -= torch.arange(vocab.size) * 1e-3  # then the lowest id
+    ids, out = torch.zeros((1, 1), dtype=torch.long), []
+    for _ in range(steps):
+        token = int(processor(ids, scores[None].clone()).argmax())
+        if token in EOS:
+            return b"".join(vocab.token_bytes[t] for t in out).decode(), True
+        out.append(token)
+        ids = torch.cat([ids, torch.tensor([[token]])], 1)
+    return b"".join(vocab.token_bytes[t] for t in out).decode(), False
+
+
+def no_repeated_keys(text: str) -> bool:
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        assert len(keys) == len(set(keys)), f"repeated key in {text}"
+        return dict(pairs)
+
+    json.loads(text, object_pairs_hook=hook)
+    return True
+
+
+def test_a_runaway_number_is_ended(vocab) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    text, ended = greedy(GrammarLogitsProcessor(llg(schema, vocab)), vocab, ["00", "0", "1"],
+                         steps=200)  # fmt: skip
+    assert ended and validate_json(text, schema) is None, text
+    assert len(str(json.loads(text)["n"])) <= MAX_NUMBER + 1, text
+
+
+def test_a_string_caught_in_a_loop_is_closed(vocab) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    text, ended = greedy(GrammarLogitsProcessor(llg(schema, vocab)), vocab, ["BEF_", "b"],
+                         steps=200)  # fmt: skip
+    assert ended and validate_json(text, schema) is None, text
+    assert text.startswith('{"name":"BEF_BEF_BEF_') and len(text) < 80, text
+
+
+def test_nesting_stops_deepening_and_a_required_depth_is_still_reached(vocab) -> None:
+    text, ended = greedy(GrammarLogitsProcessor(llg({}, vocab)), vocab, ['{"a":', "1", "}"],
+                         steps=200)  # fmt: skip
+    assert ended and text.count("{") == MAX_DEPTH, text
+    deep: dict[str, Any] = {"type": "integer"}
+    for _ in range(MAX_DEPTH + 3):  # a schema that asks for more depth gets it
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"],
+                "additionalProperties": False}  # fmt: skip
+    text, ended = greedy(GrammarLogitsProcessor(llg(deep, vocab)), vocab, ["1", "}"], steps=200)
+    assert ended and validate_json(text, deep) is None and text.count("{") == MAX_DEPTH + 3
+
+
+def test_no_object_gets_a_key_twice(vocab) -> None:
+    # additionalProperties, patternProperties and declared keys: llguidance lets each repeat.
+    for schema in ({"type": "object"},
+                   {"type": "object", "patternProperties": {"^[a-z]+$": {"type": "integer"}}},
+                   {"type": "object", "properties": {"a": {"type": "integer"}},
+                    "additionalProperties": {"type": "integer"}}):  # fmt: skip
+        processor = GrammarLogitsProcessor(llg(schema, vocab), max_new_tokens=40)
+        text, ended = greedy(processor, vocab, ['"a":1,', "}"], steps=40)
+        assert ended and validate_json(text, schema) is None and no_repeated_keys(text), text
+        assert text.startswith('{"a":1,"'), text  # the first was free; the second became another
+
+
+@pytest.mark.parametrize("budget", [50, 64, 90])
+def test_the_budget_closes_a_document_that_would_run_on(vocab, budget: int) -> None:
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "minLength": 2},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 2},
+        "addr": {"type": "object", "properties": {"city": {"type": "string"}},
+                 "required": ["city"]}},
+        "required": ["name", "tags", "addr"], "additionalProperties": False}  # fmt: skip
+    processor = GrammarLogitsProcessor(llg(schema, vocab), max_new_tokens=budget)
+    # "abc..." strings never repeat a short period: only the budget can end this one.
+    text, ended = greedy(processor, vocab, [*"abcdefghijklmnopqrstuvwxyz"], steps=budget)
+    assert ended and validate_json(text, schema) is None, text
+    assert processor.steered == {0}
+    unsteered = GrammarLogitsProcessor(llg(schema, vocab))
+    _, ended = greedy(unsteered, vocab, [*"abcdefghijklmnopqrstuvwxyz"], steps=budget)
+    assert not ended  # without the budget the same model runs on
+
+
+def test_the_budget_on_a_regex_and_random_logits(vocab) -> None:
+    compiled = compile_grammar(regex_grammar('"[a-j ]*"'), vocab, engine="llguidance",
+                               timeout_s=10)  # fmt: skip
+    for seed in range(4):
+        processor = GrammarLogitsProcessor(compiled, max_new_tokens=10 + seed)
+        gen = torch.Generator().manual_seed(seed)
+        ids, out = torch.zeros((1, 1), dtype=torch.long), []
+        for _ in range(10 + seed):
+            masked = processor(ids, torch.randn(1, vocab.size, generator=gen) * 3)
+            token = int(torch.multinomial(masked.softmax(-1), 1, generator=gen))
+            if token in EOS:
+                break
+            out.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], 1)
+        else:
+            raise AssertionError(f"seed {seed}: no EOS within the budget")
+        text = b"".join(vocab.token_bytes[t] for t in out).decode()
+        assert text.startswith('"') and text.endswith('"') and len(text) >= 2, text
+
+
+def test_the_closing_walk_completes_and_leaves_the_row_alone(vocab) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "array", "minItems": 2,
+              "items": {"type": "integer"}}}, "required": ["a"]}  # fmt: skip
+    row = llg(schema, vocab).new_row()
+    for piece in ('{"a":', "[", "1"):
+        assert row.advance(_id(piece))
+    path, complete = row.closing_path(limit=100)
+    assert complete and json.loads('{"a":[1' + path.decode())["a"][0] == 1
+    assert not row.is_finished()  # the walk ran on a copy
+    walk = ClosingWalk.of(vocab)
+    assert walk.along(b'"a":1,') == [_id('"'), _id('"a":'), _id('"a":1,')]
+    line = np.zeros((vocab.size + 31) // 32, dtype=np.int32)
+    row.fill(line)
+    assert line.any()
+
+
+def test_repeats() -> None:
+    assert repeats(b"xBEF_BEF_BEF_BEF_BEF_BEF_")
+    assert not repeats(b"abcdefghijklmnopqrstuvwxyz")
+    assert not repeats(b"aaaa")  # too short to call a loop
+    assert repeats(b"a" * 30)
+
+
+def test_strict_closes_objects_that_say_nothing() -> None:
+    schema = {"type": "object", "properties": {
+        "bp": {"type": "object", "properties": {"systolic": {"type": "integer"}}},
+        "free": {"type": "object", "additionalProperties": True},
+        "enum": {"enum": [{"x": 1}]}},
+        "allOf": [{"properties": {"b": {}}}]}  # fmt: skip
+    out = strict_schema(schema)
+    assert out["properties"]["bp"]["additionalProperties"] is False
+    assert out["properties"]["free"]["additionalProperties"] is True
+    assert "additionalProperties" not in out  # beside allOf: its properties live there
+    assert "additionalProperties" not in out["allOf"][0]
+    assert out["properties"]["enum"] == {"enum": [{"x": 1}]}  # data is not a schema
+    assert "additionalProperties" not in schema["properties"]["bp"]  # not changed in place
+    assert validate_json('{"bp":{"systolic":1,"other":2}}', out) is not None
+
+
+def test_strict_in_the_grammar(vocab) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    loose = GrammarLogitsProcessor(llg(schema, vocab), max_new_tokens=30)
+    text, _ = greedy(loose, vocab, ['"a":1,', '"', "b"], steps=30)
+    assert json.loads(text).keys() - {"a"}, text  # undeclared keys: JSON Schema allows them
+    strict = GrammarLogitsProcessor(llg(strict_schema(schema), vocab), max_new_tokens=30)
+    text, ended = greedy(strict, vocab, ['"a":1,', '"', "b"], steps=30)
+    assert ended and json.loads(text).keys() == {"a"}, text
