@@ -9,6 +9,9 @@ item instead of ~120 (the context once, not once per choice).
 Context q sits at cache slots 0..len_q-1; continuation token j at slot len_q + j, attending to
 slots <= its own. Padding sits only at slots above a row's real tokens, which no real query
 sees: each row computes exactly what one unpadded sequence would.
+
+A log-probability is `quantkit.runtime.scoring.log_probs` of the logits, the definition
+`quantkit serve` returns as OpenAI's `logprobs` too, so the two score a checkpoint alike.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from quantkit.models.decoder import CausalLM
+from quantkit.runtime.scoring import causal_mask, log_probs
 
 __all__ = ["plan_batches", "score_continuations"]
 
@@ -73,9 +76,9 @@ def score_continuations(
     try:
         t = ids.shape[1]
         positions = torch.arange(t, device=device).expand(len(contexts), t)
-        mask = (torch.arange(slots, device=device) <= positions[:1, :, None]).unsqueeze(1)
+        mask = causal_mask(positions[:1], slots)
         first = model(ids, positions=positions, mask=mask, logits_at=lengths - 1)
-        first = F.log_softmax(first[:, 0].float(), dim=-1)  # [Q, V]: predicts each cont[0]
+        first = log_probs(first[:, 0])  # [Q, V]: predicts each cont[0]
         rest = _continue(model, rows, lengths, slots) if rows else None
     finally:
         model.drop_cache()
@@ -113,6 +116,5 @@ def _continue(
     for r, (_, cont) in enumerate(rows):
         ids[r, : len(cont) - 1] = torch.tensor(cont[:-1])
     positions = lengths[index][:, None] + torch.arange(t, device=device)
-    mask = (torch.arange(slots, device=device) <= positions[:, :, None]).unsqueeze(1)
-    logits = model(ids.to(device), positions=positions, mask=mask)
-    return F.log_softmax(logits.float(), dim=-1)
+    logits = model(ids.to(device), positions=positions, mask=causal_mask(positions, slots))
+    return log_probs(logits)

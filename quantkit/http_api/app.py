@@ -14,7 +14,8 @@ import hmac
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from fastapi import Depends, FastAPI
@@ -26,8 +27,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quantkit.batching.types import EngineConfig
 from quantkit.http_api.engine_loop import EngineLoop, LiveRequest, TokenEvent
-from quantkit.http_api.generation import Generation, respond
-from quantkit.http_api.prepare import GrammarCache, prepare
+from quantkit.http_api.generation import Choice, Generation, respond
+from quantkit.http_api.logprobs import TokenTexts
+from quantkit.http_api.prepare import GrammarCache, Prepared, prepare
 from quantkit.http_api.prometheus import CONTENT_TYPE_LATEST, ServerMetrics
 from quantkit.http_api.protocol import (
     ChatCompletionRequest,
@@ -36,6 +38,7 @@ from quantkit.http_api.protocol import (
     error_body,
 )
 from quantkit.runtime.loader import LoadedModel
+from quantkit.runtime.scoring import prompt_logprobs
 from quantkit.runtime.speculate import SpecConfig
 
 __all__ = ["ServerSettings", "create_app"]
@@ -250,23 +253,11 @@ def _add_generation_routes(
             tokenizer=loaded.tokenizer,
             vocab=loaded.model.config.vocab_size,
             context=settings.context,
+            slots=settings.batch_cap,
         )
-        if body.response_format is not None:
-            grammar = await asyncio.to_thread(
-                grammars.processor, body.response_format, max_tokens=prepared.max_tokens
-            )
-            if grammar is not None:
-                prepared.processors.append(grammar)
-        live = LiveRequest(
-            prepared.prompt,
-            max_tokens=prepared.max_tokens,
-            params=prepared.params,
-            tokenizer=loaded.tokenizer,
-            eos_ids=set() if body.ignore_eos else set(settings.eos_ids),
-            processors=prepared.processors,
-            device=loaded.model.device,
-        )
-        gen = Generation(body, prepared, live, settings.model_name)
+        choices = await _choices(body, prepared, settings, loaded, grammars, loop)
+        texts = TokenTexts(loaded.tokenizer)
+        gen = Generation(body, prepared, choices, settings.model_name, texts)
         return await respond(gen, http, loop)
 
     @app.post("/v1/completions", dependencies=guarded)
@@ -276,6 +267,48 @@ def _add_generation_routes(
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(body: ChatCompletionRequest, http: HttpRequest) -> Response:
         return await generate(body, http)
+
+
+async def _choices(
+    body: CompletionRequest | ChatCompletionRequest,
+    prepared: Prepared,
+    settings: ServerSettings,
+    loaded: LoadedModel,
+    grammars: GrammarCache,
+    loop: EngineLoop,
+) -> list[Choice]:
+    """n choices per prompt, each its own engine request (its own seed, penalties and grammar
+    state); with echo and logprobs, each prompt scored once on the engine thread
+    (`scoring.prompt_logprobs`, the PyTorch forward `quantkit lm-eval` scores with)."""
+    choices = []
+    for p, (prompt, limit) in enumerate(zip(prepared.prompts, prepared.max_tokens, strict=True)):
+        scores = None
+        if prepared.echo and prepared.logprobs is not None:
+            job = loop.call(partial(prompt_logprobs, ids=prompt, top=prepared.logprobs))
+            scores = await asyncio.wrap_future(job)
+        for j in range(prepared.n):
+            live = None
+            if limit > 0:
+                processors = prepared.processors(prompt)
+                if body.response_format is not None:
+                    grammar = await asyncio.to_thread(
+                        grammars.processor, body.response_format, max_tokens=limit
+                    )
+                    if grammar is not None:
+                        processors.append(grammar)
+                live = LiveRequest(
+                    prompt,
+                    max_tokens=limit,
+                    params=replace(prepared.params, seed=prepared.seed(j)),
+                    tokenizer=loaded.tokenizer,
+                    eos_ids=set() if body.ignore_eos else set(settings.eos_ids),
+                    processors=processors,
+                    device=loaded.model.device,
+                    logprobs=prepared.logprobs,
+                )
+            echo = prepared.texts[p] if prepared.echo else ""
+            choices.append(Choice(p * prepared.n + j, live, echo, prompt, scores))
+    return choices
 
 
 def _add_info_routes(

@@ -6,13 +6,19 @@ chunked prefill, one batched decode per step) with what a server needs on top: e
 samples with its own parameters and `torch.Generator` (so a seeded request gives the same text
 whatever it is batched with) and its own logits processors (a grammar for `response_format`, a
 repetition penalty), and turns its tokens into text as they come (incremental detokenization,
-stop strings held back until they cannot match).
+stop strings held back until they cannot match). A request that asks for logprobs gets each
+generated token's (`quantkit.runtime.scoring`: the log-softmax of the model's logits, before
+its processors and temperature) with its event, and does not draft (speculation's accepted
+tokens carry no per-token distribution here).
 
 `EngineLoop` runs it on a thread of its own:
 
 - `submit` (any thread) queues a request, or raises a 429 `ServerError` when `max_queue`
   requests are already waiting, or a 503 once the loop is shutting down;
 - `cancel` (any thread) marks a request; the next step drops it from the queue or frees its slot;
+- `call` (any thread) runs a function of the model on the engine thread between two steps, with
+  the engine's slot caches set aside (prompt scoring: `scoring.prompt_logprobs`), and returns a
+  `concurrent.futures.Future` of its result;
 - each step's token events are handed to `deliver` in one call (the app forwards them to the
   event loop with one `call_soon_threadsafe` per step, not per token);
 - `shutdown(deadline_s)` stops accepting, lets in-flight requests finish until the deadline,
@@ -27,7 +33,9 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -52,6 +60,7 @@ from quantkit.runtime.sampling import (
     make_generator,
     sample,
 )
+from quantkit.runtime.scoring import TokenLogprob, log_probs, token_logprob
 from quantkit.runtime.textstream import IncrementalDetokenizer, StopStringStream
 
 __all__ = ["EngineLoop", "LiveRequest", "LoopObserver", "TokenEvent"]
@@ -63,17 +72,21 @@ _ids = itertools.count()
 class TokenEvent:
     """One step of one request. text: what became final ("" while held back); finish_reason:
     on the last event, "stop" (EOS or a stop string), "length", "cancelled" or "error";
-    completion_tokens: generated so far (EOS excluded)."""
+    completion_tokens: generated so far (EOS excluded); logprobs: the generated token's, when
+    the request asked for them, the EOS that ends a completion included (as vLLM returns it:
+    lm-eval's local-completions drops the last logprob, expecting its one generated token)."""
 
     text: str
     finish_reason: str | None
     completion_tokens: int
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class LiveRequest:
     """A request as the engine thread sees it. `sink` belongs to whoever submitted it (the app
-    keeps its asyncio queue there); the loop never touches it."""
+    keeps its asyncio queue there); the loop never touches it. `logprobs`: None = off, else
+    each generated token's log-probability comes with the `logprobs` most likely tokens."""
 
     def __init__(
         self,
@@ -86,6 +99,7 @@ class LiveRequest:
         processors: Sequence[LogitsProcessor] = (),
         device: torch.device | str = "cpu",
         sink: Any = None,
+        logprobs: int | None = None,
     ) -> None:
         self.id = next(_ids)
         self.prompt = tuple(int(t) for t in prompt)
@@ -96,6 +110,8 @@ class LiveRequest:
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stream = StopStringStream(params.stop)
         self.sink = sink
+        self.logprobs = logprobs
+        self.sampled: TokenLogprob | None = None  # the last sampled token's, until emitted
         self.cancelled = False
         self.failure: str | None = None
         self.submitted_s = time.perf_counter()
@@ -141,7 +157,18 @@ class LiveEngine(SlotEngine):
     def _sample(self, logits: torch.Tensor, rows: Sequence[ActiveRequest]) -> list[int]:
         reqs = [self.live[a.request.id] for a in rows]
         if all(r.params.greedy and not r.processors for r in reqs):
-            return logits.argmax(dim=-1).tolist()  # one call for the whole batch
+            out = logits.argmax(dim=-1).tolist()  # one call for the whole batch
+        else:
+            out = self._sample_rows(logits, rows, reqs)
+        for i, (live, token) in enumerate(zip(reqs, out, strict=True)):
+            if live.logprobs is not None:
+                live.sampled = token_logprob(log_probs(logits[i]), token, live.logprobs)
+        return out
+
+    def _sample_rows(
+        self, logits: torch.Tensor, rows: Sequence[ActiveRequest], reqs: list[LiveRequest]
+    ) -> list[int]:
+        """Each row with its request's processors, parameters and generator."""
         out = []
         for i, (active, live) in enumerate(zip(rows, reqs, strict=True)):
             row = logits[i : i + 1]
@@ -157,10 +184,12 @@ class LiveEngine(SlotEngine):
     def _spec_sampling(
         self, active: ActiveRequest
     ) -> tuple[SamplingParams, torch.Generator] | None:
-        """A request drafts unless it has processors (a grammar or a repetition penalty: they
-        need each token's history in turn) or has failed."""
+        """A request drafts unless it has processors (a grammar or a penalty: they need each
+        token's history in turn), asks for logprobs, or has failed."""
         live = self.live.get(active.request.id)
         if live is None or live.processors or live.failure is not None:
+            return None
+        if live.logprobs is not None:
             return None
         return live.params, live.generator
 
@@ -177,14 +206,19 @@ class LiveEngine(SlotEngine):
 
     def _emit(self, active: ActiveRequest, token: int, now: float) -> None:
         live, res = self.live[active.request.id], active.result
-        finish, text = None, ""
+        finish, text, logprobs = None, "", ()
+        sampled, live.sampled = live.sampled, None
         if live.failure is not None:
             finish = "error"
         elif token in live.eos:
             finish, text = "stop", live.close_text()
+            if sampled is not None and sampled.token == token:
+                logprobs = (sampled,)
         else:
             res.tokens.append(token)
             res.token_times_s.append(now)
+            if sampled is not None and sampled.token == token:
+                logprobs = (sampled,)
             text = live.stream.feed(live.detok.push(token))
             if live.stream.stopped:
                 finish = "stop"
@@ -195,7 +229,7 @@ class LiveEngine(SlotEngine):
                 self.observer.on_token(live, time.perf_counter())
         if finish is not None:
             active.done, res.finish_reason, res.finish_s = True, finish, now
-        event = TokenEvent(text, finish, len(res.tokens), live.failure)
+        event = TokenEvent(text, finish, len(res.tokens), live.failure, logprobs)
         self.events.append((live, event))
 
     def drop_cancelled(self) -> None:
@@ -235,6 +269,21 @@ class LiveEngine(SlotEngine):
     def busy(self) -> bool:
         return bool(self.waiting or self.occupied())
 
+    @contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """The model without the engine's slot caches for a while (a forward with a cache of its
+        own, `setup_cache` and `drop_cache`), then the same caches back: the engine's runners
+        check them by identity, so they go on as if nothing ran."""
+        layers = self.model.model.layers
+        kept = [layer.self_attn.cache for layer in layers]
+        try:
+            for layer in layers:
+                layer.self_attn.cache = None
+            yield
+        finally:
+            for layer, cache in zip(layers, kept, strict=True):
+                layer.self_attn.cache = cache
+
 
 Deliver = Callable[[list[tuple[LiveRequest, TokenEvent]]], None]
 
@@ -258,6 +307,7 @@ class EngineLoop:
         self.observer, self.deliver = observer, deliver
         self._cv = threading.Condition()
         self._inbox: list[LiveRequest] = []
+        self._jobs: list[tuple[Callable[[CausalLM], Any], Future[Any]]] = []
         self._closing = False  # no new requests
         self._stop = False  # cancel what is left and exit
         self.error: BaseException | None = None
@@ -295,6 +345,21 @@ class EngineLoop:
             self._inbox.append(request)
             self._cv.notify()
 
+    def call(self, fn: Callable[[CausalLM], Any]) -> Future[Any]:
+        """Run `fn(model)` on the engine thread before its next step, the slot caches set aside
+        (`LiveEngine.set_aside`); a 503 `ServerError` once the loop is shutting down."""
+        future: Future[Any] = Future()
+        with self._cv:
+            if self._closing or self.error is not None:
+                raise ServerError(
+                    "the server is shutting down and accepts no new requests",
+                    status=503,
+                    type="server_error",
+                )
+            self._jobs.append((fn, future))
+            self._cv.notify()
+        return future
+
     def cancel(self, request: LiveRequest) -> None:
         with self._cv:
             request.cancelled = True
@@ -330,14 +395,25 @@ class EngineLoop:
             self.error = e
             failed = [*engine.live.values(), *self._inbox]
             self.deliver([(r, TokenEvent("", "error", 0, f"engine failed: {e!r}")) for r in failed])
+            with self._cv:
+                jobs, self._jobs = self._jobs, []
+            for _, future in jobs:
+                future.set_exception(
+                    ServerError(f"engine failed: {e!r}", status=500, type="server_error")
+                )
             raise
 
     def _once(self) -> bool:
         engine = self.engine
         with self._cv:
-            while not self._inbox and not engine.busy() and not self._stop:
+            while not self._inbox and not self._jobs and not engine.busy() and not self._stop:
                 self._cv.wait()
+            jobs, self._jobs = self._jobs, []
             if self._stop:
+                for _, future in jobs:
+                    future.set_exception(
+                        ServerError("the server is shutting down", status=503, type="server_error")
+                    )
                 for r in [*self._inbox, *engine.live.values()]:
                     r.cancelled = True
                 for r in self._inbox:
@@ -349,6 +425,8 @@ class EngineLoop:
             for r in self._inbox:
                 engine.add(r)
             self._inbox.clear()
+        for fn, future in jobs:
+            self._run_job(fn, future)
         engine.drop_cancelled()
         steps = engine.step()
         if self.observer is not None:  # before the tokens go out: a client that saw its
@@ -357,6 +435,18 @@ class EngineLoop:
             self.observer.on_reuse(self.engine.reuse_totals())
         self._flush()
         return True
+
+    def _run_job(self, fn: Callable[[CausalLM], Any], future: Future[Any]) -> None:
+        """One `call`: its exception (a bad prompt, out of memory) fails that call only."""
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            with self.engine.set_aside():
+                result = fn(self.model)
+        except Exception as e:  # noqa: BLE001 - handed to the caller, the engine goes on
+            future.set_exception(e)
+        else:
+            future.set_result(result)
 
     def _flush(self) -> None:
         events, self.engine.events = self.engine.events, []

@@ -1,5 +1,6 @@
-"""A validated request body -> what the engine runs: prompt token ids, the token limit,
-`SamplingParams` and the logits processors (a grammar for `response_format`).
+"""A validated request body -> what the engine runs: prompt token ids (several prompts on
+/v1/completions), the token limit, `SamplingParams`, the penalties as logits processors (a
+grammar for `response_format` is added by the app), `n`, `logprobs` and `echo`.
 
 Everything here raises `ServerError` (a 4xx with the offending `param`) before anything is
 submitted, so a bad request never reaches the engine and never costs a token. A JSON schema is
@@ -10,6 +11,7 @@ layer cannot handle is a 400 naming the keyword before any token is generated.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +19,7 @@ from quantkit.errors import GenerationError, GrammarError
 from quantkit.grammar.compiler import DEFAULT_TIMEOUT_S, compile_grammar
 from quantkit.grammar.constraints import json_schema_grammar
 from quantkit.grammar.processor import GrammarLogitsProcessor
+from quantkit.grammar.strict import strict_schema
 from quantkit.grammar.vocabulary import TokenVocabulary
 from quantkit.http_api.protocol import (
     ChatCompletionRequest,
@@ -25,54 +28,146 @@ from quantkit.http_api.protocol import (
     ServerError,
 )
 from quantkit.runtime.generate import encode_prompt
-from quantkit.runtime.sampling import LogitsProcessor, RepetitionPenalty, SamplingParams
+from quantkit.runtime.sampling import (
+    LogitsProcessor,
+    PresenceFrequencyPenalty,
+    RepetitionPenalty,
+    SamplingParams,
+)
 
-__all__ = ["GrammarCache", "Prepared", "chat_prompt", "check_unsupported", "completion_prompt"]
+__all__ = [
+    "GrammarCache",
+    "Prepared",
+    "chat_prompt",
+    "check_unsupported",
+    "choice_seed",
+    "completion_prompts",
+]
 
 # The default `max_tokens` of /v1/completions, as OpenAI's; chat defaults to the context left.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
+# The most alternatives per token `logprobs` / `top_logprobs` may ask for (OpenAI's chat limit;
+# its completions endpoint stops at 5, vLLM's at 20).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
 class Prepared:
-    prompt: list[int]
-    max_tokens: int
+    """prompts: one per prompt (/v1/completions may send several), each answered by `n`
+    choices; texts: each prompt as text (what `echo` prepends); max_tokens: per prompt (0: echo
+    only, nothing generated); logprobs: None = off, else how many alternatives per token."""
+
+    prompts: list[list[int]]
+    texts: list[str]
+    max_tokens: list[int]
     params: SamplingParams
-    processors: list[LogitsProcessor]
+    n: int = 1
+    logprobs: int | None = None
+    echo: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
-
-def check_unsupported(body: CompletionRequest | ChatCompletionRequest) -> None:
-    """400 for what quantkit cannot do, rather than silently ignoring it."""
-    if body.n != 1:
-        raise ServerError(f"n: only n=1 is supported, got {body.n}", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(body, name)
-        if value not in (None, 0, 0.0):
-            raise ServerError(
-                f"{name}: not supported (use repetition_penalty), got {value}", param=name
+    def processors(self, prompt: Sequence[int]) -> list[LogitsProcessor]:
+        """The penalties of one choice of `prompt` (a grammar, when asked, is added by the app:
+        each choice needs its own, as each holds its own state)."""
+        out: list[LogitsProcessor] = []
+        if self.params.repetition_penalty != 1.0:
+            out.append(RepetitionPenalty(self.params.repetition_penalty))
+        if self.presence_penalty or self.frequency_penalty:
+            out.append(
+                PresenceFrequencyPenalty(self.presence_penalty, self.frequency_penalty, prompt)
             )
-    if body.logprobs not in (None, False, 0):
-        raise ServerError("logprobs: not supported", param="logprobs")
+        return out
+
+    def seed(self, choice: int) -> int | None:
+        return choice_seed(self.params.seed, choice)
+
+
+def choice_seed(seed: int | None, choice: int) -> int | None:
+    """The seed of choice `choice` of a request seeded with `seed`: the seed itself for choice 0
+    (so n=1 and choice 0 of n>1 agree), a fixed derivation for the others, so that every choice
+    is an independent, reproducible sample. None stays None (fresh randomness per choice)."""
+    if seed is None or choice == 0:
+        return seed
+    return (seed * 0x9E3779B97F4A7C15 + choice * 0xBF58476D1CE4E5B9) % (1 << 63)
+
+
+def _check_range(name: str, value: float | None, low: float, high: float) -> None:
+    if value is not None and not (low <= value <= high):
+        raise ServerError(f"{name}: expected a number in [{low}, {high}], got {value}", param=name)
+
+
+def logprobs_wanted(body: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """How many alternatives per token the request asks for; None = no logprobs (checked)."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.logprobs is not None and not isinstance(body.logprobs, bool):
+            raise ServerError(
+                f"logprobs: expected true or false, got {body.logprobs}", param="logprobs"
+            )
+        top = body.top_logprobs
+        if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise ServerError(
+                f"top_logprobs: expected an integer in [0, {MAX_TOP_LOGPROBS}], got {top}",
+                param="top_logprobs",
+            )
+        if top is not None and not body.logprobs:
+            raise ServerError(
+                "top_logprobs: expected logprobs: true with it, got logprobs "
+                f"{json_value(body.logprobs)}",
+                param="top_logprobs",
+            )
+        return (top or 0) if body.logprobs else None
+    value = body.logprobs
+    if value is None or value is False:
+        return None
+    if isinstance(value, bool) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise ServerError(
+            f"logprobs: expected an integer in [0, {MAX_TOP_LOGPROBS}], got {json_value(value)}",
+            param="logprobs",
+        )
+    return value
+
+
+def json_value(value: object) -> str:
+    """A value as the JSON body spelled it (true, null), for messages."""
+    if value is None or isinstance(value, bool):
+        return "null" if value is None else str(value).lower()
+    return str(value)
+
+
+def check_unsupported(body: CompletionRequest | ChatCompletionRequest, *, slots: int) -> None:
+    """400 for what quantkit cannot do or what is out of range, rather than silently ignoring
+    it. n is at most `slots` (the engine's batch cap: the choices of a request run side by
+    side); best_of only as n (no ranking); suffix and tools not at all."""
+    if body.n > slots:
+        raise ServerError(
+            f"n: expected at most {slots} (this server's batch cap), got {body.n}", param="n"
+        )
+    _check_range("presence_penalty", body.presence_penalty, -2.0, 2.0)
+    _check_range("frequency_penalty", body.frequency_penalty, -2.0, 2.0)
+    logprobs_wanted(body)
     if isinstance(body, CompletionRequest):
-        if body.echo:
-            raise ServerError("echo: not supported", param="echo")
         if body.suffix:
             raise ServerError("suffix: not supported", param="suffix")
-        if body.best_of not in (None, 1):
-            raise ServerError(f"best_of: only 1 is supported, got {body.best_of}", param="best_of")
+        if body.best_of not in (None, body.n):
+            raise ServerError(
+                f"best_of: only best_of = n ({body.n}) is supported, got {body.best_of}",
+                param="best_of",
+            )
     elif body.tools:
         raise ServerError("tools: not supported", param="tools")
 
 
-def completion_prompt(body: CompletionRequest, tokenizer: Any, vocab: int) -> list[int]:
-    """A string (tokenized with the tokenizer's special tokens) or token ids; one prompt."""
+def completion_prompts(body: CompletionRequest, tokenizer: Any, vocab: int) -> list[list[int]]:
+    """Each prompt: a string (tokenized with the tokenizer's special tokens) or token ids; a
+    list of strings or of token-id lists is several prompts."""
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ServerError(
-                f"prompt: one prompt per request is supported, got {len(prompt)}", param="prompt"
-            )
-        prompt = prompt[0]
+        return [_one_prompt(p, tokenizer, vocab) for p in prompt]
+    return [_one_prompt(prompt, tokenizer, vocab)]
+
+
+def _one_prompt(prompt: Any, tokenizer: Any, vocab: int) -> list[int]:
     if isinstance(prompt, str):
         try:
             return encode_prompt(tokenizer, prompt, chat=False)
@@ -112,12 +207,15 @@ def chat_prompt(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
 def max_tokens_for(
     body: CompletionRequest | ChatCompletionRequest, prompt_len: int, context: int
 ) -> int:
-    """The token limit: given (>= 1) or the endpoint's default; prompt + limit <= context."""
+    """The token limit: given (>= 1; 0 with echo: score the prompt only) or the endpoint's
+    default; prompt + limit <= context. max_completion_tokens wins over max_tokens."""
     param, given = "max_tokens", body.max_tokens
     if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
         param, given = "max_completion_tokens", body.max_completion_tokens
-    if given is not None and given < 1:
-        raise ServerError(f"{param}: expected an integer >= 1, got {given}", param=param)
+    echo_only = isinstance(body, CompletionRequest) and body.echo and given == 0
+    if given is not None and given < 1 and not echo_only:
+        least = "0 with echo, else >= 1" if isinstance(body, CompletionRequest) else ">= 1"
+        raise ServerError(f"{param}: expected an integer >= {least}, got {given}", param=param)
     if prompt_len >= context:
         raise ServerError(
             f"This model's maximum context length is {context} tokens. However, your prompt "
@@ -192,6 +290,8 @@ class GrammarCache:
                     param="response_format",
                 )
             schema, label = fmt.json_schema.schema_, f"schema {fmt.json_schema.name}"
+            if fmt.json_schema.strict:  # only the declared properties (`grammar.strict`)
+                schema = strict_schema(schema)
         try:
             grammar = json_schema_grammar(schema, label=label)
             compiled = compile_grammar(grammar, self.vocabulary(), timeout_s=self.timeout_s)
@@ -206,16 +306,29 @@ def prepare(
     tokenizer: Any,
     vocab: int,
     context: int,
+    slots: int,
 ) -> Prepared:
     """Everything but the grammar (which compiles off the event loop)."""
-    check_unsupported(body)
+    check_unsupported(body, slots=slots)
     if isinstance(body, ChatCompletionRequest):
-        prompt = chat_prompt(body, tokenizer)
+        prompts = [chat_prompt(body, tokenizer)]
+        texts = [""]
+        echo = False
     else:
-        prompt = completion_prompt(body, tokenizer, vocab)
-    max_tokens = max_tokens_for(body, len(prompt), context)
-    params = sampling_params(body)
-    processors: list[LogitsProcessor] = []
-    if params.repetition_penalty != 1.0:
-        processors.append(RepetitionPenalty(params.repetition_penalty))
-    return Prepared(prompt, max_tokens, params, processors)
+        prompts = completion_prompts(body, tokenizer, vocab)
+        raw = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+        if raw and not isinstance(raw[0], (str, list)):  # one prompt of token ids
+            raw = [raw]
+        texts = [p if isinstance(p, str) else tokenizer.decode(p) for p in raw]
+        echo = body.echo
+    return Prepared(
+        prompts,
+        texts,
+        [max_tokens_for(body, len(p), context) for p in prompts],
+        sampling_params(body),
+        n=body.n,
+        logprobs=logprobs_wanted(body),
+        echo=echo,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+    )

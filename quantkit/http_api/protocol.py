@@ -2,8 +2,15 @@
 
 Request models are strict (a string where a number belongs is a 400, not a silent cast) and
 ignore fields they do not know, as OpenAI-compatible servers do, so a client that sends a newer
-field still gets served. Parameters quantkit cannot honour (n > 1, logprobs, penalties other
-than repetition_penalty, echo, suffix) are rejected with a 400 naming them, never ignored.
+field still gets served. Parameters quantkit cannot honour (suffix, tools, best_of other than n)
+are rejected with a 400 naming them, never ignored; so are values out of range (`prepare.py`
+checks: n above the batch cap, top_logprobs or completions' logprobs above 20, penalties
+outside [-2, 2], top_logprobs without logprobs: true).
+
+Served as OpenAI defines them: n choices per prompt (several prompts on /v1/completions),
+logprobs (chat: `logprobs` + `top_logprobs`; completions: `logprobs: N`, with `echo` the
+prompt's too), echo (max_tokens 0 with it scores the prompt only), presence_penalty and
+frequency_penalty, max_completion_tokens, stream_options.include_usage.
 
 quantkit's extra sampling knobs travel as extra body fields (the openai client's `extra_body`):
 top_k, min_p, repetition_penalty, and ignore_eos (generate exactly max_tokens tokens, as the

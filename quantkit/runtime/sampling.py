@@ -2,7 +2,7 @@
 
 One decode step turns the last position's logits [B, V] into B token ids:
 
-    logits processors (repetition penalty, grammar mask, ...)   need the tokens so far
+    logits processors (penalties, grammar mask, ...)             need the tokens so far
     -> temperature -> top-k -> top-p -> min-p                     need only the logits
     -> sample                                                     needs the torch.Generator
 
@@ -20,6 +20,7 @@ same seed gives the same stream and nothing touches torch's global RNG.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -29,6 +30,7 @@ from quantkit.errors import GenerationError
 
 __all__ = [
     "LogitsProcessor",
+    "PresenceFrequencyPenalty",
     "RepetitionPenalty",
     "SamplingParams",
     "apply_min_p",
@@ -86,6 +88,38 @@ class RepetitionPenalty:
         counts.scatter_add_(1, input_ids.clamp_min(0), valid.to(torch.int32))
         penalized = torch.where(logits < 0, logits * self.penalty, logits / self.penalty)
         return torch.where(counts > 0, penalized, logits)
+
+
+class PresenceFrequencyPenalty:
+    """OpenAI's presence and frequency penalties, over the tokens generated so far.
+
+    logit[t] -= presence * (count[t] > 0) + frequency * count[t], where count[t] is how often
+    token t was generated (the prompt does not count, as in OpenAI's and vLLM's definition).
+    Positive values make repeats less likely, negative ones more; each in [-2, 2], 0 = off.
+
+    The generated tokens are every valid id in `input_ids` minus the prompt's, which this
+    processor is built with, so it works whichever way the caller aligns the rows; every row
+    must hold that same prompt (one request: the server builds one per request).
+    """
+
+    def __init__(self, presence: float, frequency: float, prompt: Sequence[int]) -> None:
+        for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise GenerationError(f"{name}: expected a number in [-2, 2], got {value}")
+        self.presence, self.frequency = float(presence), float(frequency)
+        self.prompt = torch.tensor([int(t) for t in prompt], dtype=torch.int64)
+
+    def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if self.presence == 0.0 and self.frequency == 0.0:
+            return logits
+        valid = input_ids >= 0
+        counts = torch.zeros(logits.shape, dtype=torch.int32, device=logits.device)
+        counts.scatter_add_(1, input_ids.clamp_min(0), valid.to(torch.int32))
+        if self.prompt.numel():
+            prompt = self.prompt.to(logits.device).expand(logits.shape[0], -1)
+            counts.scatter_add_(1, prompt, torch.full_like(prompt, -1, dtype=torch.int32))
+        counts = counts.clamp_min(0).to(logits.dtype)
+        return logits - self.presence * (counts > 0).to(logits.dtype) - self.frequency * counts
 
 
 def _is_count(value: object, *, minimum: int) -> bool:
