@@ -16,6 +16,7 @@ import torch
 
 from quantkit.cli.grammar_run import GrammarRun, write_atomic
 from quantkit.cli.options import Runtime, load, runtime_options
+from quantkit.cli.tool_run import ToolRequest
 from quantkit.errors import GenerationError
 from quantkit.grammar.compiler import DEFAULT_ENGINE, DEFAULT_TIMEOUT_S, ENGINES
 from quantkit.perf.measured import generation_roofline
@@ -97,6 +98,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
     s = summary
     click.echo("")
     click.echo("---")
+    for call in s.get("tool_calls", []):
+        click.echo(f"tool call  {call['name']}({call['arguments']})")
     click.echo(
         f"tokens     {s['prompt_tokens']} prompt + {s['generated_tokens']} generated "
         f"(finish: {s['finish_reason']})"
@@ -163,6 +166,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
 @click.option(
     "--schema", "schema_file", default=None, help="Output: JSON valid for this schema file."
 )
+@click.option(
+    "--strict",
+    is_flag=True,
+    help="With --schema: objects hold only the properties their schema declares (as OpenAI's "
+    "strict structured outputs: additionalProperties false where the schema is silent).",
+)
 @click.option("--regex", default=None, help="Output: text that fully matches this regex.")
 @click.option("--choice", "choices", multiple=True, help="Output: one of these (repeatable).")
 @click.option(
@@ -171,6 +180,26 @@ def _print_summary(summary: dict[str, Any]) -> None:
     default=None,
     help="Output: text this context-free grammar derives: Lark syntax as llguidance reads it, or "
     "llama.cpp GBNF if the file ends in .gbnf (converted to Lark). llguidance only.",
+)
+@click.option(
+    "--tools",
+    "tools_file",
+    default=None,
+    help="Tools the model may call: a JSON list of OpenAI function tools. The chat template "
+    "shows them (or, if it ignores them, a system message does); the answer's calls are "
+    "constrained to declared tools with valid arguments.",
+)
+@click.option(
+    "--tool-choice",
+    default=None,
+    help="With --tools: none, auto (the default: text or a call), required (a call), or a "
+    "tool's name (a call of that tool).",
+)
+@click.option(
+    "--parallel-tool-calls/--no-parallel-tool-calls",
+    default=True,
+    show_default=True,
+    help="With --tools: allow several calls in one answer.",
 )
 @click.option(
     "--compile-timeout",
@@ -211,9 +240,13 @@ def generate_cmd(
     as_json: bool,
     compile_step: bool,
     schema_file: str | None,
+    strict: bool,
     regex: str | None,
     choices: tuple[str, ...],
     grammar_file: str | None,
+    tools_file: str | None,
+    tool_choice: str | None,
+    parallel_tool_calls: bool,
     compile_timeout: float,
     grammar_engine: str,
     fast_forward: bool,
@@ -227,9 +260,18 @@ def generate_cmd(
     With --json, `generated_tokens` counts every sampled token, the EOS that ended the text
     included; `tokens` lists the output ids (EOS excluded)."""
     # Every check that needs no model first, so bad input fails in milliseconds.
+    if strict and schema_file is None:
+        raise GenerationError("--strict: expected --schema FILE with it, got no --schema")
+    tools = ToolRequest.from_options(tools_file, tool_choice, parallel=parallel_tool_calls)
+    if tools is not None and (schema_file or regex or choices or grammar_file):
+        raise GenerationError(
+            "--tools: expected no --schema/--regex/--choice/--grammar with it (the tool "
+            "calls are the constraint), got one"
+        )
     grammar, prompt = _grammar_and_prompt(
-        prompt, schema_file, regex, choices, grammar_file, compile_timeout, grammar_engine
-    )
+        prompt, schema_file, regex, choices, grammar_file, compile_timeout, grammar_engine,
+        strict=strict,
+    )  # fmt: skip
     spec = runtime.speculation()
     if spec is not None and (grammar is not None or compile_step):
         raise GenerationError(
@@ -251,7 +293,12 @@ def generate_cmd(
     dev = runtime.torch_device()
     options = runtime.options(dev)
     loaded = load(model, options)
-    ids = encode_prompt(loaded.tokenizer, prompt, chat=chat)
+    if tools is not None:
+        ids = tools.prompt_ids(loaded.tokenizer, prompt, chat=chat)
+        grammar = tools.grammar_run(loaded.tokenizer, compile_timeout=compile_timeout,
+                                    log=lambda line: click.echo(line, err=True))  # fmt: skip
+    else:
+        ids = encode_prompt(loaded.tokenizer, prompt, chat=chat)
     _warn_if_clamped(loaded, len(ids), max_new_tokens)
     eos = eos_token_ids(tokenizer=loaded.tokenizer, config=loaded.config, model_dir=loaded.path)
     processors = []
@@ -275,6 +322,8 @@ def generate_cmd(
     backend = backend_line(loaded, dev, options.torch_dtype())
     roof = generation_roofline(loaded.model, result.stats, dev)
     summary = _summary_dict(result, roof, device=dev, backend=backend, loaded=loaded)
+    if tools is not None:
+        summary["tool_calls"] = tools.calls(loaded.tokenizer, summary["text"])
     _report(summary, result, grammar, as_json=as_json, output=output)
 
 
@@ -286,10 +335,13 @@ def _grammar_and_prompt(
     grammar_file: str | None,
     compile_timeout: float,
     engine: str,
+    *,
+    strict: bool = False,
 ) -> tuple[GrammarRun | None, str]:
     """The constraint (if any) and the prompt: --schema alone gets a default prompt."""
     grammar = GrammarRun.from_options(
         schema=schema_file,
+        strict=strict,
         regex=regex,
         choices=choices,
         grammar_file=grammar_file,

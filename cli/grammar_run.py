@@ -47,6 +47,7 @@ from quantkit.grammar.constraints import (
 )
 from quantkit.grammar.processor import GrammarLogitsProcessor
 from quantkit.grammar.prompting import default_schema_prompt
+from quantkit.grammar.strict import strict_schema
 from quantkit.grammar.vocabulary import TokenVocabulary
 from quantkit.paths import atomic_file
 
@@ -80,6 +81,9 @@ class GrammarRun:
     log: Callable[[str], None] = _stderr
     engine: str = DEFAULT_ENGINE
     spent_s: float = 0.0  # of compile_timeout, used before the compile (a --grammar's check)
+    # A tool-call grammar's own check of a finished output (`tool_run.ToolRequest.check`):
+    # the calls parse and their arguments validate; None for every other grammar.
+    checker: Callable[[str], str | None] | None = None
     compiled: CompiledGrammar | None = field(default=None, init=False)
     processor_: GrammarLogitsProcessor | None = field(default=None, init=False)
 
@@ -88,6 +92,7 @@ class GrammarRun:
         cls,
         *,
         schema: str | Path | None = None,
+        strict: bool = False,
         regex: str | None = None,
         choices: Sequence[str] = (),
         grammar_file: str | Path | None = None,
@@ -131,8 +136,11 @@ class GrammarRun:
                 raise GrammarError(f"{flag}: expected a non-empty value, got ''")
         if schema is not None:
             parsed = load_schema_file(schema)
+            if strict:
+                parsed = strict_schema(parsed)
             try:
-                grammar = schema_grammar(parsed, label=f"schema {Path(schema).name}")
+                label = f"schema {Path(schema).name}" + (" (strict)" if strict else "")
+                grammar = schema_grammar(parsed, label=label)
             except GrammarError as e:
                 raise GrammarError(f"--schema {schema}: {e}") from None
         elif regex is not None:
@@ -185,6 +193,8 @@ class GrammarRun:
         """None if `text` is a complete, valid output; else why not (one line)."""
         if finish_reason != "stop":
             return "incomplete: the token limit came before the grammar was complete"
+        if self.checker is not None:
+            return self.checker(text)
         if self.grammar.kind == "json_schema":
             problem = validate_json(text, self.grammar.schema)
             return None if problem is None else f"does not validate: {problem}"

@@ -44,7 +44,8 @@ class Grammar:
     (None for a schema not lowered yet, see `lowering.lower_schema`, and for a Lark grammar,
     which no regex can express); label: a short description for messages; schema: the parsed
     schema (json_schema only); notes: where the grammar is narrower than the schema (still
-    sound), for the user; lark: the Lark text llguidance compiles (lark only)."""
+    sound), for the user; lark: the Lark text llguidance compiles (lark only); json_text: see
+    the field."""
 
     kind: str
     regex: str | None
@@ -52,6 +53,9 @@ class Grammar:
     schema: Any = None
     notes: tuple[str, ...] = ()
     lark: str | None = None
+    # A Lark grammar whose every `"`, `{` and `[` is JSON's (tool calls constrained from the
+    # first token): its rows get the JSON checks too (distinct keys, runaways).
+    json_text: bool = False
 
 
 def read_option_file(option: str, path: Path, kind: str) -> str:

@@ -48,6 +48,27 @@ __all__ = ["GrammarLogitsProcessor"]
 _WALK_LIMIT = 4096
 # An llguidance row's walk to completion stops this many bytes past what could still fit.
 _PATH_SLACK = 64
+# A complete llguidance row ends (EOS only) once no more than this many tokens are spare.
+_FINISH_GUARD = 48
+# Tokens until an llguidance row whose walk found no completion walks again: an eighth of
+# those left, at least this many.
+_RETRY = 4
+
+
+_BYTE_TOKENS: dict[str, dict[int, int]] = {}
+
+
+def _byte_tokens(vocabulary: Any) -> dict[int, int]:
+    """byte -> the lowest id of a token that is exactly that byte; built once per vocabulary
+    (130 ms for 49k tokens, which every new processor paid before: once per request)."""
+    found = _BYTE_TOKENS.get(vocabulary.fingerprint)
+    if found is None:
+        found = {}
+        for token_id, data in vocabulary.token_bytes.items():
+            if len(data) == 1 and token_id < found.get(data[0], token_id + 1):
+                found[data[0]] = token_id
+        _BYTE_TOKENS[vocabulary.fingerprint] = found
+    return found
 
 
 def _bit(token: int) -> np.int32:
@@ -104,11 +125,7 @@ class GrammarLogitsProcessor:
         self._eos = sorted(self.vocabulary.eos_token_ids)
         self.max_new_tokens = max_new_tokens
         # byte -> a token that is exactly that byte (every byte-level vocabulary has them).
-        self._byte_token: dict[int, int] = {}
-        for token_id in sorted(self.vocabulary.token_bytes):
-            data = self.vocabulary.token_bytes[token_id]
-            if len(data) == 1:
-                self._byte_token.setdefault(data[0], token_id)
+        self._byte_token = _byte_tokens(self.vocabulary)
         self.mask_times_s: list[float] = []
         self.reset()
 
@@ -261,8 +278,17 @@ class GrammarLogitsProcessor:
         left = self.max_new_tokens - self._counts[row]  # tokens left, this step's included
         if left > self._check_at[row]:
             return
-        path, _ = guide.closing_path(limit=left + WINDOW + _PATH_SLACK)
+        path, complete = guide.closing_path(limit=left + WINDOW + _PATH_SLACK)
+        if not complete:  # no way found (a loop, or longer than what could fit): try later
+            self._check_at[row] = left - max(_RETRY, left // 8)
+            return
         spare = left - (len(path) + 1 + WINDOW)  # the EOS takes one of the tokens left
+        if not path and spare <= _FINISH_GUARD:
+            # Complete, and near the end: what could follow (another tool call, another
+            # statement) would have to be closed again in the tokens left; end it here.
+            self.steered.add(row)
+            line.fill(0)
+            return
         if spare > 0:
             self._check_at[row] = left - max(1, spare // 2)
             return

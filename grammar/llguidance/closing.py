@@ -17,14 +17,16 @@ The processor (`processor.GrammarLogitsProcessor`) walks a row when its tokens l
 the last path's length, and inside `budget.WINDOW` tokens of it allows only the tokens that
 follow the path (`along`): each writes at least one of its bytes, so the document closes in
 time. Measured on the embedded model's vocabulary: a walk takes 50-150 us for the tails of
-ordinary schemas; it gives up at `limit` bytes (a pattern no preferred byte can satisfy), and
-the row is then left unsteered.
+ordinary schemas. It gives up at `limit` bytes, or as soon as it goes round in a loop (an
+email address: `}` is allowed inside one for ever, and only an `@` would lead on), and the row
+is then left unsteered until its next walk.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from quantkit.grammar.llguidance.runaway import MAX_PERIOD, REPEAT_BYTES, repeats
 from quantkit.grammar.vocabulary import TokenVocabulary
 
 __all__ = ["ClosingWalk"]
@@ -84,6 +86,8 @@ class ClosingWalk:
                     break
             else:
                 return bytes(out), False  # only multi-byte tokens go on (or none at all)
+            if len(out) >= REPEAT_BYTES and repeats(out[-3 * MAX_PERIOD :]):
+                return bytes(out), False  # going round: a string no preferred byte closes
         return bytes(out), bool(walker.is_accepting())
 
     def along(self, path: bytes) -> list[int]:

@@ -317,7 +317,7 @@ def compile_llguidance(
     # Every JSON document's objects hold distinct keys, whatever wrote them (declared names
     # made patterns, patternProperties, additionalProperties: llguidance lets those repeat),
     # and its rows are steered out of runaways (`runaway`).
-    json_text = grammar.kind == "json_schema"
+    json_text = grammar.kind == "json_schema" or grammar.json_text
     keys = keys or json_text
     ending = EndingTokens.of(vocabulary) if items or keys else None
     return LlgIndex(tokenizer, text, template, tuple(notes), ending, items=items, keys=keys,
