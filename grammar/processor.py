@@ -276,6 +276,13 @@ class GrammarLogitsProcessor:
         check took it out)."""
         assert self.max_new_tokens is not None
         left = self.max_new_tokens - self._counts[row]  # tokens left, this step's included
+        if left - (1 + WINDOW) <= _FINISH_GUARD and guide.is_finished():
+            # Complete, and near the end: what could follow (another tool call, another
+            # statement) would have to be closed again in the tokens left; end it here. Checked
+            # every step: a row is complete for a step at a time, between walks.
+            self.steered.add(row)
+            line.fill(0)
+            return
         if left > self._check_at[row]:
             return
         path, complete = guide.closing_path(limit=left + WINDOW + _PATH_SLACK)
@@ -283,12 +290,6 @@ class GrammarLogitsProcessor:
             self._check_at[row] = left - max(_RETRY, left // 8)
             return
         spare = left - (len(path) + 1 + WINDOW)  # the EOS takes one of the tokens left
-        if not path and spare <= _FINISH_GUARD:
-            # Complete, and near the end: what could follow (another tool call, another
-            # statement) would have to be closed again in the tokens left; end it here.
-            self.steered.add(row)
-            line.fill(0)
-            return
         if spare > 0:
             self._check_at[row] = left - max(1, spare // 2)
             return

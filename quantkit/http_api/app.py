@@ -290,12 +290,17 @@ async def _choices(
             live = None
             if limit > 0:
                 processors = prepared.processors(prompt)
-                if body.response_format is not None:
+                grammar = None
+                if prepared.tools is not None:
+                    grammar = await asyncio.to_thread(
+                        grammars.tool_processor, prepared.tools, max_tokens=limit
+                    )
+                elif body.response_format is not None:
                     grammar = await asyncio.to_thread(
                         grammars.processor, body.response_format, max_tokens=limit
                     )
-                    if grammar is not None:
-                        processors.append(grammar)
+                if grammar is not None:
+                    processors.append(grammar)
                 live = LiveRequest(
                     prompt,
                     max_tokens=limit,

@@ -31,6 +31,7 @@ from quantkit.http_api.engine_loop import EngineLoop, LiveRequest, TokenEvent
 from quantkit.http_api.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from quantkit.http_api.prepare import Prepared
 from quantkit.http_api.protocol import ChatCompletionRequest, CompletionRequest, ServerError
+from quantkit.http_api.tools import ToolStream, tool_message
 from quantkit.runtime.scoring import TokenLogprob
 
 __all__ = ["Choice", "Generation", "respond"]
@@ -53,6 +54,7 @@ class Choice:
     finish_reason: str | None = None
     completion_tokens: int = 0
     offset: int = 0  # the next token's text offset (completions' logprobs)
+    tool_stream: ToolStream | None = None  # a streamed chat choice that may call tools
 
 
 class _ChoiceSink:
@@ -117,12 +119,17 @@ class Generation:
         for c in self.choices:
             logprobs = self._logprobs(c, c.tokens, prompt=True)
             text = c.echo_text + "".join(c.parts)
-            if self.chat:
+            finish = c.finish_reason
+            if self.chat and self._calls_tools:
+                assert self.prepared.tools is not None  # _calls_tools says so
+                message, finish = tool_message(text, self.prepared.tools, finish)
+                item = {"index": c.index, "message": message, "logprobs": logprobs}
+            elif self.chat:
                 message = {"role": "assistant", "content": text}
                 item = {"index": c.index, "message": message, "logprobs": logprobs}
             else:
                 item = {"index": c.index, "text": text, "logprobs": logprobs}
-            out.append({**item, "finish_reason": c.finish_reason})
+            out.append({**item, "finish_reason": finish})
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": out, "usage": self.usage()}
 
@@ -139,7 +146,15 @@ class Generation:
         logprobs = None if role else self._logprobs(choice, tokens, prompt=prompt)
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-            if text is not None and not role:
+            if role:
+                pass
+            elif self._calls_tools and text is not None:  # content and calls (`ToolStream`)
+                if choice.tool_stream is None:
+                    assert self.prepared.tools is not None  # _calls_tools says so
+                    choice.tool_stream = ToolStream(self.prepared.tools)
+                delta = choice.tool_stream.feed(text, final=finish_reason is not None)
+                finish_reason = choice.tool_stream.finish_reason(finish_reason)
+            elif text is not None:
                 delta["content"] = text
             item = {"index": choice.index, "delta": delta}
             head = self._head("chat.completion.chunk")
@@ -155,6 +170,11 @@ class Generation:
     def usage_chunk(self) -> str:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         return _sse({**self._head(obj), "choices": [], "usage": self.usage()})
+
+    @property
+    def _calls_tools(self) -> bool:
+        tools = self.prepared.tools
+        return tools is not None and tools.mode != "none"
 
     @property
     def _include_usage(self) -> bool:

@@ -27,6 +27,7 @@ from quantkit.http_api.protocol import (
     ResponseFormat,
     ServerError,
 )
+from quantkit.http_api.tools import ToolPlan, tool_plan, tool_prompt
 from quantkit.runtime.generate import encode_prompt
 from quantkit.runtime.sampling import (
     LogitsProcessor,
@@ -66,6 +67,7 @@ class Prepared:
     echo: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    tools: ToolPlan | None = None  # chat with tools (`tools.tool_plan`)
 
     def processors(self, prompt: Sequence[int]) -> list[LogitsProcessor]:
         """The penalties of one choice of `prompt` (a grammar, when asked, is added by the app:
@@ -138,7 +140,7 @@ def json_value(value: object) -> str:
 def check_unsupported(body: CompletionRequest | ChatCompletionRequest, *, slots: int) -> None:
     """400 for what quantkit cannot do or what is out of range, rather than silently ignoring
     it. n is at most `slots` (the engine's batch cap: the choices of a request run side by
-    side); best_of only as n (no ranking); suffix and tools not at all."""
+    side); best_of only as n (no ranking); suffix not at all."""
     if body.n > slots:
         raise ServerError(
             f"n: expected at most {slots} (this server's batch cap), got {body.n}", param="n"
@@ -154,8 +156,6 @@ def check_unsupported(body: CompletionRequest | ChatCompletionRequest, *, slots:
                 f"best_of: only best_of = n ({body.n}) is supported, got {body.best_of}",
                 param="best_of",
             )
-    elif body.tools:
-        raise ServerError("tools: not supported", param="tools")
 
 
 def completion_prompts(body: CompletionRequest, tokenizer: Any, vocab: int) -> list[list[int]]:
@@ -184,18 +184,18 @@ def _one_prompt(prompt: Any, tokenizer: Any, vocab: int) -> list[int]:
     return ids
 
 
-def chat_prompt(body: ChatCompletionRequest, tokenizer: Any) -> list[int]:
-    """The messages through the tokenizer's chat template, with the assistant turn opened."""
+def chat_prompt(
+    body: ChatCompletionRequest, tokenizer: Any, plan: ToolPlan | None = None
+) -> list[int]:
+    """The messages through the tokenizer's chat template, with the assistant turn opened
+    (and the tools shown, assistant calls and tool results rendered: `tools.tool_prompt`)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ServerError(
             "messages: this model's tokenizer has no chat template; use /v1/completions",
             param="messages",
         )
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     try:
-        rendered = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
+        rendered = tool_prompt(body, tokenizer, plan)
     except Exception as e:  # noqa: BLE001 - a template may raise anything (jinja, its own checks)
         raise ServerError(
             f"messages: the chat template refused them: {e}", param="messages"
@@ -274,6 +274,18 @@ class GrammarCache:
                 )
             return self._vocab
 
+    def tool_processor(self, plan: ToolPlan, *, max_tokens: int) -> GrammarLogitsProcessor | None:
+        """The processor of the tool calls `plan` allows (None for tool choice none); a 400
+        naming `tools` if the grammar cannot be built. Blocking: call it from a worker thread."""
+        grammar = plan.grammar()
+        if grammar is None:
+            return None
+        try:
+            compiled = compile_grammar(grammar, self.vocabulary(), timeout_s=self.timeout_s)
+        except GrammarError as e:
+            raise ServerError(f"tools: {e}", param="tools") from None
+        return GrammarLogitsProcessor(compiled, max_new_tokens=max_tokens)
+
     def processor(self, fmt: ResponseFormat, *, max_tokens: int) -> GrammarLogitsProcessor | None:
         """The processor `response_format` asks for (None for text). Blocking: call it from a
         worker thread."""
@@ -310,8 +322,17 @@ def prepare(
 ) -> Prepared:
     """Everything but the grammar (which compiles off the event loop)."""
     check_unsupported(body, slots=slots)
+    tools = None
     if isinstance(body, ChatCompletionRequest):
-        prompts = [chat_prompt(body, tokenizer)]
+        tools = tool_plan(body, tokenizer)
+        if tools is not None and tools.mode != "none" and body.response_format is not None \
+                and body.response_format.type != "text":  # fmt: skip
+            raise ServerError(
+                "response_format: expected none with tools (the calls are the constraint), got "
+                f"{body.response_format.type}; use tool_choice none or drop response_format",
+                param="response_format",
+            )
+        prompts = [chat_prompt(body, tokenizer, tools)]
         texts = [""]
         echo = False
     else:
@@ -331,4 +352,5 @@ def prepare(
         echo=echo,
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
+        tools=tools,
     )

@@ -2,7 +2,7 @@
 
 Request models are strict (a string where a number belongs is a 400, not a silent cast) and
 ignore fields they do not know, as OpenAI-compatible servers do, so a client that sends a newer
-field still gets served. Parameters quantkit cannot honour (suffix, tools, best_of other than n)
+field still gets served. Parameters quantkit cannot honour (suffix, best_of other than n)
 are rejected with a 400 naming them, never ignored; so are values out of range (`prepare.py`
 checks: n above the batch cap, top_logprobs or completions' logprobs above 20, penalties
 outside [-2, 2], top_logprobs without logprobs: true).
@@ -127,10 +127,25 @@ class _TextPart(_Body):
     text: str
 
 
+class _FunctionCall(_Body):
+    name: str
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(_Body):
+    """An assistant turn's call, sent back in the conversation."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: _FunctionCall
+
+
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[_TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns
+    tool_call_id: str | None = None  # tool turns
 
     def text(self) -> str:
         if self.content is None:
@@ -145,4 +160,6 @@ class ChatCompletionRequest(_Sampling):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     top_logprobs: int | None = None
