@@ -285,10 +285,13 @@ class GrammarLogitsProcessor:
             return
         if left > self._check_at[row]:
             return
-        path, complete = guide.closing_path(limit=left + WINDOW + _PATH_SLACK)
-        if not complete:  # no way found (a loop, or longer than what could fit): try later
+        limit = left + WINDOW + _PATH_SLACK
+        path, complete = guide.closing_path(limit=limit)
+        if not complete and len(path) < limit:  # no way found (a loop): try again later
             self._check_at[row] = left - max(_RETRY, left // 8)
             return
+        # Complete, or longer than what could fit (then followed as far as it goes: the
+        # closest to completion the tokens left can come).
         spare = left - (len(path) + 1 + WINDOW)  # the EOS takes one of the tokens left
         if spare > 0:
             self._check_at[row] = left - max(1, spare // 2)

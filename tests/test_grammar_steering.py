@@ -191,3 +191,25 @@ def test_strict_in_the_grammar(vocab) -> None:
     strict = GrammarLogitsProcessor(llg(strict_schema(schema), vocab), max_new_tokens=30)
     text, ended = greedy(strict, vocab, ['"a":1,', '"', "b"], steps=30)
     assert ended and json.loads(text).keys() == {"a"}, text
+
+
+def test_the_closing_walk_writes_no_repeated_key(vocab) -> None:
+    # Two keys of a pattern: the grammar alone would let the walk close with "a" again.
+    schema = {"type": "object", "patternProperties": {"^[a-z]+$": {"type": "integer"}},
+              "additionalProperties": False, "minProperties": 2}  # fmt: skip
+    row = llg(schema, vocab).new_row()
+    for piece in ('{"a":', "1", ","):
+        assert row.advance(_id(piece))
+    assert row.row.closing_path(limit=200) == (b'"a":0}', True)  # what the grammar allows
+    path, complete = row.closing_path(limit=200)
+    text = '{"a":1,' + path.decode()
+    assert complete and no_repeated_keys(text) and validate_json(text, schema) is None, text
+
+
+def test_an_array_repeating_one_item_is_closed(vocab) -> None:
+    schema = {"type": "array", "items": {"type": "string"}}
+    text, ended = greedy(GrammarLogitsProcessor(llg(schema, vocab)), vocab,
+                         ['"name":"', "ab", '"', ","], steps=300)  # fmt: skip
+    assert ended and validate_json(text, schema) is None, text
+    items = json.loads(text)
+    assert 4 <= len(items) <= 12 and len(set(items)) == 1, text

@@ -24,6 +24,7 @@ is then left unsteered until its next walk.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from quantkit.grammar.llguidance.runaway import MAX_PERIOD, REPEAT_BYTES, repeats
@@ -63,10 +64,14 @@ class ClosingWalk:
             found = cls._cache[vocabulary.fingerprint] = cls(vocabulary)
         return found
 
-    def path(self, matcher: Any, *, limit: int) -> tuple[bytes, bool]:
+    def path(
+        self, matcher: Any, *, limit: int, allows: Callable[[bytes], bool] | None = None
+    ) -> tuple[bytes, bool]:
         """(bytes, complete): the bytes a copy of `matcher` took to reach an accepting state
         (complete), or the first `limit` of them / up to where no single byte was allowed
-        (not complete). `matcher` itself is not touched."""
+        (not complete). `matcher` itself is not touched. allows: a check of the row's own
+        beside the grammar's (distinct keys: `distinct_items.DistinctRow`), asked of each
+        byte before it is taken, which then counts it as written."""
         walker = matcher.deep_copy()
         out = bytearray()
         while len(out) < limit:
@@ -76,11 +81,15 @@ class ClosingWalk:
             tokens = [self.byte_token.get(b) for b in forced[: limit - len(out)]]
             if forced and None not in tokens:
                 taken = walker.try_consume_tokens(tokens)
+                if allows is not None and taken and not allows(forced[:taken]):
+                    return bytes(out), False  # the grammar forces a repeated key: no way on
                 out += forced[:taken]
                 if taken:
                     continue
             for token in self.order:
-                if walker.validate_tokens([token]):
+                if walker.validate_tokens([token]) and (
+                    allows is None or allows(self.token_bytes[token])
+                ):
                     walker.consume_token(token)
                     out += self.token_bytes[token]
                     break

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -188,10 +189,12 @@ class LlgRow:
         """The tokens the grammar forces next (canonical, safe to append without sampling)."""
         return list(self.matcher.compute_ff_tokens())
 
-    def closing_path(self, *, limit: int) -> tuple[bytes, bool]:
+    def closing_path(
+        self, *, limit: int, allows: Callable[[bytes], bool] | None = None
+    ) -> tuple[bytes, bool]:
         """A way to complete the document from here, in bytes, and whether it is complete
         (`closing.ClosingWalk.path`, on a copy of the matcher)."""
-        return self.walk.path(self.matcher, limit=limit)
+        return self.walk.path(self.matcher, limit=limit, allows=allows)
 
     def along(self, path: bytes) -> list[int]:
         """The tokens that follow `path` (`closing.ClosingWalk.along`)."""

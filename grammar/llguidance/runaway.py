@@ -13,7 +13,10 @@ schema that truly asks for a long number or deep nesting still gets it):
   bytes: tokens that begin with one of those bytes;
 - a string whose last `REPEAT_BYTES` or more bytes are one piece of at most `MAX_PERIOD` bytes
   written three or more times over: every token but those beginning with the closing quote;
-- `MAX_DEPTH` containers open: tokens that open another (first byte past spaces `{` or `[`).
+- `MAX_DEPTH` containers open: tokens that open another (first byte past spaces `{` or `[`);
+- an array whose last items are one item over and over (four times or more, `ITEMS_TOTAL`
+  bytes: `"data","data","data",...`), at the end of an item: every token but those that close
+  the array.
 
 The row's text and open containers come from the same tracker that checks distinct keys and
 items (`distinct_items.DistinctItems`).
@@ -32,6 +35,9 @@ MAX_NUMBER = 16  # bytes: past int64's 19 digits nothing real is written in JSON
 MAX_DEPTH = 12
 REPEAT_BYTES = 24
 MAX_PERIOD = 32
+# An array whose last items are one item written four times or more, 64 bytes in all.
+ITEMS_TOTAL = 64
+ITEMS_PERIOD = 64
 _NUMBER = frozenset(b"0123456789.eE+-")
 
 
@@ -43,8 +49,8 @@ class RunawayTokens:
 
     def __init__(self, vocabulary: TokenVocabulary) -> None:
         words = (vocabulary.size + 31) // 32
-        self.number, self.opens, self.quote = (np.zeros(words, dtype=np.uint32)
-                                               for _ in range(3))  # fmt: skip
+        self.number, self.opens, self.quote, self.close_array = (
+            np.zeros(words, dtype=np.uint32) for _ in range(4))  # fmt: skip
         for token, data in vocabulary.token_bytes.items():
             if not data:
                 continue
@@ -55,6 +61,8 @@ class RunawayTokens:
                 self.opens[at] |= bit
             if data[0] == ord('"'):
                 self.quote[at] |= bit
+            if data[0] == ord("]"):
+                self.close_array[at] |= bit
 
     @classmethod
     def of(cls, vocabulary: TokenVocabulary) -> RunawayTokens:
@@ -64,12 +72,13 @@ class RunawayTokens:
         return found
 
 
-def repeats(data: bytes | bytearray) -> bool:
-    """Whether `data` ends in one piece of at most MAX_PERIOD bytes written over and over:
-    at least three times, and REPEAT_BYTES bytes in all."""
+def repeats(data: bytes | bytearray, *, least: int = 3, total: int = REPEAT_BYTES,
+            longest: int = MAX_PERIOD) -> bool:  # fmt: skip
+    """Whether `data` ends in one piece of at most `longest` bytes written over and over: at
+    least `least` times, and `total` bytes in all."""
     size = len(data)
-    for period in range(1, MAX_PERIOD + 1):
-        times = max(3, -(-REPEAT_BYTES // period))
+    for period in range(1, longest + 1):
+        times = max(least, -(-total // period))
         if times * period > size:
             return False
         piece = data[size - period :]
@@ -90,7 +99,7 @@ def _number_tail(text: bytearray) -> int:
 
 def curb(state: DistinctItems, words: np.ndarray, tokens: RunawayTokens) -> str | None:
     """Take a runaway's tokens out of `words` (a row's mask) where something else is left;
-    the rule applied ("number", "string", "depth"), or None."""
+    the rule applied ("string", "number", "items", "depth"), or None."""
     if state.in_string:
         if state.escaped:
             return None
@@ -100,6 +109,15 @@ def curb(state: DistinctItems, words: np.ndarray, tokens: RunawayTokens) -> str 
         rule, kept = "string", words & tokens.quote
     elif _number_tail(state.text) >= MAX_NUMBER:
         rule, kept = "number", words & ~tokens.number
+    elif (
+        state.stack
+        and state.stack[-1].array
+        and state.text[-1:] != b","
+        and repeats(
+            state.text[-ITEMS_TOTAL * 3 :], least=4, total=ITEMS_TOTAL, longest=ITEMS_PERIOD
+        )
+    ):
+        rule, kept = "items", words & tokens.close_array
     elif len(state.stack) >= MAX_DEPTH:
         rule, kept = "depth", words & ~tokens.opens
     else:
