@@ -257,6 +257,9 @@ def _build(grammar: Grammar, tokenizer: Any) -> tuple[bool, list[str], str, list
             template = llg.LLMatcher(tokenizer, text, log_level=0)
             if template.is_error():
                 is_error, messages = True, [template.get_error()]
+            else:  # the first mask builds the start state's lexer: here, not in the first step
+                scratch = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)
+                template.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
         if not is_error or grammar.kind != "json_schema":
             break
         # A format a draft defines but llguidance lacks stays a refusal (`formats_written`):
