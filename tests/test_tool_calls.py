@@ -209,3 +209,25 @@ def test_format_from_the_template() -> None:
     assert format_for("[TOOL_CALLS] {{ x }}").name == "mistral"
     assert format_for("<|python_tag|>").name == "llama3_json"
     assert format_for(None).name == "hermes"
+
+
+def test_a_call_made_a_second_time_word_for_word_ends_the_answer(vocab) -> None:
+    """A 'model' that would write the same call three times: after the second, only EOS."""
+    tools = parse_tools([WEATHER, ADD])
+    grammar = tool_call_grammar(tools, "required", FORMATS["hermes"])
+    processor = GrammarLogitsProcessor(compile_grammar(grammar, vocab, timeout_s=10))
+    call = _text(CALLS[:1], "hermes")
+    want = "\n".join([call] * 3).encode()
+    ids, written = torch.zeros((1, 1), dtype=torch.long), b""
+    for _ in range(400):
+        masked = processor(ids, torch.zeros(1, vocab.size))
+        allowed = [t for t in range(vocab.size) if torch.isfinite(masked[0, t])]
+        going = [t for t in allowed if t not in EOS and want[len(written):].startswith(
+            vocab.token_bytes[t])]  # fmt: skip
+        if not going:
+            break
+        token = max(going, key=lambda t: len(vocab.token_bytes[t]))
+        written += vocab.token_bytes[token]
+        ids = torch.cat([ids, torch.tensor([[token]])], 1)
+    assert written == "\n".join([call] * 2).encode(), written  # the third never began
+    assert allowed == list(EOS)  # only the end is left

@@ -333,7 +333,7 @@ class DistinctRow:
     engine = "llguidance"
 
     def __init__(self, row: Any, ending: EndingTokens, *, items: bool = True,
-                 keys: bool = False, after_fill: Callable[[DistinctItems, np.ndarray], Any]
+                 keys: bool = False, after_fill: Callable[..., Any]
                  | None = None) -> None:  # fmt: skip
         self.row, self.ending = row, ending
         # Called with the text's state and the mask's words at the end of every `fill`
@@ -369,7 +369,7 @@ class DistinctRow:
         if state.items and state.in_array:
             self._clear_repeated_items(words)
         if self.after_fill is not None:
-            rule = self.after_fill(state, words)
+            rule = self.after_fill(state, words, finished=self.row.is_finished())
             if rule:
                 self.curbs[rule] = self.curbs.get(rule, 0) + 1
 

@@ -14,6 +14,8 @@ schema that truly asks for a long number or deep nesting still gets it):
 - a string whose last `REPEAT_BYTES` or more bytes are one piece of at most `MAX_PERIOD` bytes
   written three or more times over: every token but those beginning with the closing quote;
 - `MAX_DEPTH` containers open: tokens that open another (first byte past spaces `{` or `[`);
+- a complete text that ends in the same piece twice (a tool call made a second time, word
+  for word): every token, so that only the EOS is left;
 - an array whose last items are one item over and over (four times or more, `ITEMS_TOTAL`
   bytes: `"data","data","data",...`), at the end of an item: every token but those that close
   the array.
@@ -29,12 +31,24 @@ import numpy as np
 from quantkit.grammar.llguidance.distinct_items import DistinctItems
 from quantkit.grammar.vocabulary import TokenVocabulary
 
-__all__ = ["MAX_DEPTH", "MAX_NUMBER", "REPEAT_BYTES", "RunawayTokens", "curb", "repeats"]
+__all__ = [
+    "MAX_DEPTH",
+    "MAX_NUMBER",
+    "REPEAT_BYTES",
+    "RunawayTokens",
+    "curb",
+    "ends_twice",
+    "repeats",
+]
 
 MAX_NUMBER = 16  # bytes: past int64's 19 digits nothing real is written in JSON anyway
 MAX_DEPTH = 12
 REPEAT_BYTES = 24
 MAX_PERIOD = 32
+# A complete text whose end is one piece written twice (a tool call made again), the piece
+# AGAIN_LEAST to AGAIN_LONGEST bytes: it ends there.
+AGAIN_LEAST = 16
+AGAIN_LONGEST = 1024
 # An array whose last items are one item written four times or more, 64 bytes in all.
 ITEMS_TOTAL = 64
 ITEMS_PERIOD = 64
@@ -87,6 +101,16 @@ def repeats(data: bytes | bytearray, *, least: int = 3, total: int = REPEAT_BYTE
     return False
 
 
+def ends_twice(data: bytes | bytearray) -> bool:
+    """Whether `data` ends in one piece of AGAIN_LEAST to AGAIN_LONGEST bytes written twice,
+    whitespace between the two (and after the second) aside."""
+    tail = bytes(data).rstrip()
+    for size in range(AGAIN_LEAST, min(AGAIN_LONGEST, len(tail) // 2) + 1):
+        if tail[:-size].rstrip().endswith(tail[-size:]):
+            return True
+    return False
+
+
 def _number_tail(text: bytearray) -> int:
     """How many of the text's last bytes are a number's (up to MAX_NUMBER)."""
     count = 0
@@ -97,9 +121,17 @@ def _number_tail(text: bytearray) -> int:
     return count
 
 
-def curb(state: DistinctItems, words: np.ndarray, tokens: RunawayTokens) -> str | None:
+def curb(
+    state: DistinctItems, words: np.ndarray, tokens: RunawayTokens, *, finished: bool = False
+) -> str | None:
     """Take a runaway's tokens out of `words` (a row's mask) where something else is left;
-    the rule applied ("string", "number", "items", "depth"), or None."""
+    the rule applied ("string", "number", "items", "depth", "again"), or None. finished: the
+    grammar is complete here (then "again" may take every token out: the row ends)."""
+    if finished and not state.stack and not state.in_string:
+        if ends_twice(state.text[-2 * AGAIN_LONGEST - 8 :]):
+            words[:] = 0
+            return "again"
+        return None
     if state.in_string:
         if state.escaped:
             return None
