@@ -16,9 +16,11 @@ import torch
 
 from quantkit.cli.grammar_run import GrammarRun, write_atomic
 from quantkit.cli.options import Runtime, load, runtime_options
+from quantkit.cli.reasoning_run import reasoning_gate
 from quantkit.cli.tool_run import ToolRequest
 from quantkit.errors import GenerationError
 from quantkit.grammar.compiler import DEFAULT_ENGINE, DEFAULT_TIMEOUT_S, ENGINES
+from quantkit.grammar.reasoning import split_reasoning
 from quantkit.perf.measured import generation_roofline
 from quantkit.perf.roofline import DecodeRoofline
 from quantkit.runtime.describe import act_dtype_name, backend_line, device_name, kv_dtype_name
@@ -202,6 +204,14 @@ def _print_summary(summary: dict[str, Any]) -> None:
     help="With --tools: allow several calls in one answer.",
 )
 @click.option(
+    "--reasoning-budget",
+    type=click.IntRange(min=0),
+    default=None,
+    help="For a reasoning model (its chat template speaks of <think>): at most this many "
+    "thinking tokens, then </think> is written for it. The grammar of --schema/--regex/"
+    "--choice/--grammar/--tools applies after the thinking, which is reported apart.",
+)
+@click.option(
     "--compile-timeout",
     type=float,
     default=DEFAULT_TIMEOUT_S,
@@ -247,6 +257,7 @@ def generate_cmd(
     tools_file: str | None,
     tool_choice: str | None,
     parallel_tool_calls: bool,
+    reasoning_budget: int | None,
     compile_timeout: float,
     grammar_engine: str,
     fast_forward: bool,
@@ -301,9 +312,13 @@ def generate_cmd(
         ids = encode_prompt(loaded.tokenizer, prompt, chat=chat)
     _warn_if_clamped(loaded, len(ids), max_new_tokens)
     eos = eos_token_ids(tokenizer=loaded.tokenizer, config=loaded.config, model_dir=loaded.path)
-    processors = []
+    processors: list[Any] = []
     if grammar is not None:
         processors = [grammar.processor(loaded, eos_ids=eos, max_new_tokens=max_new_tokens)]
+    thinking = reasoning_gate(loaded, ids, processors, eos=eos, chat=chat,
+                              max_new_tokens=max_new_tokens, budget=reasoning_budget)  # fmt: skip
+    if thinking is not None:
+        processors = [thinking]
     slots = _warm_compile(loaded, ids, max_new_tokens) if compile_step else None
     with _interpreter_progress(loaded, dev, max_new_tokens):
         result = generate(
@@ -322,6 +337,9 @@ def generate_cmd(
     backend = backend_line(loaded, dev, options.torch_dtype())
     roof = generation_roofline(loaded.model, result.stats, dev)
     summary = _summary_dict(result, roof, device=dev, backend=backend, loaded=loaded)
+    if thinking is not None:  # the thinking apart; the grammar and the calls see the answer
+        summary["reasoning"], summary["text"] = split_reasoning(summary["text"], thinking.fmt)
+        summary["reasoning_tokens"] = thinking.thinking
     if tools is not None:
         summary["tool_calls"] = tools.calls(loaded.tokenizer, summary["text"])
     _report(summary, result, grammar, as_json=as_json, output=output)
