@@ -29,7 +29,7 @@ from quantkit.grammar.llguidance.engine import BUILD_STACK_BYTES, import_llguida
 from quantkit.grammar.llguidance.lark import check_syntax, text_accepted
 from quantkit.grammar.native_threads import run_with_limit
 
-__all__ = ["GBNF_SUFFIX", "gbnf_to_lark", "lark_accepts", "load_grammar_file"]
+__all__ = ["GBNF_SUFFIX", "gbnf_to_lark", "grammar_from_text", "lark_accepts", "load_grammar_file"]
 
 GBNF_SUFFIX = ".gbnf"
 
@@ -49,17 +49,27 @@ def load_grammar_file(path: str | Path, *, timeout_s: float | None) -> Grammar:
     path = Path(path)
     text = _read(path)
     gbnf = path.suffix.lower() == GBNF_SUFFIX
+    return grammar_from_text(text, gbnf=gbnf, where=f"--grammar {path}", timeout_s=timeout_s,
+                             label=f"grammar {path.name}", origin=path)  # fmt: skip
+
+
+def grammar_from_text(text: str, *, gbnf: bool, where: str, timeout_s: float | None,
+                      label: str = "grammar", origin: str | Path = "<gbnf>",
+                      limit_hint: str = "--compile-timeout") -> Grammar:  # fmt: skip
+    """`text` (Lark, or GBNF converted to it) as a Grammar, its syntax checked by llguidance
+    within `timeout_s`; a GrammarError starting with `where` otherwise (a file's option, a
+    request's field)."""
     phase = ["GBNF conversion" if gbnf else "syntax check"]
     gave_up = threading.Event()
 
     def work() -> str | None:
-        lark = gbnf_to_lark(text, path) if gbnf else text
+        lark = gbnf_to_lark(text, origin) if gbnf else text
         if gave_up.is_set():  # the caller has reported the limit: no native work after it
             return None
         phase[0] = "syntax check"
         problem, _ = check_syntax(lark)  # the warnings come again from the compile
         if problem is not None:
-            raise GrammarError(f"--grammar {path}: {_syntax_error(problem, text, gbnf)}")
+            raise GrammarError(f"{where}: {_syntax_error(problem, text, gbnf)}")
         return lark
 
     done, lark = run_with_limit(
@@ -68,10 +78,10 @@ def load_grammar_file(path: str | Path, *, timeout_s: float | None) -> Grammar:
     if not done:
         gave_up.set()
         raise GrammarError(
-            f"--grammar {path}: checking it took longer than the limit of {timeout_s or 0:g} s "
-            f"(--compile-timeout; phase: {phase[0]}); simplify the grammar or raise the limit"
+            f"{where}: checking it took longer than the limit of {timeout_s or 0:g} s "
+            f"({limit_hint}; phase: {phase[0]}); simplify the grammar or raise the limit"
         )
-    return lark_grammar(lark, label=f"grammar {path.name}")
+    return lark_grammar(lark, label=label)
 
 
 def lark_accepts(grammar: Grammar, text: str) -> bool:

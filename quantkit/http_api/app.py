@@ -295,10 +295,8 @@ async def _choices(
                     grammar = await asyncio.to_thread(
                         grammars.tool_processor, prepared.tools, max_tokens=limit
                     )
-                elif body.response_format is not None:
-                    grammar = await asyncio.to_thread(
-                        grammars.processor, body.response_format, max_tokens=limit
-                    )
+                elif body.response_format is not None or body.structured_outputs is not None:
+                    grammar = await asyncio.to_thread(grammars.processor, body, max_tokens=limit)
                 if grammar is not None:
                     processors.append(grammar)
                 live = LiveRequest(

@@ -17,14 +17,12 @@ from typing import Any
 
 from quantkit.errors import GenerationError, GrammarError
 from quantkit.grammar.compiler import DEFAULT_TIMEOUT_S, compile_grammar
-from quantkit.grammar.constraints import json_schema_grammar
 from quantkit.grammar.processor import GrammarLogitsProcessor
-from quantkit.grammar.strict import strict_schema
 from quantkit.grammar.vocabulary import TokenVocabulary
+from quantkit.http_api.constraints import request_grammar
 from quantkit.http_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ResponseFormat,
     ServerError,
 )
 from quantkit.http_api.tools import ToolPlan, tool_plan, tool_prompt
@@ -286,29 +284,20 @@ class GrammarCache:
             raise ServerError(f"tools: {e}", param="tools") from None
         return GrammarLogitsProcessor(compiled, max_new_tokens=max_tokens)
 
-    def processor(self, fmt: ResponseFormat, *, max_tokens: int) -> GrammarLogitsProcessor | None:
-        """The processor `response_format` asks for (None for text). Blocking: call it from a
-        worker thread."""
-        if fmt.type == "text":
+    def processor(
+        self, body: CompletionRequest | ChatCompletionRequest, *, max_tokens: int
+    ) -> GrammarLogitsProcessor | None:
+        """The processor `response_format` or `structured_outputs` asks for (None: free text);
+        a 400 naming the field for what cannot be built. Blocking: call it from a worker
+        thread."""
+        asked = request_grammar(body, timeout_s=self.timeout_s)
+        if asked is None:
             return None
-        if fmt.type == "json_object":
-            schema: Any = {"type": "object"}
-            label = "json_object"
-        else:
-            if fmt.json_schema is None:
-                raise ServerError(
-                    "response_format: type json_schema needs a json_schema object "
-                    '({"name", "schema", "strict"})',
-                    param="response_format",
-                )
-            schema, label = fmt.json_schema.schema_, f"schema {fmt.json_schema.name}"
-            if fmt.json_schema.strict:  # only the declared properties (`grammar.strict`)
-                schema = strict_schema(schema)
+        grammar, param = asked
         try:
-            grammar = json_schema_grammar(schema, label=label)
             compiled = compile_grammar(grammar, self.vocabulary(), timeout_s=self.timeout_s)
         except GrammarError as e:
-            raise ServerError(f"response_format: {e}", param="response_format") from None
+            raise ServerError(f"{param}: {e}", param=param) from None
         return GrammarLogitsProcessor(compiled, max_new_tokens=max_tokens)
 
 
@@ -325,12 +314,15 @@ def prepare(
     tools = None
     if isinstance(body, ChatCompletionRequest):
         tools = tool_plan(body, tokenizer)
-        if tools is not None and tools.mode != "none" and body.response_format is not None \
-                and body.response_format.type != "text":  # fmt: skip
+        constrained = body.structured_outputs is not None or (
+            body.response_format is not None and body.response_format.type != "text"
+        )
+        if tools is not None and tools.mode != "none" and constrained:
+            field = "structured_outputs" if body.structured_outputs else "response_format"
             raise ServerError(
-                "response_format: expected none with tools (the calls are the constraint), got "
-                f"{body.response_format.type}; use tool_choice none or drop response_format",
-                param="response_format",
+                f"{field}: expected none with tools (the calls are the constraint); use "
+                f"tool_choice none or drop {field}",
+                param=field,
             )
         prompts = [chat_prompt(body, tokenizer, tools)]
         texts = [""]

@@ -33,6 +33,7 @@ __all__ = [
     "ResponseFormat",
     "ServerError",
     "StreamOptions",
+    "StructuredOutputs",
     "error_body",
 ]
 
@@ -83,8 +84,27 @@ class JsonSchemaSpec(_Body):
 
 
 class ResponseFormat(_Body):
-    type: Literal["text", "json_object", "json_schema"]
+    """OpenAI's types, and quantkit's beyond JSON: "grammar" (Lark as llguidance reads it, or
+    llama.cpp GBNF with syntax "gbnf"), "regex" and "choice"."""
+
+    type: Literal["text", "json_object", "json_schema", "grammar", "regex", "choice"]
     json_schema: JsonSchemaSpec | None = None
+    grammar: str | None = None
+    syntax: Literal["lark", "gbnf"] = "lark"
+    regex: str | None = None
+    choice: list[str] | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs` request field: exactly one of these (a grammar holding
+    `::=` is read as GBNF, else as Lark)."""
+
+    # `json` shadows a BaseModel attribute, hence the alias.
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 Count = Annotated[int, Field(ge=1)]
@@ -105,6 +125,7 @@ class _Sampling(_Body):
     frequency_penalty: float | None = None
     logprobs: bool | int | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     user: str | None = None
     # quantkit's extras (extra_body).
     top_k: Annotated[int, Field(ge=0)] | None = None
