@@ -69,3 +69,46 @@ def test_split_and_detection() -> None:
     assert split_reasoning("{}", fmt) == (None, "{}")
     assert split_reasoning("<think>cut sh", fmt) == ("cut sh", "")
     assert reasoning_for(TEMPLATE) == fmt and reasoning_for("{{ messages }}") is None
+
+
+# ------------------------------------------------------------------ over HTTP
+
+
+@pytest.fixture(scope="module")
+def thinking_server(qwen3_thinking: Path, tmp_path_factory: pytest.TempPathFactory):
+    pytest.importorskip("openai")
+    from tests.test_server import KEY, _start, _stop
+
+    s = _start(qwen3_thinking, tmp_path_factory.mktemp("home"), "--api-key", KEY)
+    yield s
+    _stop(s)
+
+
+def test_reasoning_content_apart_and_the_schema_after_it(thinking_server) -> None:
+    s = thinking_server
+    fmt = {"type": "json_schema", "json_schema": {"name": "switch", "schema": SCHEMA}}
+    ask = [{"role": "user", "content": "Is it on?"}]
+    for budget in (0, 10):
+        extra = {"response_format": fmt, "reasoning_budget": budget}
+        answer = (
+            s.client()
+            .chat.completions.create(
+                model=s.model, messages=ask, max_tokens=120, temperature=0, extra_body=extra
+            )
+            .choices[0]
+        )
+        message = answer.message.model_dump()
+        assert validate_json(message["content"], SCHEMA) is None, message
+        assert message["reasoning_content"] is not None and "</think>" not in message["content"]
+        stream = s.client().chat.completions.create(
+            model=s.model, messages=ask, max_tokens=120, temperature=0, extra_body=extra,
+            stream=True,
+        )  # fmt: skip
+        thought, content = "", ""
+        for chunk in stream:
+            for choice in chunk.choices:
+                delta = choice.delta.model_dump()
+                thought += delta.get("reasoning_content") or ""
+                content += delta.get("content") or ""
+        assert content == message["content"]
+        assert thought.strip() == message["reasoning_content"]

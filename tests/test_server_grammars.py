@@ -117,6 +117,7 @@ def test_vllm_structured_outputs(server: Server) -> None:
         ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
          "structured_outputs", "got both"),
         ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs", "regex"),
+        ({"reasoning_budget": 3}, "reasoning_budget", "expected a reasoning model"),
     ],
 )  # fmt: skip
 def test_bad_grammars_are_400_and_the_server_keeps_serving(

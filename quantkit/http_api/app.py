@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quantkit.batching.types import EngineConfig
+from quantkit.grammar.reasoning import ReasoningGate
 from quantkit.http_api.engine_loop import EngineLoop, LiveRequest, TokenEvent
 from quantkit.http_api.generation import Choice, Generation, respond
 from quantkit.http_api.logprobs import TokenTexts
@@ -297,6 +298,12 @@ async def _choices(
                     )
                 elif body.response_format is not None or body.structured_outputs is not None:
                     grammar = await asyncio.to_thread(grammars.processor, body, max_tokens=limit)
+                if prepared.reasoning is not None:  # thinking first, then the grammar
+                    vocabulary = await asyncio.to_thread(grammars.vocabulary)
+                    grammar = ReasoningGate(
+                        grammar, vocabulary, prepared.reasoning, max_new_tokens=limit,
+                        budget=prepared.reasoning_budget, prompt_open=prepared.prompt_open,
+                    )  # fmt: skip
                 if grammar is not None:
                     processors.append(grammar)
                 live = LiveRequest(

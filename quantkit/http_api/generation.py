@@ -27,10 +27,12 @@ from typing import Any
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from quantkit.grammar.reasoning import split_reasoning
 from quantkit.http_api.engine_loop import EngineLoop, LiveRequest, TokenEvent
 from quantkit.http_api.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from quantkit.http_api.prepare import Prepared
 from quantkit.http_api.protocol import ChatCompletionRequest, CompletionRequest, ServerError
+from quantkit.http_api.reasoning import ReasoningStream
 from quantkit.http_api.tools import ToolStream, tool_message
 from quantkit.runtime.scoring import TokenLogprob
 
@@ -55,6 +57,7 @@ class Choice:
     completion_tokens: int = 0
     offset: int = 0  # the next token's text offset (completions' logprobs)
     tool_stream: ToolStream | None = None  # a streamed chat choice that may call tools
+    reasoning_stream: ReasoningStream | None = None  # a streamed reasoning model's choice
 
 
 class _ChoiceSink:
@@ -120,12 +123,17 @@ class Generation:
             logprobs = self._logprobs(c, c.tokens, prompt=True)
             text = c.echo_text + "".join(c.parts)
             finish = c.finish_reason
+            reasoning = None
+            if self.chat and self.prepared.reasoning is not None:
+                reasoning, text = split_reasoning(text, self.prepared.reasoning)
             if self.chat and self._calls_tools:
                 assert self.prepared.tools is not None  # _calls_tools says so
                 message, finish = tool_message(text, self.prepared.tools, finish)
-                item = {"index": c.index, "message": message, "logprobs": logprobs}
             elif self.chat:
                 message = {"role": "assistant", "content": text}
+            if self.chat:
+                if reasoning is not None:
+                    message["reasoning_content"] = reasoning
                 item = {"index": c.index, "message": message, "logprobs": logprobs}
             else:
                 item = {"index": c.index, "text": text, "logprobs": logprobs}
@@ -148,14 +156,24 @@ class Generation:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if role:
                 pass
-            elif self._calls_tools and text is not None:  # content and calls (`ToolStream`)
-                if choice.tool_stream is None:
-                    assert self.prepared.tools is not None  # _calls_tools says so
-                    choice.tool_stream = ToolStream(self.prepared.tools)
-                delta = choice.tool_stream.feed(text, final=finish_reason is not None)
-                finish_reason = choice.tool_stream.finish_reason(finish_reason)
             elif text is not None:
-                delta["content"] = text
+                final = finish_reason is not None
+                if self.prepared.reasoning is not None:  # the thinking apart (`ReasoningStream`)
+                    if choice.reasoning_stream is None:
+                        choice.reasoning_stream = ReasoningStream(
+                            self.prepared.reasoning, self.prepared.prompt_open
+                        )
+                    thought, text = choice.reasoning_stream.feed(text, final=final)
+                    if thought:
+                        delta["reasoning_content"] = thought
+                if self._calls_tools:  # content and calls (`ToolStream`)
+                    if choice.tool_stream is None:
+                        assert self.prepared.tools is not None  # _calls_tools says so
+                        choice.tool_stream = ToolStream(self.prepared.tools)
+                    delta.update(choice.tool_stream.feed(text, final=final))
+                    finish_reason = choice.tool_stream.finish_reason(finish_reason)
+                elif text or "reasoning_content" not in delta:
+                    delta["content"] = text
             item = {"index": choice.index, "delta": delta}
             head = self._head("chat.completion.chunk")
         else:

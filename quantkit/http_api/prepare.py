@@ -18,6 +18,7 @@ from typing import Any
 from quantkit.errors import GenerationError, GrammarError
 from quantkit.grammar.compiler import DEFAULT_TIMEOUT_S, compile_grammar
 from quantkit.grammar.processor import GrammarLogitsProcessor
+from quantkit.grammar.reasoning import ReasoningFormat, reasoning_for
 from quantkit.grammar.vocabulary import TokenVocabulary
 from quantkit.http_api.constraints import request_grammar
 from quantkit.http_api.protocol import (
@@ -66,6 +67,11 @@ class Prepared:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     tools: ToolPlan | None = None  # chat with tools (`tools.tool_plan`)
+    # A reasoning model's chat (`quantkit.grammar.reasoning`): its markers, whether the prompt
+    # opened the thinking, the thinking's token cap.
+    reasoning: ReasoningFormat | None = None
+    prompt_open: bool = False
+    reasoning_budget: int | None = None
 
     def processors(self, prompt: Sequence[int]) -> list[LogitsProcessor]:
         """The penalties of one choice of `prompt` (a grammar, when asked, is added by the app:
@@ -312,6 +318,7 @@ def prepare(
     """Everything but the grammar (which compiles off the event loop)."""
     check_unsupported(body, slots=slots)
     tools = None
+    reasoning, prompt_open = None, False
     if isinstance(body, ChatCompletionRequest):
         tools = tool_plan(body, tokenizer)
         constrained = body.structured_outputs is not None or (
@@ -327,6 +334,15 @@ def prepare(
         prompts = [chat_prompt(body, tokenizer, tools)]
         texts = [""]
         echo = False
+        reasoning = reasoning_for(getattr(tokenizer, "chat_template", None))
+        if body.reasoning_budget is not None and reasoning is None:
+            raise ServerError(
+                "reasoning_budget: expected a reasoning model (its chat template speaks of "
+                "<think>), got one that does not reason",
+                param="reasoning_budget",
+            )
+        prompt_open = reasoning is not None and tokenizer.decode(
+            prompts[0][-8:]).rstrip().endswith(reasoning.open)  # fmt: skip
     else:
         prompts = completion_prompts(body, tokenizer, vocab)
         raw = body.prompt if isinstance(body.prompt, list) else [body.prompt]
@@ -345,4 +361,7 @@ def prepare(
         presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         tools=tools,
+        reasoning=reasoning,
+        prompt_open=prompt_open,
+        reasoning_budget=getattr(body, "reasoning_budget", None),
     )

@@ -183,4 +183,5 @@ class ChatCompletionRequest(_Sampling):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
+    reasoning_budget: Annotated[int, Field(ge=0)] | None = None  # extra body: thinking cap
     top_logprobs: int | None = None
