@@ -112,3 +112,33 @@ def test_reasoning_content_apart_and_the_schema_after_it(thinking_server) -> Non
                 content += delta.get("content") or ""
         assert content == message["content"]
         assert thought.strip() == message["reasoning_content"]
+
+
+def test_tools_after_the_thinking(thinking_server) -> None:
+    """Tools with reasoning (vLLM #14429's combination): the call comes after the thinking,
+    streamed or not, and validates."""
+    s = thinking_server
+    tools = [{"type": "function", "function": {"name": "set", "parameters": SCHEMA}}]
+    ask = [{"role": "user", "content": "Turn it on."}]
+    extra = {"reasoning_budget": 6}
+    answer = s.client().chat.completions.create(
+        model=s.model, messages=ask, tools=tools, tool_choice="required", max_tokens=160,
+        temperature=0, extra_body=extra,
+    ).choices[0]  # fmt: skip
+    message = answer.message.model_dump()
+    assert answer.finish_reason == "tool_calls" and message["reasoning_content"] is not None
+    calls = message["tool_calls"]
+    assert calls and validate_json(calls[0]["function"]["arguments"], SCHEMA) is None
+    stream = s.client().chat.completions.create(
+        model=s.model, messages=ask, tools=tools, tool_choice="required", max_tokens=160,
+        temperature=0, extra_body=extra, stream=True,
+    )  # fmt: skip
+    arguments, thought = "", ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta.model_dump()
+            thought += delta.get("reasoning_content") or ""
+            for part in delta.get("tool_calls") or []:
+                arguments += part["function"]["arguments"] or ""
+    assert arguments == calls[0]["function"]["arguments"]
+    assert thought.strip() == message["reasoning_content"]
