@@ -1,8 +1,9 @@
 """Tool calling through `quantkit serve`, with the pinned `openai` client against a real server
 in a subprocess: every tool_choice mode, one call only without parallel calls, streamed deltas
 that reassemble to the non-streamed calls, a tool result fed back, a named tool that finishes
-within its budget (or says "length"), bad input as 400s, and tools combined with speculation
-and the prefix cache (batch invariance needs an INT4 checkpoint on the C step: not here).
+within its budget (or says "length"), bad input as 400s, and tools combined with speculation,
+the prefix cache and batch invariance (on the INT4 checkpoint of the same model: the C decode
+step), each alone and all three together.
 
 The model is test_server.py's tiny random Llama, whose chat template ignores `tools`: the tools
 reach it as a system message, and whatever its random weights prefer, the grammar makes every
@@ -169,15 +170,29 @@ def test_bad_tool_input_is_400_and_the_server_keeps_serving(
     assert _ask(server, tool_choice="required").choices[0].message.tool_calls
 
 
+@pytest.fixture(scope="module")
+def int4_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The model as INT4: batch invariance runs on the C decode step only."""
+    from quantkit.format.scheme import QuantScheme
+    from quantkit.quantize.pipeline import quantize_model
+
+    outcome = quantize_model(model_dir, scheme=QuantScheme("int4", "auto", False))
+    return outcome.save(tmp_path_factory.mktemp("tools-int4") / "int4", source_dir=model_dir)
+
+
 @pytest.mark.parametrize(
     "flags",
-    [["--speculate", "ngram"], ["--prefix-cache-mb", "16"]],
-    ids=["speculation", "prefix-cache"],
-)
-def test_tools_with_engine_options(model_dir: Path, tmp_path: Path, flags: list[str]) -> None:
+    [["--speculate", "ngram"], ["--prefix-cache-mb", "16"], ["--batch-invariant"],
+     ["--batch-invariant", "--speculate", "ngram", "--prefix-cache-mb", "16"]],
+    ids=["speculation", "prefix-cache", "batch-invariant", "all-three"],
+)  # fmt: skip
+def test_tools_with_engine_options(
+    model_dir: Path, int4_dir: Path, tmp_path: Path, flags: list[str]
+) -> None:
     """Each engine option beside tools: required calls validate, streamed deltas equal the
     whole answer, and an unconstrained request in the same server still works."""
-    s = _start(model_dir, tmp_path / "home", "--batch-cap", "4", "--api-key", KEY, *flags)
+    model = int4_dir if "--batch-invariant" in flags else model_dir
+    s = _start(model, tmp_path / "home", "--batch-cap", "4", "--api-key", KEY, *flags)
     try:
         whole = _ask(s, tool_choice="required").choices[0]
         assert whole.finish_reason == "tool_calls" and _valid(whole.message.tool_calls)
