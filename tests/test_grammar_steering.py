@@ -24,7 +24,7 @@ from tests.hand_vocab import EOS, vocab_of
 from tests.hand_vocab import llguidance as llg
 
 PIECES = [*'{}[]":,abcdefghijklmnopqrstuvwxyz0123456789.-', '"a":', '{"a":', "ab", "00",
-          '"a":1,', "BEF_", '"name":"', "true"]  # fmt: skip
+          '"a":1,', "BEF_", '"name":"', "true", '","']  # fmt: skip
 
 pytestmark = pytest.mark.usefixtures("grammar_home")
 
@@ -213,3 +213,23 @@ def test_an_array_repeating_one_item_is_closed(vocab) -> None:
     assert ended and validate_json(text, schema) is None, text
     items = json.loads(text)
     assert 4 <= len(items) <= 12 and len(set(items)) == 1, text
+
+
+def test_an_array_repeating_one_string_item_written_across_tokens_is_closed(vocab) -> None:
+    """Each `","` token ends one item and opens the next: the array is never seen between
+    items, so the repeat is caught inside the item being written again."""
+    schema = {"type": "array", "items": {"type": "string"}}
+    processor = GrammarLogitsProcessor(llg(schema, vocab))
+    want = b'["' + b'","'.join([b"BEF_BEF_x"] * 12) + b'"]'
+    ids, written = torch.zeros((1, 1), dtype=torch.long), b""
+    for _ in range(300):
+        masked = processor(ids, torch.zeros(1, vocab.size))
+        allowed = [t for t in range(vocab.size) if torch.isfinite(masked[0, t]) and t not in EOS]
+        going = [t for t in allowed if want[len(written) :].startswith(vocab.token_bytes[t])]
+        if not going:
+            break
+        token = max(going, key=lambda t: len(vocab.token_bytes[t]))
+        written += vocab.token_bytes[token]
+        ids = torch.cat([ids, torch.tensor([[token]])], 1)
+    items = written.decode().count("BEF_BEF_x")
+    assert 4 <= items < 12, written  # stopped well before the model's twelfth

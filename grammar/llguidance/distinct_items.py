@@ -387,14 +387,19 @@ class DistinctRow:
         """See `LlgRow.closing_path`; the walk writes no repeated key or item either (it
         feeds a copy of this row's text state as it goes)."""
         state = self.state
-        probe = DistinctItems(bytearray(state.text), [f.copy() for f in state.stack],
-                              state.in_string, state.escaped, state.string_start, state.items,
-                              state.keys, state.whole_names, state.writable)  # fmt: skip
 
-        def allows(data: bytes) -> bool:
-            if probe.first_repeat([data]) is not None:
-                return False
-            return probe.feed(data, shared=True)
+        def allows() -> Callable[[bytes], bool]:  # one probe per walk
+            probe = DistinctItems(bytearray(state.text), [f.copy() for f in state.stack],
+                                  state.in_string, state.escaped, state.string_start,
+                                  state.items, state.keys, state.whole_names,
+                                  state.writable)  # fmt: skip
+
+            def check(data: bytes) -> bool:
+                if probe.first_repeat([data]) is not None:
+                    return False
+                return probe.feed(data, shared=True)
+
+            return check
 
         return self.row.closing_path(limit=limit, allows=allows)
 

@@ -190,7 +190,7 @@ class LlgRow:
         return list(self.matcher.compute_ff_tokens())
 
     def closing_path(
-        self, *, limit: int, allows: Callable[[bytes], bool] | None = None
+        self, *, limit: int, allows: Callable[[], Callable[[bytes], bool]] | None = None
     ) -> tuple[bytes, bool]:
         """A way to complete the document from here, in bytes, and whether it is complete
         (`closing.ClosingWalk.path`, on a copy of the matcher)."""

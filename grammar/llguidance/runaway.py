@@ -63,8 +63,8 @@ class RunawayTokens:
 
     def __init__(self, vocabulary: TokenVocabulary) -> None:
         words = (vocabulary.size + 31) // 32
-        self.number, self.opens, self.quote, self.close_array = (
-            np.zeros(words, dtype=np.uint32) for _ in range(4))  # fmt: skip
+        self.number, self.opens, self.quote, self.close_array, self.last_quote = (
+            np.zeros(words, dtype=np.uint32) for _ in range(5))  # fmt: skip
         for token, data in vocabulary.token_bytes.items():
             if not data:
                 continue
@@ -75,6 +75,8 @@ class RunawayTokens:
                 self.opens[at] |= bit
             if data[0] == ord('"'):
                 self.quote[at] |= bit
+                if b"," not in data:  # closes the string without opening another item
+                    self.last_quote[at] |= bit
             if data[0] == ord("]"):
                 self.close_array[at] |= bit
 
@@ -121,6 +123,27 @@ def _number_tail(text: bytearray) -> int:
     return count
 
 
+def _items_repeat(state: DistinctItems) -> bool:
+    """Whether the innermost open container is an array whose text ends in one item written
+    four times or more."""
+    if not state.stack or not state.stack[-1].array:
+        return False
+    tail = state.text[-ITEMS_TOTAL * 3 :]
+    return repeats(tail, least=4, total=ITEMS_TOTAL, longest=ITEMS_PERIOD)
+
+
+def _string_item_again(state: DistinctItems) -> bool:
+    """Inside a string item of an array: whether its text so far is the whole of the item
+    before it, and the array's items repeat (so closing this string ends one more repeat)."""
+    start = state.string_start
+    if start < 2 or state.text[start - 1 : start] != b"," or state.text[start - 2] != ord('"'):
+        return False
+    before = state.text.rfind(b'"', 0, start - 2)
+    current = state.text[start + 1 :]
+    return bool(current) and state.text[before + 1 : start - 2] == current and _items_repeat(
+        state)  # fmt: skip
+
+
 def curb(
     state: DistinctItems, words: np.ndarray, tokens: RunawayTokens, *, finished: bool = False
 ) -> str | None:
@@ -136,19 +159,15 @@ def curb(
         if state.escaped:
             return None
         start = max(state.string_start + 1, len(state.text) - REPEAT_BYTES * 3 - MAX_PERIOD)
-        if len(state.text) - start < REPEAT_BYTES or not repeats(state.text[start:]):
+        if len(state.text) - start >= REPEAT_BYTES and repeats(state.text[start:]):
+            rule, kept = "string", words & tokens.quote
+        elif _string_item_again(state):  # the same item again: end it, then the array
+            rule, kept = "items", words & tokens.last_quote
+        else:
             return None
-        rule, kept = "string", words & tokens.quote
     elif _number_tail(state.text) >= MAX_NUMBER:
         rule, kept = "number", words & ~tokens.number
-    elif (
-        state.stack
-        and state.stack[-1].array
-        and state.text[-1:] != b","
-        and repeats(
-            state.text[-ITEMS_TOTAL * 3 :], least=4, total=ITEMS_TOTAL, longest=ITEMS_PERIOD
-        )
-    ):
+    elif state.text[-1:] != b"," and _items_repeat(state):
         rule, kept = "items", words & tokens.close_array
     elif len(state.stack) >= MAX_DEPTH:
         rule, kept = "depth", words & ~tokens.opens
