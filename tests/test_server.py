@@ -76,9 +76,9 @@ class Server:
         return float(match[1])
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("serve-model")
+def make_chat_model(path: Path) -> Path:
+    """The serving tests' model at `path`: a tiny random Llama (1024 positions), a real BPE
+    tokenizer, CHAT_TEMPLATE."""
     make_hf_model(path, {"hidden_size": 64, "max_position_embeddings": 1024})
     make_tokenizer(path)
     config_file = path / "tokenizer_config.json"
@@ -86,6 +86,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config["chat_template"] = CHAT_TEMPLATE
     config_file.write_text(json.dumps(config))
     return path
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_chat_model(tmp_path_factory.mktemp("serve-model"))
 
 
 def _start(model_dir: Path, home: Path, *args: str) -> Server:

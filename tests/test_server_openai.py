@@ -23,8 +23,7 @@ pytest.importorskip("fastapi")
 from quantkit.evals.accuracy.continuations import score_continuations  # noqa: E402
 from quantkit.runtime.loader import LoadedModel, load_model  # noqa: E402
 from quantkit.runtime.scoring import log_probs  # noqa: E402
-from tests.conftest import make_hf_model, make_tokenizer  # noqa: E402
-from tests.test_server import CHAT_TEMPLATE, KEY, PROMPTS, Server, _start, _stop  # noqa: E402
+from tests.test_server import KEY, PROMPTS, Server, _start, _stop, make_chat_model  # noqa: E402
 
 TOL = 1e-4
 
@@ -32,14 +31,7 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """test_server.py's model: a tiny random Llama, a real BPE tokenizer, a chat template."""
-    path = tmp_path_factory.mktemp("serve-model")
-    make_hf_model(path, {"hidden_size": 64, "max_position_embeddings": 1024})
-    make_tokenizer(path)
-    config_file = path / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config_file.write_text(json.dumps(config))
-    return path
+    return make_chat_model(tmp_path_factory.mktemp("serve-model"))
 
 
 @pytest.fixture(scope="module")

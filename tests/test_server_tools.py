@@ -22,8 +22,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from quantkit.grammar.constraints import validate_json  # noqa: E402
-from tests.conftest import make_hf_model, make_tokenizer  # noqa: E402
-from tests.test_server import CHAT_TEMPLATE, KEY, Server, _start, _stop  # noqa: E402
+from tests.test_server import KEY, Server, _start, _stop, make_chat_model  # noqa: E402
 
 ADD = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
        "required": ["a", "b"], "additionalProperties": False}  # fmt: skip
@@ -39,14 +38,7 @@ ASK = [{"role": "user", "content": "Add 2 and 3."}]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("tools-model")
-    make_hf_model(path, {"hidden_size": 64, "max_position_embeddings": 1024})
-    make_tokenizer(path)
-    config_file = path / "tokenizer_config.json"
-    config = json.loads(config_file.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config_file.write_text(json.dumps(config))
-    return path
+    return make_chat_model(tmp_path_factory.mktemp("tools-model"))
 
 
 @pytest.fixture(scope="module")

@@ -325,14 +325,18 @@ class EngineLoop:
     def running(self) -> int:
         return sum(a is not None for a in self.engine.slots)
 
+    def _check_open(self) -> None:
+        """A 503 once the loop is shutting down (or has failed); call it holding `_cv`."""
+        if self._closing or self.error is not None:
+            raise ServerError(
+                "the server is shutting down and accepts no new requests",
+                status=503,
+                type="server_error",
+            )
+
     def submit(self, request: LiveRequest) -> None:
         with self._cv:
-            if self._closing or self.error is not None:
-                raise ServerError(
-                    "the server is shutting down and accepts no new requests",
-                    status=503,
-                    type="server_error",
-                )
+            self._check_open()
             if self.waiting >= self.max_queue:
                 raise ServerError(
                     f"the server is busy: {self.waiting} requests are already waiting (the "
@@ -350,12 +354,7 @@ class EngineLoop:
         (`LiveEngine.set_aside`); a 503 `ServerError` once the loop is shutting down."""
         future: Future[Any] = Future()
         with self._cv:
-            if self._closing or self.error is not None:
-                raise ServerError(
-                    "the server is shutting down and accepts no new requests",
-                    status=503,
-                    type="server_error",
-                )
+            self._check_open()
             self._jobs.append((fn, future))
             self._cv.notify()
         return future
