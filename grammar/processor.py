@@ -212,7 +212,7 @@ class GrammarLogitsProcessor:
         self.forced_count += len(forced)
         return forced
 
-    def _fill(self) -> np.ndarray:
+    def _fill(self, logits: torch.Tensor) -> np.ndarray:
         bits = self._bits
         assert bits is not None  # set by _start
         for row, guide in enumerate(self._guides):
@@ -227,6 +227,8 @@ class GrammarLogitsProcessor:
                 self._steer(row, line, guide, plan)
             elif self.max_new_tokens is not None and hasattr(guide, "closing_path"):
                 self._steer_walk(row, line, guide)
+            if hasattr(guide, "screen"):  # keys that could only end as a repeat
+                guide.screen(line, logits[row])
             if guide.is_finished():
                 for token in self._eos:
                     line[token >> 5] |= _bit(token)
@@ -335,7 +337,7 @@ class GrammarLogitsProcessor:
             self._ahead.clear()
             self._extra = 0
         self._width = width
-        bits = self._fill()
+        bits = self._fill(logits)
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, count=vocab, bitorder="little")
         out = _apply_mask(logits, allowed.view(np.bool_))
         self.mask_times_s.append(time.perf_counter() - started)

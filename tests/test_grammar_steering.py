@@ -233,3 +233,16 @@ def test_an_array_repeating_one_string_item_written_across_tokens_is_closed(voca
         ids = torch.cat([ids, torch.tensor([[token]])], 1)
     items = written.decode().count("BEF_BEF_x")
     assert 4 <= items < 12, written  # stopped well before the model's twelfth
+
+
+def test_a_key_that_could_only_end_as_a_written_one_is_not_begun(vocab) -> None:
+    """`{"ab":1,"a` could only go on as "ab" again: the screen (`key_corners`) clears `a`
+    before the model takes it, so the greedy 'model' writes the other name instead of a
+    repeat (the row would otherwise have to let the repeat through)."""
+    schema = {"type": "object", "patternProperties": {"^(ab|cd)$": {"type": "integer"}},
+              "additionalProperties": False, "minProperties": 2}  # fmt: skip
+    processor = GrammarLogitsProcessor(llg(schema, vocab), max_new_tokens=60)
+    text, ended = greedy(processor, vocab, ['"', "a", "b", ":", "1", ",", "c", "d", "}"],
+                         steps=60)  # fmt: skip
+    assert ended and no_repeated_keys(text) and validate_json(text, schema) is None, text
+    assert json.loads(text).keys() == {"ab", "cd"}, text

@@ -339,6 +339,7 @@ class DistinctRow:
         # Called with the text's state and the mask's words at the end of every `fill`
         # (`runaway.curb`: steering out of a runaway number, string or nesting).
         self.after_fill = after_fill
+        self.corners: Any = None  # `key_corners.KeyCorners`, set by the engine for JSON rows
         self.curbs: dict[str, int] = {}  # what `after_fill` reported doing, and how often
         self.state = DistinctItems(
             items=items,
@@ -382,6 +383,12 @@ class DistinctRow:
             if state.first_repeat([self.ending.token_bytes[token]]) == 0:
                 words[token >> 5] &= ~np.uint32(1 << (token & 31))
                 self.cleared += 1
+
+    def screen(self, line: np.ndarray, logits: Any) -> None:
+        """Clear the model's best tokens that would lead a key into a corner (only a key its
+        object has could end it): `key_corners.KeyCorners.screen`, when this row has one."""
+        if self.corners is not None:
+            self.corners.screen(self.state, self.row.matcher, line, logits)
 
     def closing_path(self, *, limit: int) -> tuple[bytes, bool]:
         """See `LlgRow.closing_path`; the walk writes no repeated key or item either (it

@@ -41,6 +41,7 @@ from quantkit.errors import GrammarError, MissingExtraError
 from quantkit.grammar.constraints import Grammar
 from quantkit.grammar.llguidance.closing import ClosingWalk
 from quantkit.grammar.llguidance.distinct_items import DistinctRow, EndingTokens
+from quantkit.grammar.llguidance.key_corners import KeyCorners
 from quantkit.grammar.llguidance.order import Orders, any_order
 from quantkit.grammar.llguidance.runaway import RunawayTokens, curb
 from quantkit.grammar.llguidance.schema import (
@@ -155,6 +156,7 @@ class LlgIndex:
     keys: bool = False  # rows refuse a repeated object key (every JSON schema)
     walk: ClosingWalk | None = field(default=None, compare=False, repr=False)
     runaway: RunawayTokens | None = field(default=None, compare=False, repr=False)
+    corners: KeyCorners | None = field(default=None, compare=False, repr=False)
 
     def new_row(self) -> LlgRow | DistinctRow:
         assert self.walk is not None  # set by compile_llguidance
@@ -162,8 +164,10 @@ class LlgIndex:
         if self.distinct is None:
             return row
         steer = None if self.runaway is None else partial(curb, tokens=self.runaway)
-        return DistinctRow(row, self.distinct, items=self.items, keys=self.keys,
-                           after_fill=steer)  # fmt: skip
+        distinct = DistinctRow(row, self.distinct, items=self.items, keys=self.keys,
+                               after_fill=steer)  # fmt: skip
+        distinct.corners = self.corners
+        return distinct
 
 
 class LlgRow:
@@ -328,4 +332,5 @@ def compile_llguidance(
     ending = EndingTokens.of(vocabulary) if items or keys else None
     return LlgIndex(tokenizer, text, template, tuple(notes), ending, items=items, keys=keys,
                     walk=ClosingWalk.of(vocabulary),
-                    runaway=RunawayTokens.of(vocabulary) if json_text else None)  # fmt: skip
+                    runaway=RunawayTokens.of(vocabulary) if json_text else None,
+                    corners=KeyCorners.of(vocabulary) if keys else None)  # fmt: skip

@@ -1,0 +1,144 @@
+"""Keys that can only end as a key written before: seen one step ahead of the model's choice.
+
+An object whose declared names llguidance takes in any order (names made patterns, `order`)
+lets a row write the text of a key its object already has (`{"lineNumber":2,"lineNumber`):
+from there only the closing quote is allowed, which would repeat the key. The row's distinct-
+key check (`distinct_items.DistinctRow`) then has to let the repeat through or stop in a dead
+end, and a greedy model goes round the same key again and again (`"lineNumber":2` forty times
+in one held-out output).
+
+`KeyCorners.screen` keeps the row out of that corner. Given the row's mask and the model's
+logits for this step, it takes the allowed tokens best first (at most `TOP` of them); a token
+that would leave the key's text a prefix of a key already written is tried on a copy of the
+matcher: if from there every continuation the grammar allows leads back to a written key
+(a search over single bytes along the written keys' names, at most `NODES` masks), the token
+is cleared and the next is tried; the first token that is safe ends the screen. So the token
+a greedy decoder takes is never a corner; under sampling, the tokens below the top `TOP`
+are not screened. A screen costs nothing outside a key of an object with written keys, and
+one mask per name character inside one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from quantkit.grammar.llguidance.distinct_items import DistinctItems
+
+__all__ = ["KeyCorners", "NODES", "TOP"]
+
+TOP = 8
+NODES = 64
+_QUOTE = ord('"')
+
+
+def _set_bits(words: np.ndarray) -> np.ndarray:
+    bits = np.unpackbits(words.view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits)
+
+
+class KeyCorners:
+    """The look-ahead for one vocabulary: its single-byte tokens."""
+
+    _cache: dict[str, KeyCorners] = {}
+
+    def __init__(self, token_bytes: dict[int, bytes], size: int, fingerprint: str) -> None:
+        self.token_bytes = token_bytes
+        self.byte_token: dict[int, int] = {}
+        for token, data in sorted(token_bytes.items()):
+            if len(data) == 1:
+                self.byte_token.setdefault(data[0], token)
+        self.words = (size + 31) // 32
+        self.fingerprint = fingerprint
+
+    @classmethod
+    def of(cls, vocabulary: Any) -> KeyCorners:
+        found = cls._cache.get(vocabulary.fingerprint)
+        if found is None:
+            found = cls(vocabulary.token_bytes, vocabulary.size, vocabulary.fingerprint)
+            cls._cache[vocabulary.fingerprint] = found
+        return found
+
+    def screen(self, state: DistinctItems, matcher: Any, line: np.ndarray,
+               logits: torch.Tensor) -> int:  # fmt: skip
+        """Clear the best tokens of `line` that lead into a corner (see the module docstring);
+        how many were cleared."""
+        top = state.stack[-1] if state.stack else None
+        if top is None or top.array or not top.keys or not state.keys:
+            return 0
+        in_key = state.in_string and top.key == state.string_start
+        if state.in_string and not in_key:
+            return 0  # inside a value's string
+        written = {k[1:-1] for k in top.keys}
+        so_far = bytes(state.text[top.key + 1 :]) if in_key else None
+        after_value = not state.in_string and not top.want_key  # a `,` would begin a key
+        words = line.view(np.uint32)
+        allowed = _set_bits(words)
+        if not allowed.size:
+            return 0
+        scores = logits.detach().float().numpy()[allowed]
+        cleared = 0
+        for token in allowed[np.argsort(-scores, kind="stable")][:TOP].tolist():
+            data = self.token_bytes.get(token, b"")
+            quote = False  # the key's opening quote is still to come after this token
+            if after_value:
+                if not data.startswith(b","):
+                    return cleared  # `}` or more of the value: no key begins
+                quote, data = data == b",", data[1:]
+            name = b"" if quote else self._name_after(so_far, data)
+            if name is None or not any(w.startswith(name) for w in written):
+                return cleared  # closes a new key, or leaves written keys' names: safe
+            copy = matcher.deep_copy()
+            if not copy.consume_token(token):
+                return cleared
+            opener = self.byte_token.get(_QUOTE)
+            if quote and (opener is None or not copy.consume_token(opener)):
+                return cleared
+            if not self._dead(copy, name, written, [0]):
+                return cleared
+            if cleared + 1 == allowed.size:
+                return cleared  # never the last token: a dead end is worse than a repeat
+            words[token >> 5] &= ~np.uint32(1 << (token & 31))
+            cleared += 1
+        return cleared
+
+    @staticmethod
+    def _name_after(so_far: bytes | None, data: bytes) -> bytes | None:
+        """The key's text after `data` (None: the key is closed by it, or none is begun)."""
+        if so_far is None:  # at a key's start: the token must open it
+            if not data.startswith(b'"'):
+                return None
+            so_far, data = b"", data[1:]
+        end = data.find(b'"')
+        return None if end >= 0 else so_far + data
+
+    def _dead(self, matcher: Any, name: bytes, written: set[bytes], seen: list[int]) -> bool:
+        """Whether every continuation of the key `name` the grammar allows ends as a written
+        key (a search over single bytes; at NODES masks it gives up: not dead)."""
+        seen[0] += 1
+        if seen[0] > NODES:
+            return False
+        scratch = np.zeros(self.words, dtype=np.int32)
+        matcher.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
+        bits = scratch.view(np.uint32)
+        nexts = {w[len(name)] for w in written if len(w) > len(name) and w.startswith(name)}
+        for byte, token in self.byte_token.items():
+            if not (bits[token >> 5] >> (token & 31)) & 1:
+                continue
+            if byte == _QUOTE:
+                if name not in written:
+                    return False  # a new key ends here
+                continue
+            if byte not in nexts:
+                return False  # the name leaves every written key's
+        for byte in nexts:
+            token = self.byte_token.get(byte)
+            if token is None or not (bits[token >> 5] >> (token & 31)) & 1:
+                continue
+            copy = matcher.deep_copy()
+            if copy.consume_token(token) and not self._dead(copy, name + bytes([byte]), written,
+                                                            seen):  # fmt: skip
+                return False
+        return True
