@@ -40,6 +40,7 @@ import torch
 from quantkit.errors import GrammarError
 from quantkit.grammar.budget import WINDOW, CompletionPlan
 from quantkit.grammar.compiler import CompiledGrammar
+from quantkit.grammar.vocabulary import byte_tokens
 
 __all__ = ["GrammarLogitsProcessor"]
 
@@ -53,22 +54,6 @@ _FINISH_GUARD = 48
 # Tokens until an llguidance row whose walk found no completion walks again: an eighth of
 # those left, at least this many.
 _RETRY = 4
-
-
-_BYTE_TOKENS: dict[str, dict[int, int]] = {}
-
-
-def _byte_tokens(vocabulary: Any) -> dict[int, int]:
-    """byte -> the lowest id of a token that is exactly that byte; built once per vocabulary
-    (130 ms for 49k tokens, which every new processor paid before: once per request)."""
-    found = _BYTE_TOKENS.get(vocabulary.fingerprint)
-    if found is None:
-        found = {}
-        for token_id, data in vocabulary.token_bytes.items():
-            if len(data) == 1 and token_id < found.get(data[0], token_id + 1):
-                found[data[0]] = token_id
-        _BYTE_TOKENS[vocabulary.fingerprint] = found
-    return found
 
 
 def _bit(token: int) -> np.int32:
@@ -129,7 +114,7 @@ class GrammarLogitsProcessor:
         self._eos = sorted(self.vocabulary.eos_token_ids)
         self.max_new_tokens = max_new_tokens
         # byte -> a token that is exactly that byte (every byte-level vocabulary has them).
-        self._byte_token = _byte_tokens(self.vocabulary)
+        self._byte_token = byte_tokens(self.vocabulary)
         self.mask_times_s: list[float] = []
         self.reset()
 

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from quantkit.grammar.llguidance.runaway import MAX_PERIOD, REPEAT_BYTES, repeats
-from quantkit.grammar.vocabulary import TokenVocabulary
+from quantkit.grammar.vocabulary import TokenVocabulary, byte_tokens
 
 __all__ = ["ClosingWalk"]
 
@@ -48,13 +48,10 @@ class ClosingWalk:
     _cache: dict[str, ClosingWalk] = {}
 
     def __init__(self, vocabulary: TokenVocabulary) -> None:
-        byte_token: dict[int, int] = {}
         by_bytes: dict[bytes, int] = {}
         for token, data in sorted(vocabulary.token_bytes.items()):
             by_bytes.setdefault(data, token)
-            if len(data) == 1:
-                byte_token.setdefault(data[0], token)
-        self.byte_token = byte_token
+        byte_token = self.byte_token = byte_tokens(vocabulary)
         first = [byte_token[b] for b in _PREFERRED if b in byte_token]
         rest = [t for b, t in sorted(byte_token.items()) if b not in _PREFERRED]
         self.order = first + rest

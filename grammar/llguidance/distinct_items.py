@@ -44,7 +44,14 @@ import numpy as np
 
 from quantkit.grammar.vocabulary import TokenVocabulary
 
-__all__ = ["DistinctItems", "DistinctRow", "EndingTokens", "all_arrays_unique", "canonical"]
+__all__ = [
+    "DistinctItems",
+    "DistinctRow",
+    "EndingTokens",
+    "all_arrays_unique",
+    "canonical",
+    "set_bits",
+]
 
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
 _OPEN, _CLOSE = frozenset(b"[{"), frozenset(b"]}")
@@ -129,6 +136,13 @@ class DistinctItems:
             return None
         finally:
             del self.text[size:]
+
+    def probe(self) -> DistinctItems:
+        """A copy to walk ahead with: its own text and open containers, the seen items and
+        keys shared (feed it with `shared=True`, which replaces them rather than adds)."""
+        return DistinctItems(bytearray(self.text), [f.copy() for f in self.stack],
+                             self.in_string, self.escaped, self.string_start, self.items,
+                             self.keys, self.whole_names, self.writable)  # fmt: skip
 
     @property
     def in_array(self) -> bool:
@@ -316,7 +330,7 @@ class EndingTokens:
         return found
 
 
-def _set_bits(words: np.ndarray) -> np.ndarray:
+def set_bits(words: np.ndarray) -> np.ndarray:
     """The token ids whose bits are set in `words` (uint32 bitmask words)."""
     at = np.flatnonzero(words)
     if not at.size:
@@ -379,7 +393,7 @@ class DistinctRow:
         ends = self.ending.quote if state.in_string else self.ending.any_end
         if not state.has_items:
             ends = ends & self.ending.two_ends
-        for token in _set_bits(words & ends).tolist():
+        for token in set_bits(words & ends).tolist():
             if state.first_repeat([self.ending.token_bytes[token]]) == 0:
                 words[token >> 5] &= ~np.uint32(1 << (token & 31))
                 self.cleared += 1
@@ -396,10 +410,7 @@ class DistinctRow:
         state = self.state
 
         def allows() -> Callable[[bytes], bool]:  # one probe per walk
-            probe = DistinctItems(bytearray(state.text), [f.copy() for f in state.stack],
-                                  state.in_string, state.escaped, state.string_start,
-                                  state.items, state.keys, state.whole_names,
-                                  state.writable)  # fmt: skip
+            probe = state.probe()
 
             def check(data: bytes) -> bool:
                 if probe.first_repeat([data]) is not None:

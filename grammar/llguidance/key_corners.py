@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from quantkit.grammar.llguidance.distinct_items import DistinctItems
+from quantkit.grammar.llguidance.distinct_items import DistinctItems, set_bits
+from quantkit.grammar.vocabulary import byte_tokens
 
 __all__ = ["KeyCorners", "NODES", "TOP"]
 
@@ -34,31 +35,21 @@ NODES = 64
 _QUOTE = ord('"')
 
 
-def _set_bits(words: np.ndarray) -> np.ndarray:
-    bits = np.unpackbits(words.view(np.uint8), bitorder="little")
-    return np.flatnonzero(bits)
-
-
 class KeyCorners:
     """The look-ahead for one vocabulary: its single-byte tokens."""
 
     _cache: dict[str, KeyCorners] = {}
 
-    def __init__(self, token_bytes: dict[int, bytes], size: int, fingerprint: str) -> None:
-        self.token_bytes = token_bytes
-        self.byte_token: dict[int, int] = {}
-        for token, data in sorted(token_bytes.items()):
-            if len(data) == 1:
-                self.byte_token.setdefault(data[0], token)
-        self.words = (size + 31) // 32
-        self.fingerprint = fingerprint
+    def __init__(self, vocabulary: Any) -> None:
+        self.token_bytes = vocabulary.token_bytes
+        self.byte_token = byte_tokens(vocabulary)
+        self.words = (vocabulary.size + 31) // 32
 
     @classmethod
     def of(cls, vocabulary: Any) -> KeyCorners:
         found = cls._cache.get(vocabulary.fingerprint)
         if found is None:
-            found = cls(vocabulary.token_bytes, vocabulary.size, vocabulary.fingerprint)
-            cls._cache[vocabulary.fingerprint] = found
+            found = cls._cache[vocabulary.fingerprint] = cls(vocabulary)
         return found
 
     def screen(self, state: DistinctItems, matcher: Any, line: np.ndarray,
@@ -75,7 +66,7 @@ class KeyCorners:
         so_far = bytes(state.text[top.key + 1 :]) if in_key else None
         after_value = not state.in_string and not top.want_key  # a `,` would begin a key
         words = line.view(np.uint32)
-        allowed = _set_bits(words)
+        allowed = set_bits(words)
         if not allowed.size:
             return 0
         scores = logits.detach().float().numpy()[allowed]
