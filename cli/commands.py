@@ -11,6 +11,7 @@ import click
 from quantkit import __version__
 from quantkit.cli.bench_cmd import bench_cmd
 from quantkit.cli.eval_cmd import eval_cmd
+from quantkit.cli.export_cmd import export_cmd
 from quantkit.cli.generate_cmd import generate_cmd
 from quantkit.cli.inspect_cmd import inspect_cmd
 from quantkit.cli.lm_eval_cmd import lm_eval_cmd
@@ -33,3 +34,4 @@ cli.add_command(eval_cmd)
 cli.add_command(lm_eval_cmd)
 cli.add_command(bench_cmd)
 cli.add_command(serve_cmd)
+cli.add_command(export_cmd)

@@ -37,6 +37,13 @@ class CalibrationError(QuantkitError):
     exit_code = 3
 
 
+class ExportError(QuantkitError):
+    """A checkpoint that cannot be written in the asked format (a GGUF type that cannot hold its
+    codes, a family or tokenizer the format has no names for)."""
+
+    exit_code = 3
+
+
 class KernelUnavailableError(QuantkitError):
     """A requested kernel backend that cannot run here (no Triton, no CUDA, wrong dtype)."""
 

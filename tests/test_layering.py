@@ -1,7 +1,7 @@
 """The layers of ARCHITECTURE.md, enforced: each package imports only what its rule allows.
 
     cli -> evals -> http_api -> grammar -> batching, perf -> quantize
-        -> runtime -> fused_kernels -> sources -> models -> format -> paths, cpu -> errors
+        -> runtime -> fused_kernels -> sources, export -> models -> format -> paths, cpu -> errors
     (cache_manifest, beside paths: the damage check of cached model directories; it imports
     nothing of quantkit, and sources and everything above it may import it)
 
@@ -31,7 +31,7 @@ FOLDERS = {
     "cli": "quantkit.cli",
 }
 
-_CORE = ("errors", "paths", "cache_manifest", "cpu", "format", "models", "sources")
+_CORE = ("errors", "paths", "cache_manifest", "cpu", "format", "models", "sources", "export")
 # package (under quantkit.) -> the packages it may import besides itself.
 RULES: dict[str, frozenset[str]] = {
     "": frozenset(),  # quantkit/__init__.py: the version, nothing else
@@ -42,6 +42,8 @@ RULES: dict[str, frozenset[str]] = {
     "format": frozenset({"errors", "paths"}),
     "models": frozenset({"errors", "paths", "format"}),
     "sources": frozenset({"errors", "paths", "cache_manifest", "format", "models"}),
+    # Writing other engines' files: the twin of sources, beside it.
+    "export": frozenset({"errors", "paths", "cache_manifest", "format", "models"}),
     "fused_kernels": frozenset({"errors", "paths", "cpu", "format"}),
     "runtime": frozenset({*_CORE, "fused_kernels"}),
     "quantize": frozenset({*_CORE, "fused_kernels", "runtime"}),

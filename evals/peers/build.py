@@ -2,8 +2,9 @@
 
 The source is the `llama-cpp-python` source distribution on the package index (it vendors
 llama.cpp under `vendor/llama.cpp`), fetched with pip, so the build needs the index and cmake and
-nothing else. Only the two tools the benchmark runs are built (`llama-bench`, `llama-server`):
-Release, `-march=native`, static llama/ggml libraries, no curl, no OpenSSL, no web UI download.
+nothing else. Only the tools the benchmarks run are built (`llama-bench`, `llama-server`, and
+`llama-perplexity`, `llama-quantize` for the GGUF export's comparison): Release,
+`-march=native`, static llama/ggml libraries, no curl, no OpenSSL, no web UI download.
 
     $QUANTKIT_HOME/peers/downloads/                 the sdists pip fetched
     $QUANTKIT_HOME/peers/llama.cpp-<version>.build/ the unpacked source and cmake tree (kept
@@ -41,7 +42,9 @@ from quantkit.errors import QuantkitError
 from quantkit.paths import file_lock, quantkit_home, replace_dir, temp_sibling
 
 PACKAGE = "llama-cpp-python"
-TOOLS = ("llama-bench", "llama-server")
+# llama-perplexity and llama-quantize serve the GGUF export's accuracy comparison
+# (`quantkit.evals.peers.gguf_quality`).
+TOOLS = ("llama-bench", "llama-server", "llama-perplexity", "llama-quantize")
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",

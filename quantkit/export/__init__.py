@@ -1,0 +1,1 @@
+"""Checkpoints written in other engines' formats: GGUF for llama.cpp, Ollama and LM Studio."""
