@@ -21,6 +21,7 @@ from quantkit.quantize.algorithms import (
 from quantkit.quantize.awq import AwqConfig
 from quantkit.quantize.calibration import heldout_tokens
 from quantkit.quantize.choice import choose_scheme
+from quantkit.quantize.clip_search import CLIP_MODES
 from quantkit.quantize.gptq import GptqConfig
 from quantkit.quantize.pipeline import LayerProgress, QuantizeOutcome
 from quantkit.quantize.recipe import Calibration, Hooks, Recipe, quantize_and_save
@@ -32,25 +33,31 @@ from quantkit.quantize.staging import staging_dir
 @click.option("--bits", type=int, default=4, show_default=True, help="4 = INT4, 8 = FP8 (E4M3).")
 @click.option(
     "--method",
-    type=click.Choice(["rtn", "awq", "gptq", "fp8"]),
+    type=click.Choice(["rtn", "awq", "gptq", "awq+gptq", "smoothquant", "fp8"]),
     default=None,
     help="The algorithm that chooses the codes: rtn (round to nearest, no calibration), awq "
-    "(int4 only; the int4 default) or gptq (error-compensated rounding; the fp8 default). "
-    "The format (--bits) is the same whichever chose the codes; fp8 = --bits 8 --method rtn.",
+    "(int4 only; the int4 default), gptq (error-compensated rounding; the fp8 default), "
+    "awq+gptq (int4 only: AWQ's scales folded, then GPTQ rounding) or "
+    "smoothquant (activation outliers moved into the weights, then rtn; int8 only, its "
+    "default). The format (--bits) is the same whichever chose the codes; fp8 = --bits 8 "
+    "--method rtn.",
 )
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["int4", "fp8"]),
+    type=click.Choice(["int4", "fp8", "int8", "nvfp4", "mxfp4"]),
     default=None,
-    help="Name the format instead of --bits (fp8 = --bits 8).",
+    help="Name the format instead of --bits (fp8 = --bits 8); int8 = W8A8 (int8 weights per "
+    "channel, int8 activations per token), the fastest prefill on CPUs with AVX512-VNNI; "
+    "nvfp4 / mxfp4 = FP4 E2M1 weights (groups of 16 with E4M3 scales and a global scale / "
+    "groups of 32 with E8M0 scales; --bits 4 stays int4).",
 )
 @click.option(
     "--activations",
     type=click.Choice(["none", "dynamic"]),
     default="none",
     show_default=True,
-    help="FP8 only: dynamic = W8A8 with per-token scales.",
+    help="FP8: dynamic = W8A8 with per-token scales (int8 is always W8A8).",
 )
 @click.option("--group-size", default="auto", show_default=True, help="auto|32|64|128|-1")
 @click.option("--symmetric", is_flag=True, help="INT4 without zero points.")
@@ -94,6 +101,15 @@ from quantkit.quantize.staging import staging_dir
     help="GPTQ only: round input channels by decreasing activation energy.",
 )
 @click.option(
+    "--clip",
+    type=click.Choice(CLIP_MODES),
+    default=GptqConfig.clip,
+    show_default=True,
+    help="GPTQ, INT4 only: shrink each group's range before rounding by the ratio minimising "
+    "the weights' squared error (mse) or the group's output error on the calibration inputs "
+    "(output).",
+)
+@click.option(
     "--eval-tokens",
     type=int,
     default=8192,
@@ -124,6 +140,7 @@ def quantize_cmd(
     search_tokens: int,
     damp: float,
     act_order: bool,
+    clip: str,
     eval_tokens: int,
     output: Path | None,
     force: bool,
@@ -143,7 +160,7 @@ def quantize_cmd(
         algorithm,
         Calibration(calib, calib_samples, calib_seq_len, seed),
         awq=AwqConfig(search_tokens=search_tokens, seed=seed),
-        gptq=GptqConfig(damp=damp, act_order=act_order),
+        gptq=GptqConfig(damp=damp, act_order=act_order, clip=clip),
         quantize_head=quantize_head,
     )
     out = (
@@ -178,8 +195,9 @@ def _progress(score: Any) -> _CliHooks:
     def on_layer(report: LayerProgress) -> None:
         assert hooks.bar is not None and hooks.method is not None
         if hooks.method.calibrated:
-            # AWQ compares the layer's output MSE, GPTQ the Linears' output error (tr(dW H dW^T)).
-            what = "MSE" if hooks.method.name == "awq" else "error"
+            # AWQ (and awq+gptq) compare the layer's output MSE, GPTQ the Linears' output error
+            # (tr(dW H dW^T)).
+            what = "MSE" if "awq" in hooks.method.configs else "error"
             hooks.bar.set_postfix_str(
                 f"layer {report.index}: {what} vs RTN {-report.loss_reduction:+.0%}"
             )

@@ -146,6 +146,32 @@ def check_fp8_weights(
     return n, k
 
 
+def check_int8_weights(
+    weight: torch.Tensor, weight_scale: torch.Tensor, *, bias: torch.Tensor | None = None
+) -> tuple[int, int]:
+    """Raise unless (weight, weight_scale, bias) form one compressed-tensors `int-quantized`
+    (W8A8 INT8) linear: int8 [N, K], a float scale with N values ([N, 1] as stored, or [N]), a
+    float bias [N]. Returns (N, K)."""
+    if weight.dtype != torch.int8 or weight.dim() != 2:
+        raise ValueError(
+            f"weight: expected a 2-D int8 tensor [N, K], got {weight.dtype} {tuple(weight.shape)}"
+        )
+    n, k = weight.shape
+    if weight_scale.dtype not in SCALE_DTYPES or tuple(weight_scale.shape) not in ((n, 1), (n,)):
+        raise ValueError(
+            f"weight_scale: expected a float [{n}, 1] tensor (one scale per output row), "
+            f"got {weight_scale.dtype} {tuple(weight_scale.shape)}"
+        )
+    if bias is not None and (bias.shape != (n,) or bias.dtype not in SCALE_DTYPES):
+        raise ValueError(
+            f"bias: expected a float [{n}] tensor, got {bias.dtype} {tuple(bias.shape)}"
+        )
+    for name, t in (("weight_scale", weight_scale), ("bias", bias)):
+        if t is not None and t.device != weight.device:
+            raise ValueError(f"{name}: expected weight's device {weight.device}, got {t.device}")
+    return n, k
+
+
 def check_fp8_activations(x: torch.Tensor, weight: torch.Tensor, *, backend: str) -> None:
     """Raise unless x [..., K] can multiply `weight` [N, K] on `backend`."""
     k = weight.shape[1]

@@ -10,8 +10,16 @@ run (Triton on CPU tensors without the interpreter). Today's entries, per kind i
   (sm_89+); without them a W8A8 layer runs as W8A16 and warns once (`prepared_linear`).
 - `cpu`: the compiled C GEMVs + dequantize/MKL prefill (`cpu.w4a16`, `cpu.fp8`); built with gcc
   on first use and cached under $QUANTKIT_HOME. FP8 W8A8 runs with the GPU kernel's numerics.
-- `reference`: dequantize and matmul in fp32 (`reference.w4a16`, `reference.fp8`); runs
-  anywhere, slowly.
+  INT8 W8A8 (`cpu.int8`): int8 x int8 products for decode and prefill, on CPUs with
+  AVX512-VNNI only.
+- `reference`: dequantize and matmul in fp32 (`reference.w4a16`, `reference.fp8`); for INT8
+  W8A8 the exact integer emulation (`reference.int8`), which the C kernel matches bit for bit;
+  runs anywhere, slowly.
+- NVFP4 and MXFP4 (`nvfp4`, `mxfp4`): `triton.fp4` (one fused dequant GEMM, checked under the
+  interpreter and compiled for sm_90, not yet run on a GPU) and `reference.fp4`; both emulate
+  NVFP4 W4A4's activation rounding in torch. The cpu kernels read int32-packed INT4 or whole
+  fp8/int8 weights with float scales, not E2M1 nibbles under E4M3 or E8M0 group scales, so they
+  refuse these kinds ("serves int4, not nvfp4") and a CPU walk reaches the reference.
 
 `choose_kernel(scheme, device, override)`: the wanted backend is `override`, else
 $QUANTKIT_BACKEND, else none (an unknown name raises). The walk starts at the wanted backend's
@@ -40,6 +48,7 @@ from types import ModuleType
 
 import torch
 
+from quantkit.cpu import cpu_flags
 from quantkit.errors import KernelUnavailableError
 from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.packed_weights import PackedWeights
@@ -188,6 +197,19 @@ def compiled_blocker(available: str) -> Blocker:
     return blocker
 
 
+def vnni_blocker(available: str) -> Blocker:
+    """A C kernel of int8 x int8 products (vpdpbusd): `compiled_blocker`, and on a CPU without
+    AVX512-VNNI that reason (the reference then runs the same numerics)."""
+    compiled = compiled_blocker(available)
+
+    def blocker(kernel: Kernel, device: torch.device, requested: bool) -> str | None:
+        if device.type == "cpu" and "avx512_vnni" not in cpu_flags():
+            return "needs a CPU with AVX512-VNNI (int8 dot products), this one has none"
+        return compiled(kernel, device, requested)
+
+    return blocker
+
+
 # --------------------------------------------------------------------------- the registry
 
 KERNELS: tuple[Kernel, ...] = (
@@ -195,13 +217,25 @@ KERNELS: tuple[Kernel, ...] = (
            devices=("cuda",), blocker=triton_blocker),
     Kernel("triton-fp8", "triton", ("fp8",), "triton.fp8", "fp8_linear_triton",
            devices=("cuda",), blocker=triton_blocker, w8a8="fp8_dot_supported"),
+    Kernel("triton-nvfp4", "triton", ("nvfp4",), "triton.fp4", "fp4_linear_triton",
+           devices=("cuda",), blocker=triton_blocker),
+    Kernel("triton-mxfp4", "triton", ("mxfp4",), "triton.fp4", "fp4_linear_triton",
+           devices=("cuda",), blocker=triton_blocker),
     Kernel("cpu-int4", "cpu", ("int4",), "cpu.w4a16", "w4a16_linear_cpu", layer="CpuInt4Layer",
            devices=("cpu",), blocker=compiled_blocker("cpu_kernel_available")),
     Kernel("cpu-fp8", "cpu", ("fp8",), "cpu.fp8", "fp8_linear_cpu", layer="CpuFp8Layer",
            devices=("cpu",), blocker=compiled_blocker("fp8_cpu_available")),
+    Kernel("cpu-int8", "cpu", ("int8",), "cpu.int8", "int8_linear_cpu", layer="CpuInt8Layer",
+           devices=("cpu",), blocker=vnni_blocker("int8_cpu_available")),
     Kernel("reference-int4", "reference", ("int4",), "reference.w4a16", "w4a16_linear_reference",
            takes_check=False),
     Kernel("reference-fp8", "reference", ("fp8",), "reference.fp8", "fp8_linear_reference",
+           takes_check=False),
+    Kernel("reference-int8", "reference", ("int8",), "reference.int8", "int8_linear_reference",
+           takes_check=False),
+    Kernel("reference-nvfp4", "reference", ("nvfp4",), "reference.fp4", "fp4_linear_reference",
+           takes_check=False),
+    Kernel("reference-mxfp4", "reference", ("mxfp4",), "reference.fp4", "fp4_linear_reference",
            takes_check=False),
 )  # fmt: skip
 BACKENDS: tuple[str, ...] = tuple(dict.fromkeys(k.backend for k in KERNELS))

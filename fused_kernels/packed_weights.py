@@ -5,6 +5,10 @@
   `in_features` K and the resolved `group_size` G (K for per channel).
 - `PackedFp8`: compressed-tensors float-quantized FP8: `weight` float8_e4m3fn [N, K] and
   `weight_scale` [N, 1].
+- `PackedInt8`: compressed-tensors int-quantized INT8 (W8A8): `weight` int8 [N, K] and
+  `weight_scale` [N, 1]; the activations are always quantized per token.
+- `PackedFp4`: compressed-tensors nvfp4-/mxfp4-pack-quantized: `weight_packed` uint8 [N, K/2],
+  `weight_scale` [N, K/16] float8_e4m3fn or [N, K/32] uint8, nvfp4's float32 global scales.
 
 Both hold references to the layer's tensors (no copies) and are built from a module's tensors
 and its scheme (`packed_weights`). The INT4 launchers take the value itself
@@ -23,9 +27,18 @@ import torch
 
 from quantkit.errors import SchemeError
 from quantkit.format.scheme import QuantScheme
-from quantkit.fused_kernels.checks import check_fp8_weights, check_int4_weights, resolve_group_size
+from quantkit.fused_kernels.checks import (
+    SCALE_DTYPES,
+    check_fp8_weights,
+    check_int4_weights,
+    check_int8_weights,
+    resolve_group_size,
+)
 
-__all__ = ["PackedFp8", "PackedInt4", "PackedWeights", "packed_weights"]
+__all__ = ["PackedFp4", "PackedFp8", "PackedInt4", "PackedInt8", "PackedWeights", "packed_weights"]
+
+# The dtype of `weight_scale` per FP4 kind.
+FP4_SCALES: dict[str, torch.dtype] = {"nvfp4": torch.float8_e4m3fn, "mxfp4": torch.uint8}
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -151,8 +164,176 @@ class PackedFp8:
         return _nbytes(*self.tensors)
 
 
-PackedWeights = PackedInt4 | PackedFp8
-_TYPES: dict[str, type[PackedInt4] | type[PackedFp8]] = {"int4": PackedInt4, "fp8": PackedFp8}
+@dataclass(frozen=True, eq=False)
+class PackedInt8:
+    """One layer's INT8 W8A8 weights. Its launchers take the two tensors and `bias`; there is
+    no `act_dynamic`: the activations are always quantized (the format is W8A8 only)."""
+
+    kind: ClassVar[str] = "int8"
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+
+    @classmethod
+    def from_tensors(
+        cls,
+        tensors: Mapping[str, torch.Tensor | None],
+        *,
+        scheme: QuantScheme,
+        in_features: int | None = None,
+    ) -> PackedInt8:
+        """From a module's tensors under their checkpoint names (as `PackedFp8`)."""
+        if scheme.kind != cls.kind:
+            raise SchemeError(f"int8_linear: expected an int8 scheme, got {scheme.describe()}")
+        return cls(tensors["weight"], tensors["weight_scale"])
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.weight, self.weight_scale
+
+    @property
+    def launch_args(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The launchers' positional weight arguments: the two tensors."""
+        return self.tensors
+
+    def kernel_args(self, *, bias: torch.Tensor | None, act_dynamic: bool = True) -> dict:
+        return dict(bias=bias)
+
+    def check(self, *, bias: torch.Tensor | None = None) -> None:
+        check_int8_weights(self.weight, self.weight_scale, bias=bias)
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a call reads for the weights: the int8 weight + the scales."""
+        return _nbytes(*self.tensors)
+
+
+@dataclass(frozen=True, eq=False)
+class PackedFp4:
+    """One layer's NVFP4 or MXFP4 weights (`quantkit.format.nvfp4`, `.mxfp4`): `weight_packed`
+    uint8 [N, K/2] (two E2M1 codes a byte), `weight_scale` [N, K/G] (float8_e4m3fn for nvfp4,
+    uint8 E8M0 exponents for mxfp4), for nvfp4 `weight_global_scale` float32 [1] and, W4A4,
+    `input_global_scale` float32 [1]. One type for both: `kind` is a field, not a class
+    constant. The launchers take the value itself, `bias` and `act_dynamic`."""
+
+    kind: str
+    weight_packed: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_global_scale: torch.Tensor | None
+    input_global_scale: torch.Tensor | None
+    group_size: int
+
+    @classmethod
+    def from_tensors(
+        cls,
+        tensors: Mapping[str, torch.Tensor | None],
+        *,
+        scheme: QuantScheme,
+        in_features: int | None = None,
+    ) -> PackedFp4:
+        """From a module's tensors under their checkpoint names (extra names are ignored)."""
+        if scheme.kind not in FP4_SCALES:
+            raise SchemeError(
+                f"fp4_linear: expected an nvfp4/mxfp4 scheme, got {scheme.describe()}"
+            )
+        return cls(
+            scheme.kind,
+            tensors["weight_packed"],  # type: ignore[arg-type]
+            tensors["weight_scale"],  # type: ignore[arg-type]
+            tensors.get("weight_global_scale"),
+            tensors.get("input_global_scale"),
+            int(scheme.group_size),
+        )
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        return (
+            self.weight_packed,
+            self.weight_scale,
+            self.weight_global_scale,
+            self.input_global_scale,
+        )
+
+    @property
+    def launch_args(self) -> tuple[PackedFp4]:
+        """The launchers' positional weight arguments: this value."""
+        return (self,)
+
+    def kernel_args(self, *, bias: torch.Tensor | None, act_dynamic: bool = False) -> dict:
+        return dict(bias=bias, act_dynamic=act_dynamic)
+
+    def check(self, *, bias: torch.Tensor | None = None) -> None:
+        """Raise unless these tensors (and `bias`) form one valid FP4 linear."""
+        packed, scale = self.weight_packed, self.weight_scale
+        if packed.dtype != torch.uint8 or packed.dim() != 2:
+            raise ValueError(
+                f"weight_packed: expected a 2-D uint8 tensor [N, K/2], got {packed.dtype} "
+                f"{tuple(packed.shape)}"
+            )
+        n, k = packed.shape[0], 2 * packed.shape[1]
+        want = (n, k // self.group_size)
+        if k % self.group_size or scale.dtype != FP4_SCALES[self.kind] or scale.shape != want:
+            raise ValueError(
+                f"weight_scale: expected {FP4_SCALES[self.kind]} {list(want)} ({self.kind}, "
+                f"K={k}), got {scale.dtype} {list(scale.shape)}"
+            )
+        globals_ = {"weight_global_scale": self.weight_global_scale}
+        if self.input_global_scale is not None:
+            globals_["input_global_scale"] = self.input_global_scale
+        for name, t in globals_.items():
+            if self.kind != "nvfp4":
+                if t is not None:
+                    raise ValueError(f"{name}: expected none for {self.kind}, got a tensor")
+            elif t is None or t.dtype != torch.float32 or t.shape != (1,):
+                got = "none" if t is None else f"{t.dtype} {list(t.shape)}"
+                raise ValueError(f"{name}: expected a float32 [1] tensor, got {got}")
+        if bias is not None and (bias.shape != (n,) or bias.dtype not in SCALE_DTYPES):
+            raise ValueError(
+                f"bias: expected a float [{n}] tensor, got {bias.dtype} {tuple(bias.shape)}"
+            )
+        for name, t in (("weight_scale", scale), *globals_.items(), ("bias", bias)):
+            if t is not None and t.device != packed.device:
+                raise ValueError(
+                    f"{name}: expected weight_packed's device {packed.device}, got {t.device}"
+                )
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight_packed.device
+
+    @property
+    def in_features(self) -> int:
+        return 2 * self.weight_packed.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight_packed.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a call reads for the weights: packed codes + scales (+ global scales)."""
+        return _nbytes(*self.tensors)
+
+
+PackedWeights = PackedInt4 | PackedFp8 | PackedInt8 | PackedFp4
+_TYPES: dict[str, type[PackedInt4] | type[PackedFp8] | type[PackedInt8] | type[PackedFp4]] = {
+    "int4": PackedInt4,
+    "fp8": PackedFp8,
+    "int8": PackedInt8,
+    "nvfp4": PackedFp4,
+    "mxfp4": PackedFp4,
+}
 
 
 def packed_weights(

@@ -1,6 +1,6 @@
 """The weight-format registry: a format is one `WeightFormat` plus one entry in `FORMATS`.
 
-The proof is a toy third format, INT8 per output channel (W8A16, compressed-tensors `int`,
+The proof is a toy format, `toy8`: INT8 per output channel (W8A16, compressed-tensors `int`,
 `naive-quantized`), defined here and nowhere else: registered, it goes through the scheme, the
 compressed-tensors config both ways, RTN quantization, the checkpoint writer and loader, the
 dense oracle and QuantLinear's buffers without another line changing.
@@ -34,7 +34,7 @@ from quantkit.runtime.quant_linear import QuantLinear
 
 
 class Int8Format(WeightFormat):
-    kind = "int8"
+    kind = "toy8"  # the real int8 (W8A8, `format/int8.py`) is registered; this one is not
     bits = 8
     ct_type = "int"
     ct_formats = ("naive-quantized",)
@@ -55,7 +55,7 @@ class Int8Format(WeightFormat):
         self, weights: Mapping[str, Any], *, fmt: Any, acts: Any, where: str
     ) -> dict[str, Any]:
         expect(weights, "num_bits", (8,), where=f"{where}.weights")
-        return {"kind": "int8"}
+        return {"kind": "toy8"}
 
     def tensor_names(self, scheme: QuantScheme) -> tuple[str, ...]:
         return ("weight", "weight_scale")
@@ -104,14 +104,16 @@ def int8(monkeypatch: pytest.MonkeyPatch) -> WeightFormat:
     return fmt
 
 
-def test_registered_formats_are_int4_and_fp8() -> None:
-    assert list(formats.FORMATS) == ["int4", "fp8"]
-    with pytest.raises(SchemeError, match="kind: expected one of int4, fp8, got 'int8'"):
-        QuantScheme("int8")
+def test_registered_formats() -> None:
+    assert list(formats.FORMATS) == ["int4", "fp8", "int8", "nvfp4", "mxfp4"]
+    with pytest.raises(
+        SchemeError, match="kind: expected one of int4, fp8, int8, nvfp4, mxfp4, got 'int2'"
+    ):
+        QuantScheme("int2")
 
 
 def test_a_new_format_is_one_class_and_one_registry_line(int8: WeightFormat, tmp_path: Path):
-    scheme = QuantScheme("int8")
+    scheme = QuantScheme("toy8")
     assert (scheme.group_size, scheme.symmetric, scheme.bits) == (-1, True, 8)
     assert scheme.describe() == "int8 per-channel"
 
@@ -152,7 +154,7 @@ def test_a_new_format_is_one_class_and_one_registry_line(int8: WeightFormat, tmp
 
 
 def test_a_new_format_is_validated_by_its_own_contract(int8: WeightFormat) -> None:
-    scheme = QuantScheme("int8")
+    scheme = QuantScheme("toy8")
     bad = {"weight": torch.zeros(4, 8, dtype=torch.int16), "weight_scale": torch.ones(4, 1)}
     with pytest.raises(CheckpointError, match=r"tensor weight: expected dtype int8, got int16"):
         QuantLinear.from_tensors(bad, scheme=scheme)

@@ -67,7 +67,9 @@ def chosen(scheme, device, override=None, **kw) -> tuple[str, list[str]]:
 
 def test_one_priority_list_covers_both_formats() -> None:
     assert [k.name for k in KERNELS] == [
-        "triton-int4", "triton-fp8", "cpu-int4", "cpu-fp8", "reference-int4", "reference-fp8",
+        "triton-int4", "triton-fp8", "triton-nvfp4", "triton-mxfp4", "cpu-int4", "cpu-fp8",
+        "cpu-int8", "reference-int4", "reference-fp8", "reference-int8", "reference-nvfp4",
+        "reference-mxfp4",
     ]  # fmt: skip
     assert BACKENDS == ("triton", "cpu", "reference")
     assert len({k.name for k in KERNELS}) == len(KERNELS)

@@ -40,11 +40,11 @@ def test_explicit_group_size_must_divide_every_layer() -> None:
 @pytest.mark.parametrize(
     "kwargs,needle",
     [
-        ({"kind": "int3"}, "kind: expected one of int4, fp8, got 'int3'"),
-        ({"kind": "gptq"}, "kind: expected one of int4, fp8, got 'gptq'"),
+        ({"kind": "int3"}, "kind: expected one of int4, fp8, int8, nvfp4, mxfp4, got 'int3'"),
+        ({"kind": "gptq"}, "kind: expected one of int4, fp8, int8, nvfp4, mxfp4, got 'gptq'"),
         ({"group_size": 48}, "group_size: expected auto, 32, 64, 128 or -1"),
         ({"kind": "fp8", "group_size": 64}, "fp8 uses one scale per output channel"),
-        ({"activations": "dynamic"}, "only fp8 quantizes activations"),
+        ({"activations": "dynamic"}, "int4 is weight-only (W4A16"),
         ({"kind": "fp8", "activations": "static"}, "activations: expected 'none' or 'dynamic'"),
     ],
 )

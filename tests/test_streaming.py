@@ -33,6 +33,7 @@ METHODS = {
     "awq": ("awq", QuantScheme("int4", 32)),
     "gptq": ("gptq", QuantScheme("int4", 32)),
     "fp8-gptq": ("gptq", QuantScheme("fp8")),
+    "awq+gptq": ("awq+gptq", QuantScheme("int4", 32)),
 }
 AWQ = AwqConfig(grid=5, search_tokens=128, clip_tokens=32, batch_sequences=4)
 # Small shards, so the order in which tensors reach the writer decides where shards split.

@@ -316,6 +316,35 @@ FUNCTIONS: dict[str, Fn] = {
         y_stride=c_int64,
         n_threads=c_int,
     ),
+    # int8.c
+    "qk_w8a8_available": fn(c_int),
+    "qk_w8a8_quant_tokens": fn(
+        c_int,
+        x=c_void_p,
+        M=c_int64,
+        K=c_int64,
+        x_stride=c_int64,
+        codes=c_void_p,
+        Kp=c_int64,
+        scales=c_void_p,
+        sums=c_void_p,
+        n_threads=c_int,
+    ),
+    "qk_w8a8_gemm": fn(
+        c_int,
+        x=c_void_p,
+        M=c_int64,
+        K=c_int64,
+        x_stride=c_int64,
+        wr=c_void_p,
+        Kp=c_int64,
+        scale=c_void_p,
+        bias=c_void_p,
+        N=c_int64,
+        y=c_void_p,
+        y_stride=c_int64,
+        n_threads=c_int,
+    ),
 }
 
 # --------------------------------------------------------------------------------------- libraries
@@ -365,6 +394,7 @@ LIBRARIES: dict[str, Library] = {
             "qk_i8i8_gemv",
         ),  # fmt: skip
     ),
+    "qk_int8_cpu": Library("int8.c", ("qk_w8a8_available", "qk_w8a8_quant_tokens", "qk_w8a8_gemm")),
 }
 
 

@@ -30,6 +30,7 @@ from quantkit.format.compressed_tensors import (
     scheme_from_quantization_config,
     scheme_to_quantization_config,
 )
+from quantkit.format.dtypes import SCALE_DTYPES
 from quantkit.format.formats import FORMATS
 from quantkit.format.lazy_safetensors import (
     SafetensorsFiles,
@@ -499,7 +500,9 @@ def dequantize_checkpoint_tensors(
     scheme = loaded.scheme
     for prefix in loaded.quantized_modules:
         local = {k: dense.pop(f"{prefix}.{k}") for k in _module_view(loaded.tensors, prefix)}
-        out_dtype = dtype or local["weight_scale"].dtype
+        scale_dtype = local["weight_scale"].dtype
+        # FP4 scales are float8 / uint8 codes, not the model's dtype: fp32 then.
+        out_dtype = dtype or (scale_dtype if scale_dtype in SCALE_DTYPES else torch.float32)
         w = scheme.format.dequantize(local, scheme, dtype=out_dtype)
         dense[f"{prefix}.weight"] = w
         if "bias" in local:

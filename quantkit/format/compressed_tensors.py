@@ -102,7 +102,14 @@ def scheme_from_quantization_config(cfg: Mapping[str, Any]) -> QuantScheme:
             f"quantization_config.{where}.weights.type: expected "
             f"{' or '.join(repr(t) for t in types)}, got {wtype!r}"
         )
-    # One format per weight type reads (and names) every field itself; with several, num_bits
-    # picks, and a width none of them has is the first one's error.
-    chosen = next((f for f in candidates if w.get("num_bits") == f.bits), candidates[0])
+    # One format per weight type reads (and names) every field itself; with several, the one
+    # whose width and config format both match, else the one the format names (its error then
+    # names the width), else num_bits picks, else the first one's error.
+    bits = w.get("num_bits")
+    rules = (
+        lambda f: bits == f.bits and fmt in f.ct_formats,
+        lambda f: fmt in f.ct_formats,
+        lambda f: bits == f.bits,
+    )
+    chosen = next((f for rule in rules for f in candidates if rule(f)), candidates[0])
     return QuantScheme(**chosen.scheme_fields(w, fmt=fmt, acts=acts, where=where))

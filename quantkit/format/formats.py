@@ -10,9 +10,12 @@ from __future__ import annotations
 from quantkit.errors import SchemeError
 from quantkit.format.fp8 import FP8
 from quantkit.format.int4 import INT4
+from quantkit.format.int8 import INT8
+from quantkit.format.mxfp4 import MXFP4
+from quantkit.format.nvfp4 import NVFP4
 from quantkit.format.weight_format import WeightFormat
 
-FORMATS: dict[str, WeightFormat] = {f.kind: f for f in (INT4, FP8)}
+FORMATS: dict[str, WeightFormat] = {f.kind: f for f in (INT4, FP8, INT8, NVFP4, MXFP4)}
 
 
 def format_for(kind: str) -> WeightFormat:
@@ -25,8 +28,9 @@ def format_for(kind: str) -> WeightFormat:
 
 def format_for_bits(bits: int) -> WeightFormat:
     """The format `--bits` names; anything else is a SchemeError listing the choices."""
-    for fmt in FORMATS.values():
+    named = [f for f in FORMATS.values() if f.named_by_bits]
+    for fmt in named:
         if fmt.bits == bits:
             return fmt
-    choices = " or ".join(f"{f.bits} ({f.kind})" for f in FORMATS.values())
+    choices = " or ".join(f"{f.bits} ({f.kind})" for f in named)
     raise SchemeError(f"--bits: expected {choices}, got {bits}")

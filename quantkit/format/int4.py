@@ -86,7 +86,8 @@ class Int4Format(WeightFormat):
             )
         if scheme.activations != "none":
             raise SchemeError(
-                f"activations: only fp8 quantizes activations, got {scheme.activations!r} with int4"
+                f"activations: int4 is weight-only (W4A16; fp8 and int8 quantize activations), "
+                f"got {scheme.activations!r}"
             )
         return {}
 

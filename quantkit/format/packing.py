@@ -21,8 +21,14 @@ groups of G input channels (G = K for per-channel):
 FP8 (compressed-tensors `float-quantized`): W [N, K] as float8_e4m3fn with a per-output-channel
 scale s [N, 1] = row absmax / 448 (448 is E4M3's largest finite value); W ~= w8 * s.
 
-INT8 per row (`int8_absmax`, the runtime's formats, never a checkpoint's: the int8 KV cache
-and the int8 lm_head): s = row absmax / 127, codes round(x / s) in [-127, 127]; x ~= q * s.
+INT8 per row (`int8_absmax`, the runtime's formats: the int8 KV cache and the int8 lm_head,
+and the per-token activations of W8A8 INT8): s = row absmax / 127, codes round(x / s) in
+[-127, 127]; x ~= q * s.
+
+INT8 W8A8 (compressed-tensors `int-quantized`): W [N, K] as int8 codes with a per-output-channel
+scale s [N, 1] = row absmax / 127 (`int8_row_scale`, `int8_codes`); W ~= q * s. Activations are
+quantized per token at run time with `int8_absmax`. (compressed-tensors' own observers use
+absmax / 127.5 and codes in [-128, 127]; such a checkpoint reads and runs the same.)
 """
 
 from __future__ import annotations
@@ -222,3 +228,23 @@ def dequantize_packed_int4(
     codes = unpack_int4(weight_packed, in_features)
     zero = None if weight_zero_point is None else unpack_zero_points(weight_zero_point, n)
     return int4_dequantize(codes, weight_scale, zero, group_size=group_size, dtype=dtype)
+
+
+def int8_row_scale(w: torch.Tensor) -> torch.Tensor:
+    """fp32 scale [N, 1] = row absmax / 127 of W [N, K]: the largest weight of a row is exact."""
+    return (w.float().abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp(min=_EPS)
+
+
+def int8_codes(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 codes of W [N, K] (or a column block [N, m]) on a fixed scale [N, 1]: W / s rounded
+    to nearest even, clamped to +-127 (a scale stored in bf16 can be a hair below absmax / 127,
+    and GPTQ's error updates can push a weight past the row's absmax)."""
+    q = torch.round(w.float() / scale.float())
+    return q.clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+
+
+def dequantize_int8(
+    w8: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """W [N, K] = q * s, in `dtype`."""
+    return (w8.float() * scale.float()).to(dtype)

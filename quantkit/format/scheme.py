@@ -30,12 +30,14 @@ class QuantScheme:
     """How the weights of every quantized Linear are stored.
 
     kind: a format of `quantkit.format.formats`: `int4` (group-wise codes with scales, and zero
-        points unless symmetric) or `fp8` (E4M3 with one scale per output channel).
+        points unless symmetric), `fp8` (E4M3 with one scale per output channel) or `int8`
+        (int8 codes with one scale per output channel, W8A8).
     group_size: 32/64/128 input channels share one scale (and zero point); -1 = one per output
-        channel; "auto" until `resolve()` picks one for a concrete model. Always -1 for fp8.
+        channel; "auto" until `resolve()` picks one for a concrete model. Always -1 for fp8
+        and int8.
     symmetric: INT4 without zero points (codes in [-7, 7]); fp8 is always symmetric.
-    activations: fp8 only: "none" keeps activations in 16/32-bit (W8A16), "dynamic" quantizes
-        them per token at run time (W8A8).
+    activations: "none" keeps activations in 16/32-bit (W8A16), "dynamic" quantizes them per
+        token at run time (W8A8): a choice for fp8, always "dynamic" for int8, "none" for int4.
     """
 
     kind: str = "int4"
@@ -85,6 +87,12 @@ class QuantScheme:
             )
         if self.group_size > 0:
             for name, k in layers:
+                if k % self.group_size and self.format.fixed_group:
+                    raise SchemeError(
+                        f"{self.kind} needs every quantized Linear's in_features to be a "
+                        f"multiple of its group of {self.group_size}, got {k} for {name}; "
+                        f"this model needs another format (int4 or fp8)"
+                    )
                 if k % self.group_size:
                     raise SchemeError(
                         f"group_size {self.group_size} does not divide in_features {k} of "

@@ -18,7 +18,7 @@ What a format needs from the layers above is registered there, not here: the ker
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -45,12 +45,15 @@ class SchemeView(Protocol):
 
 
 class Codes(NamedTuple):
-    """A quantizer's result for one Linear, before packing: the format's codes, fp32 scales and
-    (for formats with them) zero points."""
+    """A quantizer's result for one Linear, before packing: the format's codes, fp32 scales,
+    (for formats with them) zero points and a per-tensor global scale (NVFP4)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None
+    # One value for the whole tensor, so a format with one rounds whole tensors (or groups of
+    # them: `round_and_store_group`), never blocks of rows.
+    global_scale: torch.Tensor | None = None
 
 
 class WeightFormat(ABC):
@@ -69,6 +72,14 @@ class WeightFormat(ABC):
     c_step: bool
     ct_type: str  # compressed-tensors `weights.type`
     ct_formats: tuple[str, ...]  # config `format` names read; the first is written
+    # `--bits N` names this format (one format per width does: 8 is fp8); False: it is named
+    # with `--format` only (int8).
+    named_by_bits: bool = True
+    # Float tensors whose dtype is the format's, not the model's (NVFP4's fp32 global scales):
+    # `QuantLinear.to(dtype)` / `.half()` leave them, as they leave every float8 tensor.
+    fixed_dtypes: tuple[str, ...] = ()
+    # The one group size the format defines (FP4: 16 or 32); 0 = the user's choice.
+    fixed_group: int = 0
 
     # ---------------------------------------------------------------- the scheme
 
@@ -167,6 +178,19 @@ class WeightFormat(ABC):
             None if zeros[0] is None else torch.cat(zeros),  # type: ignore[arg-type]
         )
         return self.pack(joined, scheme, dtype=dtype)
+
+    def round_and_store_group(
+        self,
+        weights: Sequence[torch.Tensor],
+        scheme: SchemeView,
+        *,
+        dtype: torch.dtype,
+        rows: int = 1024,
+    ) -> list[Tensors]:
+        """`round_and_store` of Linears that read the same input (q/k/v, gate/up), which
+        engines such as vLLM run as one matmul: each on its own here; a format with a
+        per-tensor scale gives them one (NVFP4's global scale), as those engines require."""
+        return [self.round_and_store(w, scheme, dtype=dtype, rows=rows) for w in weights]
 
     @abstractmethod
     def dequantize(

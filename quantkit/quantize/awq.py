@@ -36,8 +36,10 @@ from quantkit.quantize.layer_walk import (
     run_chunked,
     run_walk,
 )
-from quantkit.quantize.moe import expert_linears, expert_token_counts, moe_scale_groups
+from quantkit.quantize.moe import expert_linears, expert_token_counts
 from quantkit.quantize.rtn import Int4Weights, rtn_quantize_weight
+from quantkit.quantize.scale_groups import fold_scale as _fold
+from quantkit.quantize.scale_groups import model_scale_groups as _model_scale_groups
 
 
 @dataclass(frozen=True)
@@ -163,23 +165,6 @@ def _search_scale(
     return best_s, GroupReport(group.linears, best_ratio, rtn_loss, best_loss)
 
 
-def _fold(layer: nn.Module, group: ScaleGroup, s: torch.Tensor) -> None:
-    """prev output / s, linears' input columns * s: the layer computes the same function."""
-    prev = layer.get_submodule(group.prev)
-    with torch.no_grad():
-        if isinstance(prev, nn.Linear):
-            # A Linear wider than the group (Phi-3's gate_up_proj before down_proj, qkv_proj
-            # before o_proj) feeds it from its last rows (up, v): only those are scaled.
-            rows = slice(prev.out_features - s.numel(), None)
-            prev.weight[rows].div_(s.view(-1, 1))
-            if prev.bias is not None:
-                prev.bias[rows].div_(s)
-        else:  # a norm: (1 + w) for Gemma, so the norm says how
-            prev.divide_output_(s)
-        for name in group.linears + group.dense:
-            layer.get_submodule(name).weight.mul_(s.view(1, -1))
-
-
 def _search_clip(w: torch.Tensor, x: torch.Tensor, *, scheme: QuantScheme, cfg: AwqConfig):
     """Per (output channel, group) clip ratio in [max_shrink, 1] minimising the group's partial
     output error on tokens x [T, K]. Returns a [N, G] ratio tensor."""
@@ -223,18 +208,8 @@ def _draw_picks(n_seq: int, seq_len: int, cfg: AwqConfig) -> _SearchPicks:
     return _SearchPicks(seq_pick, tok_pick, clip_rows)
 
 
-def _model_scale_groups(model: CausalLM, arch: Family) -> list[ScaleGroup]:
-    """The family's scale groups, v -> o without grouped-query attention (each v output
-    column then feeds one o input), then the experts'."""
-    groups = list(arch.scale_groups)
-    if arch.v_to_o is not None and model.config.num_kv_heads == model.config.num_heads:
-        groups.insert(1, arch.v_to_o)
-    groups += moe_scale_groups(model)
-    return groups
-
-
 @dataclass(frozen=True)
-class _Plan:
+class AwqPlan:
     """What every layer's pass shares: the settings, the groups and Linears to quantize, the
     search subsets and the rotary tables."""
 
@@ -251,6 +226,26 @@ class _Plan:
     seq_len: int
 
 
+def awq_plan(
+    model: CausalLM,
+    samples: torch.Tensor,
+    *,
+    scheme: QuantScheme,
+    arch: Family | None = None,
+    cfg: AwqConfig | None = None,
+) -> tuple[AwqPlan, torch.Tensor]:
+    """What every layer's pass shares, and the activations entering the first layer."""
+    arch = arch or model.family
+    cfg = cfg or AwqConfig()
+    n_seq, seq_len = samples.shape
+    x, cos, sin = first_layer_inputs(model, samples, batch_sequences=cfg.batch_sequences)
+    picks = _draw_picks(n_seq, seq_len, cfg)
+    groups = _model_scale_groups(model, arch)
+    linears, routed = model.config.layer_linears(), expert_linears(model)
+    plan = AwqPlan(model, arch, scheme, cfg, groups, linears, routed, picks, cos, sin, seq_len)
+    return plan, x
+
+
 def awq_walk(
     model: CausalLM,
     samples: torch.Tensor,
@@ -264,14 +259,7 @@ def awq_walk(
     name. `model` supplies the embedding, the rotary tables and the config; its decoder layers
     are passed to the step one at a time. The Linears and scale groups are the family's (`arch`,
     default `model.family`)."""
-    arch = arch or model.family
-    cfg = cfg or AwqConfig()
-    n_seq, seq_len = samples.shape
-    x, cos, sin = first_layer_inputs(model, samples, batch_sequences=cfg.batch_sequences)
-    picks = _draw_picks(n_seq, seq_len, cfg)
-    groups = _model_scale_groups(model, arch)
-    linears, routed = model.config.layer_linears(), expert_linears(model)
-    plan = _Plan(model, arch, scheme, cfg, groups, linears, routed, picks, cos, sin, seq_len)
+    plan, x = awq_plan(model, samples, scheme=scheme, arch=arch, cfg=cfg)
 
     def step(
         index: int, layer: nn.Module, x: torch.Tensor | None
@@ -300,7 +288,7 @@ def awq_quantize(
 
 
 def _quantize_layer(
-    plan: _Plan,
+    plan: AwqPlan,
     index: int,
     layer: nn.Module,
     x: torch.Tensor,
@@ -310,17 +298,59 @@ def _quantize_layer(
     `result`); returns its report and the quantized layer's output, the next layer's input."""
     cfg = plan.cfg
     report = LayerReport(index)
+    clock = PhaseClock(report.seconds)
+    scaled = capture_and_scale(plan, layer, x, report, clock)
+    result.update(clip_and_quantize(plan, index, layer, scaled.cap))
+    clock.lap("clip_and_quantize")
+    out_q = run_chunked(scaled.run_layer, scaled.x_attn_seq, cfg.batch_sequences)
+    report.method_error = float((out_q - scaled.layer_target).pow(2).mean())
+    # Feed the quantized layer's output onward.
+    return report, finish_layer(scaled.run_layer, x, cfg.batch_sequences, clock=clock)
+
+
+@dataclass
+class ScaledLayer:
+    """A layer after AWQ's capture and scale search, its scales folded, nothing rounded yet."""
+
+    cap: _Capture  # the inputs seen (search subsets, divided by the folded scales) and mean |x|
+    run_layer: Callable[[torch.Tensor], torch.Tensor]
+    x_attn_seq: torch.Tensor  # the search sequences' inputs: the layer-output MSE's tokens
+    layer_target: torch.Tensor  # the unquantized layer's output on them
+
+
+def capture_and_scale(
+    plan: AwqPlan,
+    layer: nn.Module,
+    x: torch.Tensor,
+    report: LayerReport,
+    clock: PhaseClock,
+    *,
+    observe: dict[str, Callable[[torch.Tensor], None]] | None = None,
+    on_fold: Callable[[ScaleGroup, torch.Tensor], None] | None = None,
+) -> ScaledLayer:
+    """The first half of a layer's pass: capture, the RTN baseline (`report.rtn_error`), and
+    each group's scale searched and folded (`report.groups`). `observe`: module name -> a
+    function also given every input of that module in the capture pass; `on_fold(group, s)`:
+    called after each fold (the group's Linears now get their inputs divided by s)."""
+    cfg = plan.cfg
     inputs = {g.input or g.linears[0] for g in plan.groups} | set(plan.linears)
     keep: dict[str, torch.Tensor | int] = {
         name: cfg.search_tokens if name in plan.routed else plan.picks.tokens for name in inputs
     }
-    clock = PhaseClock(report.seconds)
     cap = _Capture(layer, sorted(inputs), keep)
+    handles = [
+        layer.get_submodule(name).register_forward_pre_hook(lambda _m, args, f=f: f(args[0]))
+        for name, f in (observe or {}).items()
+    ]
     run_layer = layer_call(layer, plan.cos, plan.sin)
-    with torch.no_grad():
-        for chunk in x.split(cfg.batch_sequences):
-            run_layer(chunk)
-            cap.offset += chunk.shape[0] * plan.seq_len
+    try:
+        with torch.no_grad():
+            for chunk in x.split(cfg.batch_sequences):
+                run_layer(chunk)
+                cap.offset += chunk.shape[0] * plan.seq_len
+    finally:
+        for handle in handles:
+            handle.remove()
     cap.close()
     report.count_experts(expert_token_counts(plan.model, cap.tokens))
     clock.lap("capture")
@@ -330,18 +360,17 @@ def _quantize_layer(
         layer, plan.linears, run_layer, x_attn_seq, layer_target, scheme=plan.scheme, cfg=cfg
     )
     clock.lap("baseline")
-    report.groups.extend(_scale_layer(plan, layer, cap, x_attn_seq))
+    report.groups.extend(_scale_layer(plan, layer, cap, x_attn_seq, on_fold))
     clock.lap("scale_search")
-    _clip_and_quantize(plan, index, layer, cap, result)
-    clock.lap("clip_and_quantize")
-    out_q = run_chunked(run_layer, x_attn_seq, cfg.batch_sequences)
-    report.method_error = float((out_q - layer_target).pow(2).mean())
-    # Feed the quantized layer's output onward.
-    return report, finish_layer(run_layer, x, cfg.batch_sequences, clock=clock)
+    return ScaledLayer(cap, run_layer, x_attn_seq, layer_target)
 
 
 def _scale_layer(
-    plan: _Plan, layer: nn.Module, cap: _Capture, x_attn_seq: torch.Tensor
+    plan: AwqPlan,
+    layer: nn.Module,
+    cap: _Capture,
+    x_attn_seq: torch.Tensor,
+    on_fold: Callable[[ScaleGroup, torch.Tensor], None] | None = None,
 ) -> list[GroupReport]:
     """Search each group's scale in turn and fold it into the layer (a later group searches on
     the layer as the earlier folds left it); returns one report per searched group."""
@@ -368,18 +397,22 @@ def _scale_layer(
         reports.append(group_report)
         if s is not None:
             _fold(layer, group, s)
+            if on_fold is not None:
+                on_fold(group, s)
             # The captured inputs of these linears now arrive divided by s.
             for name in group.linears:
                 cap.kept[name] = [t / s for t in cap.kept[name]]
     return reports
 
 
-def _clip_and_quantize(
-    plan: _Plan, index: int, layer: nn.Module, cap: _Capture, result: dict[str, Int4Weights]
-) -> None:
-    """Quantize each Linear of layer `index` (after its clip search) into `result` and give it
-    its dequantized weight, so the layer's output is what the checkpoint will compute."""
+def clip_and_quantize(
+    plan: AwqPlan, index: int, layer: nn.Module, cap: _Capture
+) -> dict[str, Int4Weights]:
+    """Quantize each Linear of layer `index` (after its clip search) and give it its
+    dequantized weight, so the layer's output is what the checkpoint will compute; returns the
+    INT4 weights by module name."""
     cfg, scheme = plan.cfg, plan.scheme
+    result: dict[str, Int4Weights] = {}
     for name in plan.linears:
         w = layer.get_submodule(name).weight.data
         ratio: float | torch.Tensor = 1.0
@@ -392,6 +425,7 @@ def _clip_and_quantize(
         layer.get_submodule(name).weight.data = q.dequantize(
             group_size=scheme.group_size_for(w.shape[1]), dtype=w.dtype
         )
+    return result
 
 
 def _rtn_output_mse(

@@ -51,6 +51,8 @@ from quantkit.format.packing import (
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import CausalLM
 from quantkit.models.family import Family
+from quantkit.quantize.clip_search import CLIP_MODES, clip_ratios
+from quantkit.quantize.gptq_fp4 import Fp4Rounder
 from quantkit.quantize.layer_walk import (
     LayerErrorReport,
     LayerWalk,
@@ -81,6 +83,14 @@ class GptqConfig:
     act_order: bool = True  # round columns by diag(H) descending
     sequential: bool = False  # each input group's H sees the earlier groups already quantized
     batch_sequences: int = 16  # sequences per forward chunk (bounds activation memory)
+    # INT4: shrink each group's min/max range by the ratio minimising its rounding error
+    # (`clip_search`: none = RTN's scales, mse = the weights' error, output = the group's output
+    # error under H); the codes are then GPTQ-rounded on the clipped scales.
+    clip: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.clip not in CLIP_MODES:
+            raise ValueError(f"clip: expected one of {', '.join(CLIP_MODES)}, got {self.clip!r}")
 
 
 class Hessian:
@@ -222,13 +232,22 @@ class Fp8Rounder:
 
 
 class Int4Rounder:
-    """Group-wise INT4 on RTN's scales and zero points (min/max of each group), the scales as
-    `scale_dtype` stores them. act-order permutes columns, so a column finds its group from its
-    original index."""
+    """Group-wise INT4 on RTN's scales and zero points (min/max of each group, each range shrunk
+    by `clip_ratio`, a scalar or [N, K/G]), the scales as `scale_dtype` stores them. act-order
+    permutes columns, so a column finds its group from its original index."""
 
-    def __init__(self, w: torch.Tensor, scheme: QuantScheme, *, scale_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        w: torch.Tensor,
+        scheme: QuantScheme,
+        *,
+        scale_dtype: torch.dtype,
+        clip_ratio: float | torch.Tensor = 1.0,
+    ) -> None:
         self.group = scheme.group_size_for(w.shape[1])
-        scale, self.zero = int4_qparams(w, group_size=self.group, symmetric=scheme.symmetric)
+        scale, self.zero = int4_qparams(
+            w, group_size=self.group, symmetric=scheme.symmetric, clip_ratio=clip_ratio
+        )
         self.scale = scale.to(scale_dtype).float()
 
     def round(self, columns: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -256,9 +275,11 @@ class Int4Rounder:
         return int4_tensors(codes, self.scale[rows], zero, dtype=dtype)
 
 
-ROUNDERS: dict[str, type[Fp8Rounder] | type[Int4Rounder]] = {
+ROUNDERS: dict[str, type[Fp8Rounder] | type[Int4Rounder] | type[Fp4Rounder]] = {
     "fp8": Fp8Rounder,
     "int4": Int4Rounder,
+    "nvfp4": Fp4Rounder,
+    "mxfp4": Fp4Rounder,
 }
 
 
@@ -269,10 +290,18 @@ def gptq_weight(
     scheme: QuantScheme,
     cfg: GptqConfig | None = None,
     scale_dtype: torch.dtype = torch.float32,
+    clip_ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Fp8Rounder | Int4Rounder]:
-    """W [N, K] -> (GPTQ-rounded dequantized W [N, K] fp32, the rounder holding its scales)."""
+    """W [N, K] -> (GPTQ-rounded dequantized W [N, K] fp32, the rounder holding its scales).
+    INT4 only: `clip_ratio` [N, K/G] shrinks the groups' ranges (`Int4Rounder`)."""
     cfg = cfg or GptqConfig()
-    rounder = ROUNDERS[scheme.kind](w, scheme, scale_dtype=scale_dtype)
+    rounder: Fp8Rounder | Int4Rounder
+    if clip_ratio is None:
+        rounder = ROUNDERS[scheme.kind](w, scheme, scale_dtype=scale_dtype)
+    elif scheme.kind == "int4":
+        rounder = Int4Rounder(w, scheme, scale_dtype=scale_dtype, clip_ratio=clip_ratio)
+    else:
+        raise ValueError(f"clip_ratio: expected None for {scheme.kind}, got a tensor")
     q = gptq_round(
         w,
         h,
@@ -355,35 +384,87 @@ def gptq_walk(
     place and returns {module name: its checkpoint tensors (local names)}. `model` supplies the
     embedding, rotary tables and config. The Linears and their input groups are the family's
     (`arch`, default `model.family`)."""
-    arch = arch or model.family
     cfg = cfg or GptqConfig()
     x, cos, sin = first_layer_inputs(model, samples, batch_sequences=cfg.batch_sequences)
-    input_groups = [*arch.input_groups, *moe_input_groups(model)]
-    stages = [[g] for g in input_groups] if cfg.sequential else [input_groups]
+    plan = gptq_plan(model, arch=arch, scheme=scheme, cfg=cfg, scale_dtype=scale_dtype)
 
     def step(
         index: int, layer: nn.Module, x: torch.Tensor | None
     ) -> tuple[dict[str, dict[str, torch.Tensor]], GptqLayerReport, torch.Tensor]:
         assert x is not None
-        result: dict[str, dict[str, torch.Tensor]] = {}
         report = GptqLayerReport(index)
         clock = PhaseClock(report.seconds)
         run_layer = layer_call(layer, cos, sin)
-        for stage in stages:
-            hessians = _capture_hessians(
-                layer, x, run_layer, [g[0] for g in stage], cfg.batch_sequences
-            )
-            clock.lap("capture")
-            if stage[0] == input_groups[0]:
-                report.count_experts(expert_token_counts(model, _tokens(hessians)))
-            for group in stage:
-                rounded = _round_group(layer, group, hessians, report, scheme, cfg, scale_dtype)
-                result.update({f"model.layers.{index}.{n}": t for n, t in rounded.items()})
-            clock.lap("round")
+        result = round_layer(plan, index, layer, x, run_layer, report=report, clock=clock)
         # Feed the quantized layer's output onward.
         return result, report, finish_layer(run_layer, x, cfg.batch_sequences, clock=clock)
 
     return LayerWalk(step, x)
+
+
+@dataclass(frozen=True)
+class GptqPlan:
+    """What every layer's rounding shares: the settings and the Linears' input groups."""
+
+    model: CausalLM
+    scheme: QuantScheme
+    cfg: GptqConfig
+    scale_dtype: torch.dtype
+    input_groups: list[tuple[str, ...]]  # in forward order, the experts' after the family's
+    no_clip: tuple[str, ...]  # Linears whose ranges `cfg.clip` leaves whole (`Family.no_clip`)
+
+    @property
+    def stages(self) -> list[list[tuple[str, ...]]]:
+        """The groups whose Hessians are captured together: all at once, or with `sequential`
+        one group at a time, after the earlier ones were rounded."""
+        groups = self.input_groups
+        return [[g] for g in groups] if self.cfg.sequential else [groups]
+
+
+def gptq_plan(
+    model: CausalLM,
+    *,
+    arch: Family | None = None,
+    scheme: QuantScheme,
+    cfg: GptqConfig,
+    scale_dtype: torch.dtype,
+) -> GptqPlan:
+    arch = arch or model.family
+    groups = [*arch.input_groups, *moe_input_groups(model)]
+    return GptqPlan(model, scheme, cfg, scale_dtype, groups, tuple(arch.no_clip))
+
+
+def round_layer(
+    plan: GptqPlan,
+    index: int,
+    layer: nn.Module,
+    x: torch.Tensor,
+    run_layer: Callable,
+    *,
+    report: GptqLayerReport,
+    clock: PhaseClock,
+    given: dict[str, Hessian] | None = None,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """GPTQ-round every Linear of layer `index` on its inputs over x (the Hessians captured
+    from `run_layer`, the layer as it is now, or `given`: of the first Linear of every input
+    group, not `sequential`) and give each its stored values in place; returns
+    {module name: its checkpoint tensors}. `report` sums the Linears' output errors."""
+    if given is not None and plan.cfg.sequential:
+        raise ValueError("round_layer: expected given=None with sequential, got Hessians")
+    result: dict[str, dict[str, torch.Tensor]] = {}
+    for stage in plan.stages:
+        names = [g[0] for g in stage]
+        hessians = given
+        if hessians is None:
+            hessians = _capture_hessians(layer, x, run_layer, names, plan.cfg.batch_sequences)
+        clock.lap("capture")
+        if stage[0] == plan.input_groups[0]:
+            report.count_experts(expert_token_counts(plan.model, _tokens(hessians)))
+        for group in stage:
+            rounded = _round_group(layer, group, hessians, report, plan)
+            result.update({f"model.layers.{index}.{n}": t for n, t in rounded.items()})
+        clock.lap("round")
+    return result
 
 
 def _round_group(
@@ -391,12 +472,11 @@ def _round_group(
     group: tuple[str, ...],
     hessians: dict[str, Hessian],
     report: GptqLayerReport,
-    scheme: QuantScheme,
-    cfg: GptqConfig,
-    scale_dtype: torch.dtype,
+    plan: GptqPlan,
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Round one input group's Linears and give them their stored values; returns their
     checkpoint tensors by layer-relative name."""
+    scheme, cfg, scale_dtype = plan.scheme, plan.cfg, plan.scale_dtype
     result: dict[str, dict[str, torch.Tensor]] = {}
     mods = [layer.get_submodule(n) for n in group]
     # Stacked rows: Linears sharing an input share H, and rows round independently (every
@@ -408,7 +488,10 @@ def _round_group(
         q = stored = rounder.stored(rounder.nearest(w))
     else:
         h = hessians[group[0]].matrix()
-        q, rounder = gptq_weight(w, h, scheme=scheme, cfg=cfg, scale_dtype=scale_dtype)
+        ratio = _clip(w, h, group, mods, plan)
+        q, rounder = gptq_weight(
+            w, h, scheme=scheme, cfg=cfg, scale_dtype=scale_dtype, clip_ratio=ratio
+        )
         stored = rounder.stored(q)
         report.method_error += output_error(w, stored, h)
         report.rtn_error += output_error(w, rounder.nearest(w), h)
@@ -419,6 +502,29 @@ def _round_group(
         m.weight.data = stored[rows].to(m.weight.dtype)
         row += m.out_features
     return result
+
+
+def _clip(
+    w: torch.Tensor, h: torch.Tensor, group: tuple[str, ...], mods: list[nn.Module], plan: GptqPlan
+) -> torch.Tensor | None:
+    """The clip ratios [N, K/G] of an input group's stacked rows W (`cfg.clip`; the rows of
+    `no_clip` Linears keep ratio 1), or None: RTN's ranges."""
+    scheme = plan.scheme
+    if plan.cfg.clip == "none" or scheme.kind != "int4":
+        return None
+    ratio = clip_ratios(
+        w,
+        group_size=scheme.group_size_for(w.shape[1]),
+        symmetric=scheme.symmetric,
+        mode=plan.cfg.clip,
+        h=h,
+    )
+    row = 0
+    for name, m in zip(group, mods, strict=True):
+        if name in plan.no_clip:
+            ratio[row : row + m.out_features] = 1.0
+        row += m.out_features
+    return ratio
 
 
 def gptq_quantize(

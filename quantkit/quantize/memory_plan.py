@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from quantkit.errors import QuantkitError
+from quantkit.quantize.algorithms import ALGORITHMS
 from quantkit.quantize.awq import AwqConfig
 from quantkit.quantize.gptq import GptqConfig
 from quantkit.quantize.pipeline import storage_dtype
@@ -55,7 +56,7 @@ class MemoryPlan:
 def plan_memory(
     source: SourceModel,
     *,
-    calibrated: str | None,  # "awq", "gptq" or None
+    calibrated: str | None,  # the calibrated algorithm's name ("awq", "gptq", ...) or None
     samples: int,
     seq_len: int,
     quantize_head: bool,
@@ -85,7 +86,9 @@ def plan_memory(
         inner = max(cfg.intermediate_size or 0, h)
         tokens = samples * seq_len
         layer += 2 * 4 * tokens * h  # the activations entering and leaving the layer
-        if calibrated == "awq":
+        # A combination (awq+gptq) holds AWQ's captures while GPTQ's Hessians are made: both.
+        parts = ALGORITHMS[calibrated].configs if calibrated in ALGORITHMS else (calibrated,)
+        if "awq" in parts:
             a = awq or AwqConfig()
             layer += 4 * min(a.search_tokens, tokens) * (3 * h + inner)  # captured inputs
             layer += 3 * 4 * min(a.batch_sequences, samples) * seq_len * inner  # one chunk
@@ -93,7 +96,7 @@ def plan_memory(
             # the scale search several scaled and rounded copies of the widest Linears. Measured
             # at Llama-3.1-8B's shape with 4 windows: 4415 MiB, estimated 5858.
             layer += 4 * layer_params + 6 * 4 * widest
-        else:
+        if "awq" not in parts or "gptq" in parts:
             g = gptq or GptqConfig()
             layer += 3 * 4 * (inner * inner + 3 * h * h)  # Hessians, inverse, workspace
             layer += 3 * 4 * min(g.batch_sequences, samples) * seq_len * inner

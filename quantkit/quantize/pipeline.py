@@ -29,6 +29,7 @@ from quantkit.quantize.algorithms import QuantizeJob, algorithm_for
 from quantkit.quantize.awq import AwqConfig
 from quantkit.quantize.gptq import GptqConfig
 from quantkit.quantize.layer_walk import LayerErrorReport, run_walk
+from quantkit.quantize.smoothquant import SmoothQuantConfig
 from quantkit.runtime.quant_linear import QuantLinear
 from quantkit.sources.resolve import check_layer_count, load_state_dict, read_config
 
@@ -165,6 +166,7 @@ def quantize_model(
     samples: Callable[[], torch.Tensor] | None = None,
     awq: AwqConfig | None = None,
     gptq: GptqConfig | None = None,
+    smoothquant: SmoothQuantConfig | None = None,
     on_layer: Callable[[LayerProgress], None] | None = None,
     on_loaded: Callable[[CausalLM], None] | None = None,
     quantize_head: bool = False,
@@ -199,6 +201,7 @@ def quantize_model(
     job = QuantizeJob(model, model.family, scheme, dtype, samples=ids)
     job.awq = awq or job.awq
     job.gptq = gptq or job.gptq
+    job.smoothquant = smoothquant or job.smoothquant
     module_tensors, reports = run_walk(method.walk(job), model.model.layers, on_layer)
     if quantize_head:
         w = model.lm_head.weight.detach()

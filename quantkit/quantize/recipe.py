@@ -25,7 +25,7 @@ from quantkit.errors import SchemeError
 from quantkit.format.checkpoint import check_output_dir
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import CausalLM, build_model
-from quantkit.quantize.algorithms import Algorithm, algorithm_for
+from quantkit.quantize.algorithms import ALGORITHMS, Algorithm, algorithm_for
 from quantkit.quantize.awq import AwqConfig
 from quantkit.quantize.calibration import calibration_samples, read_calib_file, wiki_split
 from quantkit.quantize.gptq import GptqConfig
@@ -188,11 +188,9 @@ def _fingerprint(
     """What a staging directory may only be resumed with: the same weights files and config,
     format, algorithm and settings, and calibration tokens (hashed)."""
     files = sorted({e.file for e in source.files.entries.values()})
-    settings: dict[str, Any] = {}
-    if method.name == "awq":
-        settings = asdict(recipe.awq)
-    elif method.name == "gptq":
-        settings = asdict(recipe.gptq)
+    sections = {part: asdict(getattr(recipe, part)) for part in method.configs}
+    # One algorithm's settings flat (as before combinations existed), several by name.
+    settings: dict[str, Any] = next(iter(sections.values())) if len(sections) == 1 else sections
     calibration = None
     if calib_ids is not None:
         calibration = _digest(calib_ids.contiguous().numpy().tobytes())
@@ -230,7 +228,9 @@ def build_report(
 ) -> dict[str, Any]:
     """The `report` of quantkit.json: what was asked, what it cost, what it changed."""
     reductions = [round(r.loss_reduction, 4) for r in outcome.layer_reports]
-    is_gptq = outcome.algorithm == "gptq"
+    configs = ALGORITHMS[outcome.algorithm].configs
+    # AWQ and what contains it measure the layer-output MSE; GPTQ alone the Linears' error.
+    layer_mse = "awq" in configs
     report: dict[str, Any] = {
         "model": model,
         "scheme": outcome.scheme.describe(outcome.algorithm),
@@ -239,12 +239,13 @@ def build_report(
         "timings_s": {k: round(v, 2) for k, v in outcome.timings.items()},
         "bytes_before": outcome.bytes_before,
         "bytes_after": outcome.bytes_after,
-        "awq_layer_mse_reduction": reductions if outcome.algorithm == "awq" else [],
+        "awq_layer_mse_reduction": reductions if layer_mse else [],
         "perplexity": ppl or None,
         "peak_rss_mb": round(peak_rss_mb(), 1),
     }
-    if is_gptq:
+    if "gptq" in configs:
         report["gptq"] = asdict(gptq)
+    if "gptq" in configs and not layer_mse:
         # Per layer: 1 - GPTQ/RTN of the summed Linear-output error on the calibration inputs.
         report["gptq_layer_error_reduction"] = reductions
     return report

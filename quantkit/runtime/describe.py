@@ -51,7 +51,7 @@ def backend_line(loaded: LoadedModel, device: torch.device, dtype: torch.dtype) 
     # resolve_backend, not choose_backend: the kernel that ran, after any fallback.
     line = (
         f"{loaded.describe()}, {kind} activations{act_note}, kernel "
-        f"{resolve_backend(device)}{head_note}"
+        f"{resolve_backend(device, kind=loaded.scheme.kind)}{head_note}"
     )
     if (why := pytorch_path_reason(loaded.model)) is not None:
         line += f"; PyTorch decode path, not the C step: {why}"

@@ -21,6 +21,9 @@ from quantkit.format.weight_format import Codes
 from quantkit.fused_kernels.packed_weights import packed_weights
 from quantkit.fused_kernels.prepared_linear import PreparedLinear, prepare_linear
 
+# Integer views that hide a float tensor from nn.Module's dtype casts (`_apply`).
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
 # --------------------------------------------------------------------------- the module
 
 
@@ -152,15 +155,25 @@ class QuantLinear(nn.Module):
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
         # nn.Module.half()/.to(dtype) convert every floating-point tensor, and float8 counts as
         # one: model.half() would silently turn the fp8 weight into fp16 (2x the bytes, and no
-        # longer the checkpoint's tensor). Hide it as uint8 while `fn` runs; devices still apply.
-        w = self._buffers.get("weight")
-        if w is None or w.dtype != torch.float8_e4m3fn:
+        # longer the checkpoint's tensor), NVFP4's fp8 scales too and round its fp32 global
+        # scales. Hide those (every float8 buffer, and the format's `fixed_dtypes`) as integers
+        # of the same width while `fn` runs; devices still apply.
+        fixed = self.scheme.format.fixed_dtypes
+        hidden = {
+            name: t.dtype
+            for name, t in self._buffers.items()
+            if t is not None
+            and (t.dtype == torch.float8_e4m3fn or (name in fixed and t.is_floating_point()))
+        }
+        if not hidden:
             return super()._apply(fn, recurse)
-        self._buffers["weight"] = w.view(torch.uint8)
+        for name, dtype in hidden.items():
+            self._buffers[name] = self._buffers[name].view(_SAME_WIDTH_INT[dtype.itemsize])
         try:
             return super()._apply(fn, recurse)
         finally:
-            self._buffers["weight"] = self._buffers["weight"].view(torch.float8_e4m3fn)
+            for name, dtype in hidden.items():
+                self._buffers[name] = self._buffers[name].view(dtype)
 
     def extra_repr(self) -> str:
         return (

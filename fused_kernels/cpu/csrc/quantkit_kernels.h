@@ -5,8 +5,9 @@
    prototype per declaration, named parameters, no macros.
 
    Libraries (`cpu_abi.LIBRARIES`): qk_w4a16_cpu is built from decode.c (which includes w4a16.c),
-   qk_fp8_cpu from fp8.c, qk_bf16_gemv from bf16_gemv.c; each translation unit includes this
-   header, so gcc checks every definition against its prototype here.
+   qk_fp8_cpu from fp8.c, qk_bf16_gemv from bf16_gemv.c, qk_int8_cpu from int8.c; each
+   translation unit includes this header, so gcc checks every definition against its prototype
+   here.
 
    dtype codes (the *_dt arguments and fields): 0 = fp32, 1 = bf16, 2 = fp16; an act_dt may also
    be 3 = int8 activations. Pointers are to the
@@ -168,5 +169,24 @@ int qk_i8i8_gemv_available(void);
 int qk_i8i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const uint8_t *wr,
                  const float *scale, int64_t N, int64_t block, float *y, int64_t y_stride,
                  int n_threads);
+
+/* ---- int8.c (library qk_int8_cpu): the W8A8 INT8 linear. Return value: 0, 1 = a bad
+   argument, 2 = out of memory, 4 = not in this build. ---- */
+
+/* 1 when this build has the kernel (AVX512-VNNI), else 0. */
+int qk_w8a8_available(void);
+
+/* x [M, K] (fp32) -> codes int8 [M, Kp] (zeros past K), and per row scales[m] = absmax / 127
+   and sums[m] = the sum of its codes: round(x / scale) to nearest even, clamped to +-127. */
+int qk_w8a8_quant_tokens(const float *x, int64_t M, int64_t K, int64_t x_stride, int8_t *codes,
+                         int64_t Kp, float *scales, int32_t *sums, int n_threads);
+
+/* y [M, N] (fp32) = (q(x) [M, K] @ W8.T) * sx * scale (+ bias), x quantized per row as
+   qk_w8a8_quant_tokens does; W8 held as wr: uint8 W8 + 128, 16 rows interleaved,
+   [ceil(N / 16)][Kp / 4][16] words (Kp = K rounded up to a multiple of 4, zero columns past
+   K); scale and bias (NULL: none) fp32 [ceil(N / 16) * 16]. */
+int qk_w8a8_gemm(const float *x, int64_t M, int64_t K, int64_t x_stride, const uint8_t *wr,
+                 int64_t Kp, const float *scale, const float *bias, int64_t N, float *y,
+                 int64_t y_stride, int n_threads);
 
 #endif /* QUANTKIT_KERNELS_H */
