@@ -132,6 +132,17 @@ def test_asymmetric_codes_are_q4_1_within_the_fp16_min(asym_ckpt: Path, tmp_path
     assert loaded.scheme.group_size == 64  # two Q4_1 blocks per group, same scale
 
 
+def test_mxfp4_codes_are_ggml_mxfp4_blocks_bit_for_bit(bf16_model: Path, tmp_path: Path) -> None:
+    ckpt = _export_ready(bf16_model, tmp_path / "c", "--format", "mxfp4")
+    report = export_gguf(ckpt, tmp_path / "m.gguf", progress=False)
+    assert report.int4_type == "mxfp4" and report.exactness.exact
+    got = _gguf_weights(tmp_path / "m.gguf")
+    for name, w in _checkpoint_linears(ckpt).items():
+        kind, back = got[name]
+        assert kind == "MXFP4"
+        assert torch.equal(back, w), name
+
+
 def test_fp32_scales_are_rounded_to_fp16_and_said(tiny_model_dir: Path, tmp_path: Path) -> None:
     ckpt = _export_ready(tiny_model_dir, tmp_path / "c", "--bits", "4", "--symmetric")
     report = export_gguf(ckpt, tmp_path / "m.gguf", progress=False)

@@ -27,9 +27,10 @@ import numpy as np
 import torch
 
 from quantkit.errors import CheckpointError, ExportError
-from quantkit.export.gguf_blocks import Exactness, check_blockable, int4_blocks
+from quantkit.export.gguf_blocks import Exactness, check_blockable, int4_blocks, mxfp4_blocks
 from quantkit.export.gguf_vocab import GgufVocab, read_vocab
 from quantkit.format.compressed_tensors import scheme_from_quantization_config
+from quantkit.format.fp4 import unpack_fp4
 from quantkit.format.lazy_safetensors import SafetensorsFiles
 from quantkit.format.packing import unpack_int4, unpack_zero_points
 from quantkit.format.scheme import QuantScheme
@@ -39,6 +40,8 @@ from quantkit.models.rope import Rope, rope_for
 from quantkit.paths import atomic_file
 
 INT4_TYPES = ("q4_0", "q4_1")
+# Quantized formats whose codes a GGML type holds as they are: kind -> that type.
+SAME_CODES = {"mxfp4": "mxfp4"}
 DENSE_TYPES = ("auto", "bf16", "f16", "f32", "q8_0")
 # What K-quants and others would need: codes searched against their own grids.
 NOT_YET = ("q4_k", "q4_k_m", "q5_k", "q6_k", "q5_0", "q5_1")
@@ -58,7 +61,7 @@ class ExportReport:
     pre_tokenizer: str = ""
 
     def summary(self) -> str:
-        what = f"{self.int4_type} (INT4 codes)" if self.int4_type else "dense"
+        what = f"{self.int4_type} (the checkpoint's codes)" if self.int4_type else "dense"
         lines = [
             f"wrote {self.path}: {self.tensors} tensors, {self.bytes / 2**20:.1f} MiB, "
             f"Linears {what}, embeddings/dense {self.dense_type}, "
@@ -66,7 +69,9 @@ class ExportReport:
         ]
         e = self.exactness
         if self.int4_type and e.exact:
-            lines.append(f"lossless: all {e.weights:,} INT4 weights as the checkpoint holds them")
+            lines.append(
+                f"lossless: all {e.weights:,} quantized weights as the checkpoint holds them"
+            )
         elif self.int4_type:
             lines.append(
                 f"near-lossless: {e.weights:,} INT4 weights, {e.scales_rounded} scales rounded "
@@ -112,10 +117,18 @@ def _int4_type(scheme: QuantScheme | None, asked: str) -> str | None:
                 f"{', '.join(DENSE_TYPES[1:])}"
             )
         return None
+    if scheme.kind in SAME_CODES:
+        if asked not in ("auto", SAME_CODES[scheme.kind]):
+            raise ExportError(
+                f"--type {asked}: an {scheme.kind} checkpoint exports as "
+                f"{SAME_CODES[scheme.kind]} (its own codes), got {asked}"
+            )
+        return SAME_CODES[scheme.kind]
     if scheme.kind != "int4":
         raise ExportError(
             f"{scheme.describe()}: GGUF export writes INT4 codes (q4_0/q4_1) or dense tensors; "
-            f"GGUF has no block type holding {scheme.kind} codes as quantkit stores them"
+            f"GGUF has no block type holding {scheme.kind} codes as quantkit stores them (mxfp4 "
+            "exports as ggml's MXFP4)"
         )
     if asked == "auto":
         return "q4_0" if scheme.symmetric else "q4_1"
@@ -221,7 +234,8 @@ class _Plan:
         entries = self.files.entries
         modules = sorted({n.rsplit(".", 1)[0] for n in entries if n.endswith(".weight_packed")})
         for m in modules:
-            self.items.append(self._int4_item(m))
+            fp4 = self.int4_type in SAME_CODES.values()
+            self.items.append(self._fp4_item(m) if fp4 else self._int4_item(m))
         done = {f"{m}.{local}" for m in modules for local in _INT4_LOCALS}
         for hf, entry in entries.items():
             if hf in done:
@@ -250,6 +264,22 @@ class _Plan:
             return blocks if heads is None else permute_qk(blocks, heads)
 
         return _Item(name, _ggml(self.int4_type), (n, k), _nbytes((n, k), self.int4_type), make)
+
+    def _fp4_item(self, module: str) -> _Item:
+        name = self.gguf_name(f"{module}.weight")
+        packed = self.files.entries[f"{module}.weight_packed"]
+        n, k = int(packed.shape[0]), 2 * int(packed.shape[1])
+        heads = self._heads(name)
+
+        def make() -> np.ndarray:
+            codes = unpack_fp4(self.files.read(f"{module}.weight_packed"))
+            exponents = self.files.read(f"{module}.weight_scale")
+            self.exactness.add(Exactness(weights=n * k))
+            blocks = mxfp4_blocks(codes, exponents, where=module)
+            return blocks if heads is None else permute_qk(blocks, heads)
+
+        kind = str(self.int4_type)
+        return _Item(name, _ggml(kind), (n, k), _nbytes((n, k), kind), make)
 
     def _dense_item(self, hf: str, entry: Any) -> _Item:
         name = self.gguf_name(hf)
@@ -281,6 +311,7 @@ def _file_type(int4_type: str | None, dense: str) -> int:
         {
             "q4_0": LlamaFileType.MOSTLY_Q4_0,
             "q4_1": LlamaFileType.MOSTLY_Q4_1,
+            "mxfp4": LlamaFileType.MOSTLY_MXFP4_MOE,
             "q8_0": LlamaFileType.MOSTLY_Q8_0,
             "bf16": LlamaFileType.MOSTLY_BF16,
             "f16": LlamaFileType.MOSTLY_F16,

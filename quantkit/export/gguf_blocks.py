@@ -116,3 +116,16 @@ def int4_blocks(
     step = ((written - wanted).abs() + scale_err) / sb.clamp_min(torch.finfo(torch.float32).tiny)
     report.max_step_error = float(step.max()) if step.numel() else 0.0
     return blocks, report
+
+
+def mxfp4_blocks(codes: torch.Tensor, exponents: torch.Tensor, *, where: str) -> np.ndarray:
+    """One MXFP4 Linear's E2M1 nibble codes [N, K] (uint8, sign in bit 3) and E8M0 exponents
+    [N, K/32] as ggml's MXFP4 blocks (17 bytes: the exponent byte, then byte j = weight j low,
+    weight j + 16 high), uint8 [N, K/32 * 17]. ggml's table holds E2M1 doubled with half the
+    scale, so the same nibble and exponent mean the same weight: always exact."""
+    n, k = codes.shape
+    check_blockable(k, QK, where)
+    c = codes.to(torch.uint8).reshape(n, k // QK, QK)
+    qs = (c[..., :16] | (c[..., 16:] << 4)).numpy()
+    e = exponents.to(torch.uint8).reshape(n, k // QK, 1).numpy()
+    return np.concatenate([e, qs], axis=2).reshape(n, -1)
