@@ -110,6 +110,14 @@ def _algorithm(ckpt: Path) -> str:
     return json.loads(meta.read_text()).get("algorithm", "?") if meta.is_file() else "?"
 
 
+def _say(row: Row) -> None:
+    mine = "-" if row.quantkit_ppl is None else f"{row.quantkit_ppl:.4f}"
+    print(
+        f"{row.label}: llama.cpp PPL {row.llama_ppl:.4f} +/- {row.llama_err:.3f}, quantkit {mine}",
+        flush=True,
+    )
+
+
 def _mib(path: Path) -> float:
     return path.stat().st_size / 2**20
 
@@ -131,7 +139,7 @@ def run(args: argparse.Namespace) -> dict:
         ppl, err = _llama_ppl(children, build, src, work / "heldout.txt", args)
         mine = llamacpp_method_ppl(ref.model, tokens, args.ctx, args.chunks)
         rows.append(Row("reference (bf16)", "-", _mib(src), ppl, err, mine))
-        print(f"{rows[-1]}", flush=True)
+        _say(rows[-1])
         del ref
         for qtype in args.llama_types:
             out = work / f"llama-{qtype}.gguf"
@@ -149,7 +157,7 @@ def run(args: argparse.Namespace) -> dict:
                 raise PeerError(f"llama-quantize {qtype}: exit {done.returncode}")
             ppl, err = _llama_ppl(children, build, out, work / "heldout.txt", args)
             rows.append(Row(f"llama.cpp {qtype}", "llama-quantize", _mib(out), ppl, err, None))
-            print(f"{rows[-1]}", flush=True)
+            _say(rows[-1])
         for ckpt in args.checkpoints:
             ckpt = Path(ckpt)
             out = work / f"{ckpt.name}.gguf"
@@ -160,7 +168,7 @@ def run(args: argparse.Namespace) -> dict:
             ppl, err = _llama_ppl(children, build, out, work / "heldout.txt", args)
             label = f"quantkit {ckpt.name} -> {report.int4_type}"
             rows.append(Row(label, _algorithm(ckpt), _mib(out), ppl, err, mine))
-            print(f"{rows[-1]}", flush=True)
+            _say(rows[-1])
     return {
         "source": str(args.source),
         "llama_cpp": build.version,
