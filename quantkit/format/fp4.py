@@ -98,10 +98,11 @@ class Fp4Format(WeightFormat):
     named_by_bits = False  # --bits 4 means int4; FP4 is named with --format only
     group: int  # the one group size the format defines
 
+    scale_dtype: torch.dtype  # of `weight_scale`
+
     def __init_subclass__(cls, **kw: Any) -> None:
         super().__init_subclass__(**kw)
         cls.fixed_group = cls.group
-    scale_dtype: torch.dtype  # of `weight_scale`
 
     def _group_size(self, scheme: SchemeView) -> int:
         if scheme.group_size not in ("auto", self.group):

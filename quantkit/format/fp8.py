@@ -7,20 +7,18 @@ which stores nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from quantkit.errors import CheckpointError, SchemeError
-from quantkit.format.dtypes import SCALE_DTYPES
 from quantkit.format.packing import dequantize_fp8, quantize_fp8
+from quantkit.format.per_channel import PerChannelFormat
 from quantkit.format.weight_format import (
     Codes,
     SchemeView,
     Tensors,
-    WeightFormat,
-    check_tensor,
     expect,
 )
 
@@ -48,7 +46,8 @@ def fp8_tensors(w8: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dtype) ->
     return {"weight": w8.contiguous(), "weight_scale": scale.reshape(n, 1).to(dtype).contiguous()}
 
 
-class Fp8Format(WeightFormat):
+class Fp8Format(PerChannelFormat):
+    code_dtype = torch.float8_e4m3fn
     kind = "fp8"
     bits = 8
     grouped = False
@@ -110,39 +109,6 @@ class Fp8Format(WeightFormat):
         return {"kind": "fp8", "activations": "dynamic"}
 
     # ---------------------------------------------------------------- tensor contract
-
-    def tensor_names(self, scheme: SchemeView) -> tuple[str, ...]:
-        return ("weight", "weight_scale")
-
-    def marks_quantized(self, local: str, tensor: torch.Tensor) -> bool:
-        return local == "weight_scale" or (
-            local == "weight" and tensor.dtype == torch.float8_e4m3fn
-        )
-
-    def check(
-        self, tensors: Mapping[str, torch.Tensor], scheme: SchemeView, name: Callable[[str], str]
-    ) -> tuple[int, int]:
-        w = tensors["weight"]
-        if w.dim() != 2:
-            raise CheckpointError(
-                f"tensor {name('weight')}: expected 2-D [N, K], got {tuple(w.shape)}"
-            )
-        n, k = w.shape
-        check_tensor(name("weight"), w, (n, k), (torch.float8_e4m3fn,))
-        check_tensor(name("weight_scale"), tensors["weight_scale"], (n, 1), SCALE_DTYPES)
-        return n, k
-
-    def shape(self, tensors: Mapping[str, torch.Tensor]) -> tuple[int, int]:
-        n, k = tensors["weight"].shape
-        return n, k
-
-    def empty(
-        self, n: int, k: int, scheme: SchemeView, *, dtype: torch.dtype, device: Any
-    ) -> dict[str, torch.Tensor | None]:
-        return {
-            "weight": torch.empty(n, k, dtype=torch.float8_e4m3fn, device=device),
-            "weight_scale": torch.empty(n, 1, dtype=dtype, device=device),
-        }
 
     # ---------------------------------------------------------------- the math
 

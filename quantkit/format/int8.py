@@ -14,20 +14,18 @@ named with `--format int8`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from quantkit.errors import CheckpointError, SchemeError
-from quantkit.format.dtypes import SCALE_DTYPES
 from quantkit.format.packing import dequantize_int8, int8_codes, int8_row_scale
+from quantkit.format.per_channel import PerChannelFormat
 from quantkit.format.weight_format import (
     Codes,
     SchemeView,
     Tensors,
-    WeightFormat,
-    check_tensor,
     expect,
 )
 
@@ -66,7 +64,8 @@ def int8_tensors(codes: torch.Tensor, scale: torch.Tensor, *, dtype: torch.dtype
     }
 
 
-class Int8Format(WeightFormat):
+class Int8Format(PerChannelFormat):
+    code_dtype = torch.int8
     kind = "int8"
     bits = 8
     grouped = False
@@ -115,37 +114,6 @@ class Int8Format(WeightFormat):
         return {"kind": "int8"}
 
     # ---------------------------------------------------------------- tensor contract
-
-    def tensor_names(self, scheme: SchemeView) -> tuple[str, ...]:
-        return ("weight", "weight_scale")
-
-    def marks_quantized(self, local: str, tensor: torch.Tensor) -> bool:
-        return local == "weight_scale" or (local == "weight" and tensor.dtype == torch.int8)
-
-    def check(
-        self, tensors: Mapping[str, torch.Tensor], scheme: SchemeView, name: Callable[[str], str]
-    ) -> tuple[int, int]:
-        w = tensors["weight"]
-        if w.dim() != 2:
-            raise CheckpointError(
-                f"tensor {name('weight')}: expected 2-D [N, K], got {tuple(w.shape)}"
-            )
-        n, k = w.shape
-        check_tensor(name("weight"), w, (n, k), (torch.int8,))
-        check_tensor(name("weight_scale"), tensors["weight_scale"], (n, 1), SCALE_DTYPES)
-        return n, k
-
-    def shape(self, tensors: Mapping[str, torch.Tensor]) -> tuple[int, int]:
-        n, k = tensors["weight"].shape
-        return n, k
-
-    def empty(
-        self, n: int, k: int, scheme: SchemeView, *, dtype: torch.dtype, device: Any
-    ) -> dict[str, torch.Tensor | None]:
-        return {
-            "weight": torch.empty(n, k, dtype=torch.int8, device=device),
-            "weight_scale": torch.empty(n, 1, dtype=dtype, device=device),
-        }
 
     # ---------------------------------------------------------------- the math
 
