@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Self
 
 import torch
 
@@ -109,11 +109,11 @@ class PackedInt4:
         return _nbytes(*self.tensors)
 
 
-@dataclass(frozen=True, eq=False)
-class PackedFp8:
-    """One layer's FP8 weights."""
+class _PerRowWeights:
+    """What `PackedFp8` and `PackedInt8` share: `weight` [N, K] holding the codes and
+    `weight_scale` [N, 1], the two tensors the launchers take first."""
 
-    kind: ClassVar[str] = "fp8"
+    kind: ClassVar[str]
     weight: torch.Tensor
     weight_scale: torch.Tensor
 
@@ -124,12 +124,14 @@ class PackedFp8:
         *,
         scheme: QuantScheme,
         in_features: int | None = None,
-    ) -> PackedFp8:
+    ) -> Self:
         """From a module's tensors under their checkpoint names (`in_features` is the weight's
         second dimension; taken for a signature shared with `PackedInt4`)."""
         if scheme.kind != cls.kind:
-            raise SchemeError(f"fp8_linear: expected an fp8 scheme, got {scheme.describe()}")
-        return cls(tensors["weight"], tensors["weight_scale"])
+            raise SchemeError(
+                f"{cls.kind}_linear: expected an {cls.kind} scheme, got {scheme.describe()}"
+            )
+        return cls(tensors["weight"], tensors["weight_scale"])  # type: ignore[call-arg]
 
     @property
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,6 +141,32 @@ class PackedFp8:
     def launch_args(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The launchers' positional weight arguments: the two tensors."""
         return self.tensors
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a call reads for the weights: the codes + the scales."""
+        return _nbytes(*self.tensors)
+
+
+@dataclass(frozen=True, eq=False)
+class PackedFp8(_PerRowWeights):
+    """One layer's FP8 weights."""
+
+    kind: ClassVar[str] = "fp8"
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
 
     def kernel_args(self, *, bias: torch.Tensor | None, act_dynamic: bool = False) -> dict:
         return dict(act_dynamic=act_dynamic, bias=bias)
@@ -146,26 +174,9 @@ class PackedFp8:
     def check(self, *, bias: torch.Tensor | None = None) -> None:
         check_fp8_weights(self.weight, self.weight_scale, bias=bias)
 
-    @property
-    def device(self) -> torch.device:
-        return self.weight.device
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes a call reads for the weights: the fp8 weight + the scales."""
-        return _nbytes(*self.tensors)
-
 
 @dataclass(frozen=True, eq=False)
-class PackedInt8:
+class PackedInt8(_PerRowWeights):
     """One layer's INT8 W8A8 weights. Its launchers take the two tensors and `bias`; there is
     no `act_dynamic`: the activations are always quantized (the format is W8A8 only)."""
 
@@ -173,50 +184,11 @@ class PackedInt8:
     weight: torch.Tensor
     weight_scale: torch.Tensor
 
-    @classmethod
-    def from_tensors(
-        cls,
-        tensors: Mapping[str, torch.Tensor | None],
-        *,
-        scheme: QuantScheme,
-        in_features: int | None = None,
-    ) -> PackedInt8:
-        """From a module's tensors under their checkpoint names (as `PackedFp8`)."""
-        if scheme.kind != cls.kind:
-            raise SchemeError(f"int8_linear: expected an int8 scheme, got {scheme.describe()}")
-        return cls(tensors["weight"], tensors["weight_scale"])
-
-    @property
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.weight, self.weight_scale
-
-    @property
-    def launch_args(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The launchers' positional weight arguments: the two tensors."""
-        return self.tensors
-
     def kernel_args(self, *, bias: torch.Tensor | None, act_dynamic: bool = True) -> dict:
         return dict(bias=bias)
 
     def check(self, *, bias: torch.Tensor | None = None) -> None:
         check_int8_weights(self.weight, self.weight_scale, bias=bias)
-
-    @property
-    def device(self) -> torch.device:
-        return self.weight.device
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes a call reads for the weights: the int8 weight + the scales."""
-        return _nbytes(*self.tensors)
 
 
 @dataclass(frozen=True, eq=False)
