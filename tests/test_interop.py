@@ -33,6 +33,7 @@ from quantkit.format.packing import (
 )
 from quantkit.format.scheme import QuantScheme
 from quantkit.runtime.quant_linear import QuantLinear
+from tests.interop_model import PROMPTS, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 ct_helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
@@ -44,7 +45,6 @@ SCHEMES = {
     "fp8-w8a16": QuantScheme("fp8"),
     "fp8-w8a8": QuantScheme("fp8", activations="dynamic"),
 }
-PROMPTS = [[1, 17, 300, 42, 5, 511], [1, 2, 3], [7, 100, 200, 300, 400, 450, 500, 8, 9]]
 # Both sides dequantize to the same fp32 weights; the bound leaves room for kernel-order
 # rounding in fp32 only (measured: 0.0 for every scheme here).
 MAX_REL_ERR = 1e-3
@@ -58,20 +58,8 @@ def _quantkit_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory):
     """(directory, model): a tiny random LlamaForCausalLM saved as a plain HF directory."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
     directory = tmp_path_factory.mktemp("source")
-    model.save_pretrained(directory)
+    model = tiny_llama(directory)
     return directory, model
 
 

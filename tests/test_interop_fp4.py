@@ -32,6 +32,7 @@ from quantkit.format.mxfp4 import mx_exponents
 from quantkit.format.nvfp4 import nvfp4_global_scale
 from quantkit.format.scheme import QuantScheme
 from quantkit.runtime.quant_linear import QuantLinear
+from tests.interop_model import PROMPTS, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 ct = pytest.importorskip("compressed_tensors")
@@ -42,7 +43,6 @@ SCHEMES = {
     "mxfp4": QuantScheme("mxfp4"),
 }
 PRESETS = {"nvfp4": "NVFP4A16", "nvfp4-w4a4": "NVFP4", "mxfp4": "MXFP4A16"}
-PROMPTS = [[1, 17, 300, 42, 5, 511], [1, 2, 3], [7, 100, 200, 300, 400, 450, 500, 8, 9]]
 # Linears that read one input, rounded together (NVFP4: one global scale, as vLLM needs).
 INPUT_GROUPS = (
     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -60,20 +60,8 @@ def _quantkit_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory):
     """(directory, model, input absmax of every decoder Linear over PROMPTS)."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
     directory = tmp_path_factory.mktemp("source")
-    model.save_pretrained(directory)
+    model = tiny_llama(directory)
     absmax: dict[str, float] = {}
 
     def hook(name: str):

@@ -23,12 +23,12 @@ from quantkit.format.checkpoint import (
 )
 from quantkit.format.scheme import QuantScheme
 from quantkit.runtime.quant_linear import QuantLinear
+from tests.interop_model import PROMPTS, tiny_llama
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("compressed_tensors")
 
 SCHEME = QuantScheme("int8")
-PROMPTS = [[1, 17, 300, 42, 5, 511], [1, 2, 3], [7, 100, 200, 300, 400, 450, 500, 8, 9]]
 
 
 @pytest.fixture(autouse=True)
@@ -39,20 +39,8 @@ def _quantkit_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory):
     """(the tiny random Llama, its W8A8 INT8 checkpoint, loaded back)."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
     src = tmp_path_factory.mktemp("source")
-    model.save_pretrained(src)
+    model = tiny_llama(src)
     tensors: dict[str, torch.Tensor] = {}
     modules = []
     for name, t in model.state_dict().items():
