@@ -79,14 +79,22 @@ def _llama(
     }
 
 
-def _qwen3(layers: int, *, moe: bool) -> dict[str, Any]:
+def _qwen3(
+    layers: int,
+    *,
+    moe: bool,
+    hidden: int | None = None,
+    inter: int | None = None,
+    heads: int = 32,
+    tied: bool = False,
+) -> dict[str, Any]:
     config = {
         "architectures": ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"],
         "model_type": "qwen3_moe" if moe else "qwen3",
-        "hidden_size": 2048 if moe else 4096,
-        "intermediate_size": 6144 if moe else 12288,
+        "hidden_size": hidden or (2048 if moe else 4096),
+        "intermediate_size": inter or (6144 if moe else 12288),
         "num_hidden_layers": layers,
-        "num_attention_heads": 32,
+        "num_attention_heads": heads,
         "num_key_value_heads": 4 if moe else 8,
         "head_dim": 128,
         "hidden_act": "silu",
@@ -96,7 +104,7 @@ def _qwen3(layers: int, *, moe: bool) -> dict[str, Any]:
         "max_position_embeddings": 40960,
         "vocab_size": 151936,
         "attention_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": tied,
         "use_sliding_window": False,
         "sliding_window": None,
         "max_window_layers": layers,
@@ -113,12 +121,63 @@ def _qwen3(layers: int, *, moe: bool) -> dict[str, Any]:
     return config
 
 
+def _gemma(version: int) -> dict[str, Any]:
+    """Gemma 2 2B (soft-caps, a 4096 window on every other layer) or Gemma 3 1B (q/k norms, a
+    512 window on five layers of six, a local rope)."""
+    common = {
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6,
+        "query_pre_attn_scalar": 256,
+        "max_position_embeddings": 8192 if version == 2 else 32768,
+        "attention_bias": False,
+        "tie_word_embeddings": True,
+    }
+    if version == 2:
+        return {
+            **common,
+            "architectures": ["Gemma2ForCausalLM"],
+            "model_type": "gemma2",
+            "hidden_size": 2304,
+            "intermediate_size": 9216,
+            "num_hidden_layers": 26,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "vocab_size": 256000,
+            "rope_theta": 10000.0,
+            "sliding_window": 4096,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+        }
+    layers = 26
+    return {
+        **common,
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "vocab_size": 262144,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": 512,
+        "layer_types": [
+            "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)
+        ],
+    }
+
+
 # The architectures' published config.json values that decide tensor shapes (and rope).
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": _llama(2048, 8192, 16, 32, 64, tied=True, rope_factor=32.0),
     "llama-3.2-3b": _llama(3072, 8192, 28, 24, 128, tied=True, rope_factor=32.0),
     "llama-3.1-8b": _llama(4096, 14336, 32, 32, 128, tied=False, rope_factor=8.0),
+    "qwen3-1.7b": _qwen3(28, moe=False, hidden=2048, inter=6144, heads=16, tied=True),
     "qwen3-8b": _qwen3(36, moe=False),
+    "gemma-2-2b": _gemma(2),
+    "gemma-3-1b": _gemma(3),
     "qwen3-30b-a3b": _qwen3(48, moe=True),
 }
 
@@ -300,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         if not 1 <= args.layers <= config["num_hidden_layers"]:
             p.error(f"--layers: expected 1..{config['num_hidden_layers']}, got {args.layers}")
         config.update(num_hidden_layers=args.layers, max_window_layers=args.layers)
+        if "layer_types" in config:
+            config["layer_types"] = config["layer_types"][: args.layers]
     try:
         done = write_synthetic(config, args.output, seed=args.seed, force=args.force)
     except (QuantkitError, OSError) as e:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.resources
+import os
 import re
 import shutil
 import subprocess
@@ -174,7 +175,8 @@ def test_parser_reads_every_declaration() -> None:
     assert functions["qk_w4a16_gemv_layer"][1][0] == ("L", ("qk_w4_layer", 1))
     assert structs["qk_decoder_layer"][0] == ("qkv", ("qk_w4_layer", 0))
     assert structs["qk_decoder_layer"][5] == ("post_norm", ("float", 1))
-    assert structs["qk_decoder_dims"][-1] == ("eps", ("double", 0))
+    assert structs["qk_decoder_dims"][8] == ("eps", ("double", 0))
+    assert structs["qk_decoder_dims"][-1] == ("attn_softcap", ("double", 0))
 
 
 def _with_fields(cls: type, edit) -> type:
@@ -323,3 +325,11 @@ def test_the_cache_key_covers_included_files(monkeypatch, tmp_path: Path) -> Non
     two = _build("qk_key", {"a.c": unit, "b.h": "#define B 2\n"}, "generic")
     assert one != two
     assert [ctypes.CDLL(str(p)).qk_b() for p in (one, two)] == [1, 2]
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CC", "gcc")) is None, reason="needs gcc")
+def test_every_library_builds_and_loads_here() -> None:
+    """Where a compiler is, the kernels build for this CPU: the tests that run them skip only
+    where none is, never because a change stopped them compiling."""
+    for name in cpu_abi.LIBRARIES:
+        assert cpu_abi.load(name) is not None, name

@@ -20,7 +20,10 @@ PUBLISHED = {
     "llama-3.2-1b": 1.236,
     "llama-3.2-3b": 3.213,
     "llama-3.1-8b": 8.030,
+    "qwen3-1.7b": 1.721,  # tied; the hub's files also store the head apart (2.03 B)
     "qwen3-8b": 8.191,
+    "gemma-2-2b": 2.614,
+    "gemma-3-1b": 1.000,
     "qwen3-30b-a3b": 30.532,
 }
 

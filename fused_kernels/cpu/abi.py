@@ -59,6 +59,12 @@ class DecoderLayer(Structure):
         ("post_norm", c_void_p),
         ("k_cache", c_void_p),
         ("v_cache", c_void_p),
+        ("q_norm", c_void_p),
+        ("k_norm", c_void_p),
+        ("attn_out_norm", c_void_p),
+        ("ffn_out_norm", c_void_p),
+        ("sliding", c_int64),
+        ("rope", c_int64),
     ]
 
 
@@ -75,6 +81,11 @@ class DecoderDims(Structure):
         ("cache_rows", c_int64),
         ("kv_dt", c_int64),
         ("eps", c_double),
+        ("window", c_int64),
+        ("ropes", c_int64),
+        ("act", c_int64),
+        ("attn_scale", c_double),
+        ("attn_softcap", c_double),
     ]
 
 

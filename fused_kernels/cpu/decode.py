@@ -7,7 +7,10 @@ in place, row r at cache row `slots[r]` and position `positions[r]`: one new tok
 sequences (a batched decode step), or R consecutive tokens of one sequence (a causal prefill:
 every row writes its K/V before any row attends). It covers fp32 activations and INT4 q/k/v
 (fused), o, gate/up (fused) and down projections; the caller keeps the PyTorch path for
-everything else.
+everything else. Beyond a Llama layer it has what the dense families add: per-head q/k RMSNorm
+(Qwen3, Gemma 3), norms of the sublayers' outputs (Gemma), sliding-window layers, several rope
+tables (Gemma 3's local rope), a GELU gate, a q k^T scale other than 1/sqrt(D) and soft-capped
+attention logits (Gemma 2).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from quantkit.fused_kernels.cpu.launch import check_status
 from quantkit.fused_kernels.cpu.w4a16 import ACT_CODES, CpuInt4Layer, _library
 
 __all__ = [
+    "ACTIVATION_CODES",
     "CACHE_FORMATS",
     "PHASES",
     "CpuDecodeStep",
@@ -69,6 +73,10 @@ def decode_phases(on: bool) -> tuple[dict[str, float], int]:
     return dict(zip(PHASES, list(out), strict=True)), steps
 
 
+# The MLP gate activations the step computes, by `models.layers.ACTIVATIONS` name: its code.
+ACTIVATION_CODES = {"silu": 0, "gelu_pytorch_tanh": 1}
+
+
 @dataclass(frozen=True)
 class DecoderDims:
     hidden: int
@@ -77,6 +85,11 @@ class DecoderDims:
     head_dim: int
     inter: int
     eps: float
+    window: int | None = None  # the sliding layers' window
+    ropes: int = 1  # rotary tables: cos/sin hold `ropes` rows of head_dim per token
+    activation: str = "silu"  # one of ACTIVATION_CODES
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None  # Gemma 2's cap on the attention logits
 
 
 @dataclass(frozen=True)
@@ -89,10 +102,16 @@ class DecoderLayerParts:
     o: CpuInt4Layer
     gate_up: CpuInt4Layer
     down: CpuInt4Layer
-    in_norm: torch.Tensor
-    post_norm: torch.Tensor
+    in_norm: torch.Tensor  # the attention's input norm
+    post_norm: torch.Tensor  # the MLP's input norm
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    q_norm: torch.Tensor | None = None  # [D] per-head norms of q and k before rope
+    k_norm: torch.Tensor | None = None
+    attn_out_norm: torch.Tensor | None = None  # [H] norms of the sublayers' outputs (Gemma)
+    ffn_out_norm: torch.Tensor | None = None
+    sliding: bool = False  # attends to the last `DecoderDims.window` positions only
+    rope: int = 0  # the rotary table it reads
 
 
 # The cache formats the step reads, by the cache tensors' dtype: (its `kv_dt` code, E - D).
@@ -122,8 +141,24 @@ def _check_layer(i: int, p: DecoderLayerParts, d: DecoderDims) -> None:
         _expect(f"layer {i} {name} [N, K]", (layer.out_features, layer.in_features), (n, k))
         if layer.variant is not None:
             raise ValueError(f"layer {i} {name}: expected the default kernel variant")
-    for name, t in (("in_norm", p.in_norm), ("post_norm", p.post_norm)):
-        _expect(f"layer {i} {name}", (t.dtype, tuple(t.shape)), (torch.float32, (d.hidden,)))
+    norms = {
+        "in_norm": (p.in_norm, d.hidden), "post_norm": (p.post_norm, d.hidden),
+        "q_norm": (p.q_norm, d.head_dim), "k_norm": (p.k_norm, d.head_dim),
+        "attn_out_norm": (p.attn_out_norm, d.hidden), "ffn_out_norm": (p.ffn_out_norm, d.hidden),
+    }  # fmt: skip
+    for name, (t, n) in norms.items():
+        if t is not None:
+            _expect(
+                f"layer {i} {name}",
+                (t.dtype, tuple(t.shape), t.is_contiguous()),
+                (torch.float32, (n,), True),
+            )
+    if (p.q_norm is None) != (p.k_norm is None):
+        raise ValueError(f"layer {i} q_norm, k_norm: expected both or neither, got one")
+    if not 0 <= p.rope < d.ropes:
+        raise ValueError(f"layer {i} rope: expected 0 to {d.ropes - 1}, got {p.rope}")
+    if p.sliding and not d.window:
+        raise ValueError(f"layer {i}: expected a window for a sliding layer, got none")
     rows, slots = p.k_cache.shape[:3:2] if p.k_cache.dim() == 4 else (-1, -1)
     if p.k_cache.dtype not in CACHE_FORMATS:
         raise ValueError(
@@ -155,6 +190,12 @@ class CpuDecodeStep:
             raise ValueError(
                 f"heads: expected a multiple of kv_heads {dims.kv_heads}, got {dims.heads}"
             )
+        if dims.activation not in ACTIVATION_CODES:
+            raise ValueError(
+                f"activation: expected one of {', '.join(ACTIVATION_CODES)}, got {dims.activation}"
+            )
+        if dims.ropes < 1 or (dims.window is not None and dims.window < 1):
+            raise ValueError(f"ropes, window: expected >= 1 each, got {dims.ropes}, {dims.window}")
         for i, p in enumerate(layers):
             _check_layer(i, p, dims)
         shape, kind = tuple(layers[0].k_cache.shape), layers[0].k_cache.dtype
@@ -173,11 +214,17 @@ class CpuDecodeStep:
             )  # fmt: skip
             dst.in_norm, dst.post_norm = p.in_norm.data_ptr(), p.post_norm.data_ptr()
             dst.k_cache, dst.v_cache = p.k_cache.data_ptr(), p.v_cache.data_ptr()
+            dst.q_norm, dst.k_norm, dst.attn_out_norm, dst.ffn_out_norm = (
+                None if t is None else t.data_ptr()
+                for t in (p.q_norm, p.k_norm, p.attn_out_norm, p.ffn_out_norm)
+            )
+            dst.sliding, dst.rope = int(p.sliding), p.rope
         self._dims = _Dims(
             dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.inter, self.slots,
-            self.cache_rows, CACHE_FORMATS[kind][0], dims.eps,
+            self.cache_rows, CACHE_FORMATS[kind][0], dims.eps, dims.window or 0, dims.ropes,
+            ACTIVATION_CODES[dims.activation], dims.attn_scale or 0.0, dims.attn_softcap or 0.0,
         )  # fmt: skip
-        self.hidden, self.head_dim = dims.hidden, dims.head_dim
+        self.hidden, self.head_dim, self.ropes = dims.hidden, dims.head_dim, dims.ropes
         lib = _library()  # qk_decode_work, qk_decode_step: typed by `abi`
         if act_dtype not in ACT_CODES:
             raise ValueError(
@@ -221,15 +268,17 @@ class CpuDecodeStep:
         token sits at cache row `slots[r]` (default r) and position `positions[r]`, and attends
         to that cache row's positions <= its own, including those other rows of this call
         write (rows sharing a cache row: a prompt's tokens, prefilled causally); cos/sin
-        [R, D]: each row's rotary values. row_invariant: each row's result is bit-identical to
-        a one-row call's (the GEMVs take the rows one at a time; slower for many rows), which
-        speculative decoding's verification needs to reproduce plain decoding exactly."""
+        [R, ropes x D]: each row's rotary values, table by table. row_invariant: each row's
+        result is bit-identical to a one-row call's (the GEMVs take the rows one at a time;
+        slower for many rows), which speculative decoding's verification needs to reproduce
+        plain decoding exactly."""
         rows = len(positions)
         if rows < 1:
             raise ValueError("positions: expected at least one row, got none")
         slots = range(rows) if slots is None else slots
-        for name, t, n in (("x", x, self.hidden), ("cos", cos, self.head_dim), ("sin", sin, 0)):
-            want = (rows, n or self.head_dim)
+        rope_width = self.ropes * self.head_dim
+        for name, t, n in (("x", x, self.hidden), ("cos", cos, rope_width), ("sin", sin, 0)):
+            want = (rows, n or rope_width)
             shape_ok = t.numel() == want[0] * want[1] and t.is_contiguous()
             if t.dtype != torch.float32 or not shape_ok:
                 raise ValueError(

@@ -187,12 +187,6 @@ class ModelConfig:
         """Why the C decode step cannot run this model whatever its weights, or None."""
         if self.family.decode is None:
             return f"family {self.family.name}: {self.family.pytorch_reason or 'no C layout'}"
-        if self.window_layers():
-            return "sliding-window attention layers (the C step attends to the whole cache)"
-        if self.attn_softcap is not None or self.final_softcap is not None:
-            return "logit soft-capping"
-        if self.activation != "silu" or len(self.ropes) > 1:
-            return f"{self.activation} MLP or several rope tables (the C step: SiLU, one rope)"
         return None
 
     def window_layers(self) -> tuple[int, ...]:

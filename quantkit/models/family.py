@@ -49,16 +49,24 @@ class Fusion:
 @dataclass(frozen=True)
 class DecodeLayout:
     """One decoder layer as the C decode step (`fused_kernels.decode_cpu`) reads it: RMSNorm,
-    fused q/k/v (q, k, v rows in that order), RoPE, attention, o, RMSNorm, fused gate/up (gate
-    rows first), SiLU, down. A family whose layer differs has no layout (`Family.decode` None)."""
+    fused q/k/v (q, k, v rows in that order), [per-head q/k RMSNorm], RoPE, attention, o,
+    [RMSNorm of o's output], residual add, RMSNorm, fused gate/up (gate rows first), the gate's
+    activation, down, [RMSNorm of down's output], residual add. The bracketed norms are named
+    where a family has them. The window, rope tables, activation and attention scale/soft-cap
+    are the model's config (`ModelConfig`). A family whose layer differs otherwise (a
+    mixture of experts) has no layout (`Family.decode` None)."""
 
     qkv: str  # a Fusion's `into`, or a Linear the checkpoint stores fused (Phi-3)
     o: str
     gate_up: str  # a Fusion's `into`, or a stored fused Linear
     down: str
     in_norm: str
-    post_norm: str
+    post_norm: str  # the MLP's input norm
     attention: str  # the module holding the layer's KV cache (`cache`)
+    q_norm: str | None = None  # Qwen3, Gemma 3
+    k_norm: str | None = None
+    attn_out_norm: str | None = None  # Gemma's sandwich norms
+    ffn_out_norm: str | None = None
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from quantkit.models.llama import (
     GATE_PROJ,
     K_PROJ,
     LLAMA,
+    LLAMA_DECODE,
     O_PROJ,
     Q_PROJ,
     UP_PROJ,
@@ -48,6 +49,15 @@ def gemma3_rope(config: Mapping[str, Any], layer_type: str) -> Rope:
     return rope_for(config, layer_type, theta=1_000_000.0)
 
 
+# The C step's layer: the MLP's input norm is pre_feedforward_layernorm, and the attention's and
+# the MLP's outputs are normed before each residual add.
+GEMMA_DECODE = replace(
+    LLAMA_DECODE,
+    post_norm="pre_feedforward_layernorm",
+    attn_out_norm="post_attention_layernorm",
+    ffn_out_norm="post_feedforward_layernorm",
+)
+
 GEMMA2 = replace(
     LLAMA,
     model_types=("gemma2",),
@@ -57,10 +67,7 @@ GEMMA2 = replace(
         ScaleGroup("pre_feedforward_layernorm", (GATE_PROJ, UP_PROJ), "mlp"),
         ScaleGroup(UP_PROJ, (DOWN_PROJ,), DOWN_PROJ),
     ),
-    decode=None,
-    pytorch_reason=(
-        "PyTorch path: the C step has no (1 + w) norms, GeGLU, sandwich norms or sliding windows"
-    ),
+    decode=GEMMA_DECODE,
     gguf=None,
     norm="gemma_rmsnorm",
     sandwich_norms=True,
@@ -73,5 +80,6 @@ GEMMA3_TEXT = replace(
     model_types=("gemma3_text",),
     norms={**GEMMA_NORMS, "self_attn.q_norm": "head_dim", "self_attn.k_norm": "head_dim"},
     qk_norm=True,
+    decode=replace(GEMMA_DECODE, q_norm="self_attn.q_norm", k_norm="self_attn.k_norm"),
     rope=gemma3_rope,
 )

@@ -33,6 +33,11 @@ class RMSNorm(nn.Module):
         """Scale the output by 1/s per channel (AWQ folds its scales here)."""
         self.weight.data.div_(s)
 
+    def multiplier(self) -> torch.Tensor:
+        """The fp32 vector the normalised x is multiplied by (a copy where it is computed):
+        what the C decode step takes as this norm's weight."""
+        return self.weight.detach().float().contiguous()
+
 
 class GemmaRMSNorm(RMSNorm):
     """x / rms(x) * (1 + w), multiplied in fp32 before the cast (Gemma 2 / 3). The weight
@@ -45,6 +50,9 @@ class GemmaRMSNorm(RMSNorm):
 
     def divide_output_(self, s: torch.Tensor) -> None:
         self.weight.data.copy_((1.0 + self.weight.data) / s - 1.0)
+
+    def multiplier(self) -> torch.Tensor:
+        return (1.0 + self.weight.detach().float()).contiguous()
 
 
 # The norm kinds a family may name (`Family.norm`).

@@ -11,6 +11,17 @@ GATE_PROJ, UP_PROJ, DOWN_PROJ = "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"
 ATTENTION_LINEARS = (Q_PROJ, K_PROJ, V_PROJ, O_PROJ)
 MLP_LINEARS = (GATE_PROJ, UP_PROJ, DOWN_PROJ)
 
+# The C decode step's view of a Llama layer, which the other dense families' layouts extend.
+LLAMA_DECODE = DecodeLayout(
+    qkv="self_attn.fused_qkv",
+    o=O_PROJ,
+    gate_up="mlp.fused_gate_up",
+    down=DOWN_PROJ,
+    in_norm="input_layernorm",
+    post_norm="post_attention_layernorm",
+    attention="self_attn",
+)
+
 LLAMA = Family(
     model_types=("llama",),
     linears=(Q_PROJ, K_PROJ, V_PROJ, O_PROJ, GATE_PROJ, UP_PROJ, DOWN_PROJ),
@@ -34,15 +45,7 @@ LLAMA = Family(
         Fusion("self_attn.fused_qkv", (Q_PROJ, K_PROJ, V_PROJ)),
         Fusion("mlp.fused_gate_up", (GATE_PROJ, UP_PROJ)),
     ),
-    decode=DecodeLayout(
-        qkv="self_attn.fused_qkv",
-        o=O_PROJ,
-        gate_up="mlp.fused_gate_up",
-        down=DOWN_PROJ,
-        in_norm="input_layernorm",
-        post_norm="post_attention_layernorm",
-        attention="self_attn",
-    ),
+    decode=LLAMA_DECODE,
     gguf=GgufNames(
         architectures=("llama",),
         model_type="llama",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from quantkit.models.llama import ATTENTION_LINEARS, LLAMA, MLP_LINEARS
+from quantkit.models.llama import ATTENTION_LINEARS, LLAMA, LLAMA_DECODE, MLP_LINEARS
 
 QWEN3 = replace(
     LLAMA,
@@ -19,7 +19,6 @@ QWEN3 = replace(
     },
     bias_flags={"attention_bias": ATTENTION_LINEARS, "mlp_bias": MLP_LINEARS},
     qk_norm=True,
-    decode=None,
-    pytorch_reason="PyTorch path: the C step has no per-head q/k RMSNorm before rope",
+    decode=replace(LLAMA_DECODE, q_norm="self_attn.q_norm", k_norm="self_attn.k_norm"),
     gguf=None,
 )

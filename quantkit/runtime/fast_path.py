@@ -33,6 +33,7 @@ import torch
 
 from quantkit.errors import GenerationError
 from quantkit.fused_kernels.cpu.decode import (
+    ACTIVATION_CODES,
     CpuDecodeStep,
     DecoderDims,
     DecoderLayerParts,
@@ -110,6 +111,8 @@ class CpuDecodePath:
         why = model.config.pytorch_only()
         if layout is None or why is not None:
             return why or f"family {model.family.name}: no C decode layout"
+        if model.config.activation not in ACTIVATION_CODES:
+            return f"a {model.config.activation} MLP (the C step's: {', '.join(ACTIVATION_CODES)})"
         if model.device.type != "cpu" or model.dtype != torch.float32:
             return f"needs fp32 on CPU, got {model.dtype} on {model.device.type}"
         for i, layer in enumerate(model.model.layers):
@@ -130,22 +133,34 @@ class CpuDecodePath:
         for layer in model.model.layers:
             kernels = self._layer_kernels(layout, layer)
             assert kernels is not None
-            cache = layer_part(layer, layout.attention).cache
-            if cache is None:
+            attention = layer_part(layer, layout.attention)
+            if attention.cache is None:
                 return "needs a KV cache"
+
+            def norm(name: str | None, layer: object = layer) -> torch.Tensor | None:
+                return None if name is None else layer_part(layer, name).multiplier()
+
             parts.append(
                 DecoderLayerParts(
                     *kernels,  # type: ignore[arg-type]
-                    in_norm=layer_part(layer, layout.in_norm).weight.detach(),
-                    post_norm=layer_part(layer, layout.post_norm).weight.detach(),
-                    k_cache=cache.k,
-                    v_cache=cache.v,
+                    in_norm=norm(layout.in_norm),  # type: ignore[arg-type]
+                    post_norm=norm(layout.post_norm),  # type: ignore[arg-type]
+                    k_cache=attention.cache.k,
+                    v_cache=attention.cache.v,
+                    q_norm=norm(layout.q_norm),
+                    k_norm=norm(layout.k_norm),
+                    attn_out_norm=norm(layout.attn_out_norm),
+                    ffn_out_norm=norm(layout.ffn_out_norm),
+                    sliding=attention.window is not None,
+                    rope=attention.rope_index,
                 )
             )
         cfg = model.config
         dims = DecoderDims(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.intermediate_size, cfg.rms_norm_eps,
+            cfg.intermediate_size, cfg.rms_norm_eps, window=cfg.sliding_window,
+            ropes=len(cfg.ropes), activation=cfg.activation, attn_scale=cfg.attn_scale,
+            attn_softcap=cfg.attn_softcap,
         )  # fmt: skip
         try:
             self.step = CpuDecodeStep(parts, dims, act_dtype=self.act_dtype)

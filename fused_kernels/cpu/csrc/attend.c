@@ -95,7 +95,8 @@ static inline float kv_scale16(const int kv, const uint8_t *r, int64_t D) {
 }
 #endif
 
-/* One query head over its cache row: o = softmax(q k^T * scale) v over keys 0..npos-1, the
+/* One query head over its cache row: o = softmax(q k^T * scale) v over keys 0..npos-1 (with
+   cap > 0 each scaled logit becomes cap * tanh(logit / cap) first: Gemma 2's soft-cap), the
    keys and values in format KV, E bytes apart; sc [npos] is scratch. The portable loop below
    does one dot product per key (16 partial sums reduced per key) and accumulates o through
    memory. With AVX-512 and D a multiple of 16 (up to 256): scores 8 keys at a time reduced
@@ -104,7 +105,7 @@ static inline float kv_scale16(const int kv, const uint8_t *r, int64_t D) {
    ~26 MB a step at context ~70). */
 static inline __attribute__((always_inline)) void attend_nv(
     const int NV16, const int KV, const float *q, const uint8_t *kc, const uint8_t *vc,
-    int64_t npos, int64_t D, float scale, float *sc, float *o, float *ml) {
+    int64_t npos, int64_t D, float scale, float cap, float *sc, float *o, float *ml) {
     const int64_t E = kv_bytes(KV, D);
     float mx = -INFINITY, sum = 0.0f;
 #if defined(__AVX512F__)
@@ -126,6 +127,10 @@ static inline __attribute__((always_inline)) void attend_nv(
             hsum8_add(a, sc + j);
         }
         for (; j < npos; j++) sc[j] = kv_dot(KV, q, kc + j * E, D) * kv_scale(KV, kc + j * E, D);
+        if (cap > 0.0f) {  /* soft-capped: the scores become the final logits */
+            for (j = 0; j < npos; j++) sc[j] = tanhf(sc[j] * scale / cap) * cap;
+            scale = 1.0f;
+        }
         /* softmax over the scores, 16 at a time; o is normalised once at the end */
         const __m512 sv = _mm512_set1_ps(scale);
         __m512 mv = _mm512_set1_ps(-INFINITY), tot = _mm512_setzero_ps();
@@ -164,6 +169,7 @@ static inline __attribute__((always_inline)) void attend_nv(
         const uint8_t *kr = kc + j * E;
         sc[j] = KV >= KV_I8 ? kv_dot(KV, q, kr, D) * kv_scale(KV, kr, D) * scale
                             : kv_dot(KV, q, kr, D) * scale;
+        if (cap > 0.0f) sc[j] = tanhf(sc[j] / cap) * cap;
         mx = sc[j] > mx ? sc[j] : mx;
     }
     for (int64_t j = 0; j < npos; j++) sc[j] = expf(sc[j] - mx);
@@ -184,17 +190,17 @@ static inline __attribute__((always_inline)) void attend_nv(
    activations, A/B in one run: R=8 4.73 -> 4.45 ms, R=1 2.10 -> 2.05 ms; bit-identical. */
 #define ATTEND_FORMAT(KV)                                                                   \
     do {                                                                                    \
-        if (D == 64) attend_nv(4, KV, q, kc, vc, npos, D, scale, sc, o, ml);                \
-        else if (D == 128) attend_nv(8, KV, q, kc, vc, npos, D, scale, sc, o, ml);          \
+        if (D == 64) attend_nv(4, KV, q, kc, vc, npos, D, scale, cap, sc, o, ml);                \
+        else if (D == 128) attend_nv(8, KV, q, kc, vc, npos, D, scale, cap, sc, o, ml);          \
         else if (D % 16 == 0 && D <= 256)                                                   \
-            attend_nv((int)(D / 16), KV, q, kc, vc, npos, D, scale, sc, o, ml);             \
-        else attend_nv(0, KV, q, kc, vc, npos, D, scale, sc, o, ml);                        \
+            attend_nv((int)(D / 16), KV, q, kc, vc, npos, D, scale, cap, sc, o, ml);             \
+        else attend_nv(0, KV, q, kc, vc, npos, D, scale, cap, sc, o, ml);                        \
     } while (0)
 
 /* ml NULL: o = the attention output. ml set: a partial over these keys only (a chunk of a
    split row, `attend_merge`): ml = {max scaled score, sum of exponentials}, o unnormalised. */
 static void attend(int kv, const float *q, const uint8_t *kc, const uint8_t *vc, int64_t npos,
-                   int64_t D, float scale, float *sc, float *o, float *ml) {
+                   int64_t D, float scale, float cap, float *sc, float *o, float *ml) {
     switch (kv) {
     case KV_BF16: ATTEND_FORMAT(KV_BF16); break;
     case KV_I8: ATTEND_FORMAT(KV_I8); break;

@@ -16,6 +16,14 @@
      a = softmax(q k^T / sqrt(D)) v over positions 0..pos of its own cache row (GQA: q head h reads
          kv head h / (Hq/Hkv))
      x += W_o a ; h = rmsnorm(x) ; g, u = W_gate_up h ; x += W_down (silu(g) * u)
+   What the other dense families add, each where the layer's or the dims' field is set (the
+   Llama layer above when none is): an RMSNorm of each q and k head before rope (q_norm,
+   k_norm: Qwen3, Gemma 3); an RMSNorm of W_o a and of the down projection's output before each
+   residual add (attn_out_norm, ffn_out_norm: Gemma's sandwich norms; post_norm is then the
+   MLP's input norm); a GELU gate (act); a q k^T scale (attn_scale) and soft-capped logits
+   (attn_softcap: Gemma 2); sliding layers, which attend to the last d->window positions only;
+   and several rope tables, of which each layer reads its own (`rope`: Gemma 3's local rope).
+   Gemma's (1 + w) norm weights arrive as 1 + w.
    Each row attends to its own cache row's positions <= pos only, so it computes what it would
    alone (the causal mask of a right-padded or continuous batch). Rows may share a cache row at
    distinct positions: every row's K/V is written before any row attends, so R consecutive tokens
@@ -26,7 +34,8 @@
    already); speculative decoding's verification needs that. The cache may hold K/V as fp32,
    bf16, or int8 / fp8 e4m3 codes with a scale per head and position (`d->kv_dt`, attend.c).
    Return value: 0, 1 = unsupported group layout, 2 = the work buffer is too small, 3 = a slot or
-   position outside the cache, 4 = an unknown cache format. */
+   position outside the cache, 4 = an unknown cache format, 5 = a layer's rope table past
+   d->ropes. */
 
 /* The INT4 library's translation unit: the GEMV kernels (and through them `common.h` and
    `quantkit_kernels.h`, which declares qk_decoder_layer and qk_decoder_dims), then the step. */
@@ -100,7 +109,7 @@ int64_t qk_decode_work(const qk_decoder_layer *layers, int64_t n_layers,
                        const qk_decoder_dims *d, int64_t R, int n_threads) {
     int64_t qkv = (d->heads + 2 * d->kv_heads) * d->head_dim;
     const int64_t nch = chunks_of(d->slots, d->slots);
-    const int64_t units = R * d->heads + R * d->kv_heads * nch;
+    const int64_t units = 2 * (R * d->heads + R * d->kv_heads * nch);  /* full, sliding */
     return decode_gemv_scratch(layers, n_layers, R)
            + R * (d->hidden * 2 + qkv + d->heads * d->head_dim + 2 * d->inter)
            + (int64_t)(n_threads > 0 ? n_threads : 1) * d->slots
@@ -108,29 +117,38 @@ int64_t qk_decode_work(const qk_decoder_layer *layers, int64_t n_layers,
            + units * (int64_t)(sizeof(attend_unit) / sizeof(float)) + 64;
 }
 
-/* The units of this step (the same for every layer), long rows' first; returns how many and
-   sets *split when any row is split. */
+/* The first position a token at position p attends to: 0, or in a sliding layer the first of
+   the last `window` (transformers' rule: slot > p - window). */
+static int64_t first_key(const qk_decoder_dims *d, int64_t p, int64_t sliding) {
+    return sliding && d->window > 0 && p - d->window + 1 > 0 ? p - d->window + 1 : 0;
+}
+
+/* The units of this step for the full layers (sliding 0) or the sliding ones (1), the same for
+   every such layer, long rows' first; returns how many and sets *split when any row is split. */
 static int64_t attention_units(const qk_decoder_dims *d, int64_t R, const int64_t *pos,
-                               int64_t per_unit, attend_unit *units, int *split) {
+                               int64_t sliding, int64_t per_unit, attend_unit *units,
+                               int *split) {
     const int64_t Hq = d->heads, Hkv = d->kv_heads, group = Hq / Hkv;
     const int64_t ch = split_chunk(d->slots), nch_max = chunks_of(d->slots, d->slots);
     int64_t n = 0;
     *split = 0;
     for (int64_t r = 0; r < R; r++) {
-        const int64_t npos = pos[r] + 1, nch = chunks_of(npos, d->slots);
+        const int64_t lo = first_key(d, pos[r], sliding), end = pos[r] + 1;
+        const int64_t nch = chunks_of(end - lo, d->slots);
         if (nch < 2) continue;
         *split = 1;
         for (int64_t g = 0; g < Hkv; g++)
             for (int64_t c = 0; c < nch; c++) {
-                const int64_t j1 = (c + 1) * ch < npos ? (c + 1) * ch : npos;
-                units[n++] = (attend_unit){r, g * group, group, c * ch, j1,
+                const int64_t j1 = lo + (c + 1) * ch < end ? lo + (c + 1) * ch : end;
+                units[n++] = (attend_unit){r, g * group, group, lo + c * ch, j1,
                                            (r * Hq + g * group) * nch_max + c};
             }
     }
     for (int64_t u = 0; u < R * Hq / per_unit; u++) {
-        const int64_t r = u * per_unit / Hq, i0 = u * per_unit % Hq, npos = pos[r] + 1;
-        if (chunks_of(npos, d->slots) < 2)
-            units[n++] = (attend_unit){r, i0, per_unit, 0, npos, -1};
+        const int64_t r = u * per_unit / Hq, i0 = u * per_unit % Hq;
+        const int64_t lo = first_key(d, pos[r], sliding), end = pos[r] + 1;
+        if (chunks_of(end - lo, d->slots) < 2)
+            units[n++] = (attend_unit){r, i0, per_unit, lo, end, -1};
     }
     return n;
 }
@@ -195,6 +213,29 @@ static void silu_mul(float *g, const float *u, int64_t n) {
     for (; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
+/* g[i] = gelu(g[i]) * u[i] for i < n, GELU's tanh approximation (Gemma's GeGLU):
+   0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (1 + e^(2y)). */
+static void gelu_mul(float *g, const float *u, int64_t n) {
+    const float c0 = 0.7978845608028654f, c1 = 0.044715f;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
+    for (; i < n; i += 16) {
+        __mmask16 k = tail_mask(n - i);
+        __m512 gv = _mm512_maskz_loadu_ps(k, g + i), uv = _mm512_maskz_loadu_ps(k, u + i);
+        __m512 inner = _mm512_mul_ps(_mm512_set1_ps(c0),
+            _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(c1), gv), _mm512_mul_ps(gv, gv), gv));
+        __m512 e = exp16(_mm512_mul_ps(two, inner));
+        __m512 th = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(one, e)));
+        __m512 gelu = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), gv),
+                                    _mm512_add_ps(one, th));
+        _mm512_mask_storeu_ps(g + i, k, _mm512_mul_ps(gelu, uv));
+    }
+#endif
+    for (; i < n; i++)
+        g[i] = 0.5f * g[i] * (1.0f + tanhf(c0 * (g[i] + c1 * g[i] * g[i] * g[i]))) * u[i];
+}
+
 #include "attend.c"
 
 static void rope(float *v, const float *cos_, const float *sin_, int64_t D) {
@@ -217,10 +258,14 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
     const int64_t I = d->inter, S = d->slots, group = Hq / Hkv, QKV = (Hq + 2 * Hkv) * D;
     const int kv = (int)d->kv_dt;
     const int64_t E = kv_bytes(kv, D), row_stride = Hkv * S * E;  /* bytes: a position, a row */
-    const float eps = (float)d->eps, scale = 1.0f / sqrtf((float)D);
+    const float eps = (float)d->eps, cap = (float)d->attn_softcap;
+    const float scale = d->attn_scale > 0.0 ? (float)d->attn_scale : 1.0f / sqrtf((float)D);
+    const int64_t ropes = d->ropes > 0 ? d->ropes : 1;
     if (n_threads < 1) n_threads = 1;
     if (work_floats < qk_decode_work(layers, n_layers, d, R, n_threads)) return 2;
     if (kv < KV_F32 || kv > KV_FP8) return 4;
+    for (int64_t l = 0; l < n_layers; l++)
+        if (layers[l].rope < 0 || layers[l].rope >= ropes) return 5;
     for (int64_t r = 0; r < R; r++)
         if (pos[r] < 0 || pos[r] >= S || slot[r] < 0 || slot[r] >= d->cache_rows) return 3;
     for (int64_t l = 0; l < n_layers; l++) {
@@ -240,6 +285,8 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
     const int64_t nch_max = chunks_of(S, S);
     attend_unit *units =
         (attend_unit *)(((uintptr_t)(parts + R * Hq * nch_max * (D + 2)) + 7) & ~(uintptr_t)7);
+    /* the sliding layers' table after the full layers' (the most units one table takes) */
+    attend_unit *units_sliding = units + R * Hq + R * Hkv * nch_max;
     /* Attention work units: a row's whole GQA group of query heads, which then reads its K/V
        once from memory and again from L1/L2, when that leaves >= 4 units a thread; else one
        head (batch 1: 3 groups would leave a thread idle). Heads handed out one at a time sent
@@ -247,8 +294,14 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
        SmolLM2, 2 threads, A/B in one run: R=8 (context 61-110) 9.33 -> 8.48 ms, a 40-token
        prefill 32.3 -> 31.7 ms, R=1 unchanged. */
     const int64_t per_unit = R * Hkv >= 4 * n_threads ? group : 1;
-    int split;
-    const int64_t n_units = attention_units(d, R, pos, per_unit, units, &split);
+    int splits[2] = {0, 0};
+    int64_t n_units_of[2] = {0, 0};
+    for (int64_t l = 0; l < n_layers; l++) {  /* the tables the layers read, once each */
+        const int64_t sl = layers[l].sliding != 0;
+        if (n_units_of[sl] == 0)
+            n_units_of[sl] = attention_units(d, R, pos, sl, per_unit, sl ? units_sliding : units,
+                                             &splits[sl]);
+    }
 
     if (phases_on) phase_calls++;
     #pragma omp parallel num_threads(n_threads)
@@ -259,6 +312,8 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         const qk_decoder_layer *L = layers + l;
         const int xq = gemv_x_dt(&L->qkv, act_dt), xo = gemv_x_dt(&L->o, act_dt);
         const int xg = gemv_x_dt(&L->gate_up, act_dt), xd = gemv_x_dt(&L->down, act_dt);
+        const int64_t sl = L->sliding != 0, n_units = n_units_of[sl];
+        const attend_unit *lunits = sl ? units_sliding : units;
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) rmsnorm(x + r * H, L->in_norm, H, eps, h + r * H);
         PHASE_END(PH_NORM);
@@ -269,11 +324,16 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) {
             float *q = qkv + r * QKV, *k = q + Hq * D, *v = k + Hkv * D;
-            const float *c = cos_ + r * D, *sn = sin_ + r * D;
+            const int64_t at = (r * ropes + L->rope) * D;  /* this layer's table, row r */
+            const float *c = cos_ + at, *sn = sin_ + at;
             uint8_t *kc = (uint8_t *)L->k_cache + slot[r] * row_stride;
             uint8_t *vc = (uint8_t *)L->v_cache + slot[r] * row_stride;
-            for (int64_t i = 0; i < Hq; i++) rope(q + i * D, c, sn, D);
+            for (int64_t i = 0; i < Hq; i++) {
+                if (L->q_norm) rmsnorm(q + i * D, L->q_norm, D, eps, q + i * D);
+                rope(q + i * D, c, sn, D);
+            }
             for (int64_t i = 0; i < Hkv; i++) {
+                if (L->k_norm) rmsnorm(k + i * D, L->k_norm, D, eps, k + i * D);
                 rope(k + i * D, c, sn, D);
                 kv_put(kc + (i * S + pos[r]) * E, k + i * D, D, kv);
                 kv_put(vc + (i * S + pos[r]) * E, v + i * D, D, kv);
@@ -282,21 +342,21 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         PHASE_END(PH_ROPE_KV);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < n_units; u++) {
-            const attend_unit U = units[u];
+            const attend_unit U = lunits[u];
             const int64_t off = slot[U.r] * row_stride + ((U.i0 / group) * S + U.j0) * E;
             for (int64_t i = U.i0; i < U.i0 + U.nh; i++) {
                 float *part = U.part < 0 ? NULL
                             : parts + (U.part + (i - U.i0) * nch_max) * (D + 2);
                 attend(kv, qkv + U.r * QKV + i * D, (const uint8_t *)L->k_cache + off,
-                       (const uint8_t *)L->v_cache + off, U.j1 - U.j0, D, scale,
+                       (const uint8_t *)L->v_cache + off, U.j1 - U.j0, D, scale, cap,
                        scores + omp_get_thread_num() * S,
                        part ? part : att + (U.r * Hq + i) * D, part ? part + D : NULL);
             }
         }
-        if (split) {
+        if (splits[sl]) {
             #pragma omp for schedule(static)
             for (int64_t ri = 0; ri < R * Hq; ri++) {
-                const int64_t nch = chunks_of(pos[ri / Hq] + 1, S);
+                const int64_t p = pos[ri / Hq], nch = chunks_of(p + 1 - first_key(d, p, sl), S);
                 if (nch >= 2) attend_merge(parts + ri * nch_max * (D + 2), nch, D, att + ri * D);
             }
         }
@@ -307,6 +367,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         PHASE_END(PH_O);
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) {
+            if (L->attn_out_norm) rmsnorm(t + r * H, L->attn_out_norm, H, eps, t + r * H);
             for (int64_t i = r * H; i < (r + 1) * H; i++) x[i] += t[i];
             rmsnorm(x + r * H, L->post_norm, H, eps, h + r * H);
         }
@@ -319,15 +380,24 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         for (int64_t rc = 0; rc < R * n_chunks; rc++) {  /* 256-wide chunks: a vector loop */
             float *g = gu + (rc / n_chunks) * 2 * I;
             int64_t i0 = (rc % n_chunks) * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
-            silu_mul(g + i0, g + I + i0, i1 - i0);
+            if (d->act == 1) gelu_mul(g + i0, g + I + i0, i1 - i0);
+            else silu_mul(g + i0, g + I + i0, i1 - i0);
         }
         PHASE_END(PH_SILU);
         permute_x(gu, DT_F32, &L->down, R, 2 * I, xp, xd, row_invariant);
         PHASE_END(PH_PERMUTE);
         gemv_rows(&L->down, xp, xd, R, t, DT_F32, H, row_invariant);
         PHASE_END(PH_DOWN);
-        #pragma omp for schedule(static)
-        for (int64_t i = 0; i < R * H; i++) x[i] += t[i];
+        if (L->ffn_out_norm) {
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < R; r++) {
+                rmsnorm(t + r * H, L->ffn_out_norm, H, eps, t + r * H);
+                for (int64_t i = r * H; i < (r + 1) * H; i++) x[i] += t[i];
+            }
+        } else {
+            #pragma omp for schedule(static)
+            for (int64_t i = 0; i < R * H; i++) x[i] += t[i];
+        }
         PHASE_END(PH_NORM);
     }
     }

@@ -43,16 +43,27 @@ typedef struct {
     const uint8_t *zr;
 } qk_w4_layer;
 
-/* One decoder layer of the decode step (decode.c). */
+/* One decoder layer of the decode step (decode.c). The optional parts are NULL or 0 where a
+   family's layer lacks them (a Llama layer has none). */
 typedef struct {
     qk_w4_layer qkv, o, gate_up, down;
-    const float *in_norm, *post_norm;  /* [H] */
+    const float *in_norm, *post_norm;  /* [H]: the attention's and the MLP's input norms */
     void *k_cache, *v_cache;  /* this layer's cache: [cache_rows][Hkv][slots] heads (attend.c) */
+    const float *q_norm, *k_norm;  /* [D]: RMSNorm of each q and k head before rope (Qwen3) */
+    /* [H]: RMSNorm of the attention's and the MLP's outputs before each residual add (Gemma) */
+    const float *attn_out_norm, *ffn_out_norm;
+    int64_t sliding;  /* 1: each token attends to the last d->window positions only */
+    int64_t rope;  /* the rotary table this layer reads, 0 .. d->ropes - 1 */
 } qk_decoder_layer;
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter, slots, cache_rows, kv_dt;
     double eps;
+    int64_t window;  /* the sliding layers' window (positions), 0 when no layer slides */
+    int64_t ropes;  /* rotary tables: cos/sin hold ropes rows of D per token */
+    int64_t act;  /* the MLP's gate activation: 0 = SiLU, 1 = GELU (tanh approximation) */
+    double attn_scale;  /* the q k^T scale; 0: 1 / sqrt(D) */
+    double attn_softcap;  /* cap * tanh(logits / cap) on the scaled logits; 0: none */
 } qk_decoder_dims;
 
 /* One FP8 layer's static arguments, bound once (`CpuFp8Layer`): a decode call passes 9 arguments
@@ -111,7 +122,8 @@ int qk_decode_phases(int on, double *out);
 /* Every layer on x [R][H] in place; row_invariant: each row bit-identical to a one-row call.
    kv_dt in d: the cache format, 0 = fp32, 1 = bf16, 2 = int8, 3 = fp8 e4m3 (decode.c's attend.c).
    Return value: 0, 1 = unsupported group layout, 2 = the work buffer is too small, 3 = a slot or
-   position outside the cache, 4 = an unknown cache format. */
+   position outside the cache, 4 = an unknown cache format, 5 = a layer's rope table past
+   d->ropes. */
 int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_decoder_dims *d,
                    float *x, int64_t R, const int64_t *slot, const int64_t *pos,
                    const float *cos_, const float *sin_, int act_dt, int row_invariant,

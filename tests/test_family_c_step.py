@@ -1,0 +1,123 @@
+"""The one-call C decode step on every dense family's layer (tiny random INT4 models): per-head
+q/k norms (Qwen3, Gemma 3), Gemma's (1 + w) and sandwich norms, GELU gates, soft-capped logits
+and its q k^T scale, sliding-window layers and Gemma 3's second rope table. Each row's hidden
+state equals the PyTorch layers' on the same cache, for batched rows at their own cache rows and
+positions (past the window), for a chunked prefill, and for a long row whose attention is split
+in chunks (flash-decoding) inside a window."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantkit.format.scheme import QuantScheme
+from quantkit.fused_kernels.cpu.w4a16 import cpu_kernel_available
+from quantkit.quantize.pipeline import quantize_model
+from quantkit.runtime.loader import load_model
+from tests.family_models import FAMILIES, SLIDING_WINDOW, make_family_model
+
+pytestmark = [
+    pytest.mark.skipif(not cpu_kernel_available(), reason="needs gcc for the C kernel"),
+    pytest.mark.usefixtures("one_thread"),
+]
+TOL = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def _checkpoint(name: str, tmp: Path, **config: object) -> Path:
+    src = make_family_model(name, tmp / "src")
+    if config:
+        data = json.loads((src / "config.json").read_text())
+        (src / "config.json").write_text(json.dumps({**data, **config}))
+    outcome = quantize_model(src, scheme=QuantScheme("int4", 32))
+    return outcome.save(tmp / "ckpt", source_dir=src)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_model(request, tmp_path_factory):
+    ckpt = _checkpoint(request.param, tmp_path_factory.mktemp(request.param))
+    return request.param, load_model(ckpt, tokenizer=False).model
+
+
+def _torch_layers(model, tokens, positions, slots, s: int) -> torch.Tensor:
+    """Hidden states [R, 1, H] after the PyTorch layers for one token per row, rows given in
+    cache-row order (slots 0..R-1), attending under the mask slot <= position."""
+    at = torch.tensor([[p] for p in positions])
+    x = model.embed(torch.tensor([[t] for t in tokens]))
+    cos, sin = model.rope(at)
+    mask = (torch.arange(s) <= at).view(len(tokens), 1, 1, s)
+    for layer in model.model.layers:
+        x = layer(x, cos, sin, positions=at, mask=mask)
+    return x
+
+
+def test_batched_rows_equal_the_pytorch_layers(family_model) -> None:
+    name, model = family_model
+    s, lengths = 40, [3, 2 * SLIDING_WINDOW + 5, 1, SLIDING_WINDOW + 1]
+    with torch.no_grad():
+        model.setup_cache(batch=4, max_len=s)
+        assert model.decode_path.reason == "bound", (name, model.decode_path.reason)
+        g = torch.Generator().manual_seed(3)
+        ids = torch.randint(3, 512, (4, max(lengths)), generator=g)
+        pos = torch.arange(ids.shape[1]).expand(4, -1)
+        path, model.decode_path = model.decode_path, None
+        model(ids, positions=pos, mask=(torch.arange(s) <= pos[:1, :, None]).unsqueeze(1))
+        model.decode_path = path
+        tokens, slots = [42, 7, 99, 300], [2, 0, 3, 1]
+        fast = path.run_rows(model, tokens, lengths, slots)
+        order = sorted(range(4), key=lambda r: slots[r])
+        model.decode_path = None  # rewrites the same cache positions
+        slow = _torch_layers(
+            model, [tokens[r] for r in order], [lengths[r] for r in order], None, s
+        )
+        model.decode_path = path
+        model.drop_cache()
+    torch.testing.assert_close(fast[order], slow, **TOL, msg=name)
+
+
+def test_chunked_prefill_equals_the_pytorch_path(family_model) -> None:
+    """One row's tokens in two chunks through the step (each a causal prefill over the cache),
+    against the PyTorch path's logits, past the window."""
+    name, model = family_model
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 512, (1, 2 * SLIDING_WINDOW + 6), generator=g)
+    s, out = 48, {}
+    path = model.decode_path
+    for fast in (True, False):
+        model.decode_path = path if fast else None
+        with torch.no_grad():
+            model.setup_cache(batch=1, max_len=s)
+            if fast:
+                assert path.reason == "bound", (name, path.reason)
+            chunks = []
+            for lo, hi in ((0, SLIDING_WINDOW + 3), (SLIDING_WINDOW + 3, ids.shape[1])):
+                pos = torch.arange(lo, hi).unsqueeze(0)
+                mask = (torch.arange(s) <= pos[0, :, None]).view(1, 1, hi - lo, s)
+                chunks.append(model(ids[:, lo:hi], positions=pos, mask=mask))
+            model.drop_cache()
+        out[fast] = torch.cat(chunks, dim=1)
+    model.decode_path = path
+    torch.testing.assert_close(out[True], out[False], **TOL, msg=name)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "mistral"])
+def test_a_long_row_split_in_chunks_inside_its_window(name: str, tmp_path: Path) -> None:
+    """A row at position 1300 with a 700-position window: its sliding layers attend to
+    positions 601..1300 in two chunks of 512 (flash-decoding), the full ones (Gemma 2's) to
+    all 1301 in three; the hidden state equals the PyTorch layers'."""
+    model = load_model(_checkpoint(name, tmp_path, sliding_window=700), tokenizer=False).model
+    s, n = 1312, 1300
+    g = torch.Generator().manual_seed(9)
+    ids = torch.randint(3, 512, (1, n), generator=g)
+    with torch.no_grad():
+        model.setup_cache(batch=1, max_len=s)
+        path, model.decode_path = model.decode_path, None
+        assert path.reason == "bound", path.reason
+        pos = torch.arange(n).unsqueeze(0)
+        model(ids, positions=pos, mask=(torch.arange(s) <= pos[0, :, None]).view(1, 1, n, s))
+        fast = path.run_rows(model, [77], [n])
+        slow = _torch_layers(model, [77], [n], None, s)
+        model.decode_path = path
+    torch.testing.assert_close(fast, slow, **TOL)
