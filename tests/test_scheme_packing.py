@@ -134,3 +134,28 @@ def test_fp8_per_channel_and_per_token() -> None:
     assert xs[0].item() == pytest.approx(2.0 / 448)
     assert x8[0].float().tolist() == [224.0, -448.0, 112.0]
     assert x8[1].float().tolist() == [0.0, 0.0, 0.0]
+
+
+def test_int8_absmax_in_blocks_of_rows_equals_the_whole_matrix(monkeypatch) -> None:
+    """A large matrix is rounded a block of rows at a time (bounded temporaries): the same
+    codes and scales, bit for bit, including an all-zero row and a 3-D input."""
+    from quantkit.format import packing
+
+    x = torch.randn(37, 24, generator=torch.Generator().manual_seed(0)) * 3
+    x[5] = 0
+    whole = packing.int8_absmax(x)
+    monkeypatch.setattr(packing, "INT8_BLOCK_ELEMENTS", 24 * 4)  # 4 rows a block, 10 blocks
+    for got, want in zip(packing.int8_absmax(x), whole, strict=True):
+        assert torch.equal(got, want)
+    codes, scale = packing.int8_absmax(x.view(37, 2, 12))
+    assert codes.shape == (37, 2, 12) and scale.shape == (37, 2, 1)
+
+
+def test_interleave16_in_chunks_equals_one_pass() -> None:
+    from quantkit.fused_kernels.cpu.launch import interleave16
+
+    t = torch.arange(53 * 5, dtype=torch.int32).view(53, 5)
+    pad = torch.cat([t, t.new_full((11, 5), -1)])
+    want = pad.view(-1, 16, 5).transpose(1, 2).contiguous()
+    for tiles in (1, 2, 4, 100):
+        assert torch.equal(interleave16(t, fill=-1, tiles_at_once=tiles), want), tiles

@@ -67,7 +67,9 @@ class I8I8Weight:
         self.block = int8_block(k, k)
         if not self.block:
             return
-        u8 = (weight.to(torch.int16) + 128).to(torch.uint8).contiguous()
+        u8 = torch.empty(n, k, dtype=torch.uint8)
+        for r in range(0, n, 16384):  # through int16 a block of rows at a time
+            u8[r : r + 16384] = (weight[r : r + 16384].to(torch.int16) + 128).to(torch.uint8)
         self.words = interleave16(u8.view(torch.int32))  # rows past N: computed, never stored
         pad = -n % 16
         self.scale = torch.cat([scale.float(), scale.new_zeros(pad, dtype=torch.float32)])

@@ -33,13 +33,19 @@ def int8_block(group: int, in_features: int) -> int:
     return next((a for a in (128, 64, 32) if group % a == 0 and in_features % a == 0), 0)
 
 
-def interleave16(t: torch.Tensor, *, fill: int = 0) -> torch.Tensor:
+def interleave16(t: torch.Tensor, *, fill: int = 0, tiles_at_once: int = 4096) -> torch.Tensor:
     """[N, C] -> [ceil(N / 16), C, 16] contiguous: element (j, l) of tile i is t[16 i + l, j];
-    rows past N hold `fill`."""
-    pad = -t.shape[0] % 16
-    if pad:
-        t = torch.cat([t, t.new_full((pad, t.shape[1]), fill)])
-    return t.view(-1, 16, t.shape[1]).transpose(1, 2).contiguous()
+    rows past N hold `fill`. Written `tiles_at_once` tiles at a time, so a large t (an 8B
+    model's int8 head) needs no padded copy of itself."""
+    n, c = t.shape
+    out = t.new_empty((n + 15) // 16, c, 16)
+    for i in range(0, out.shape[0], tiles_at_once):
+        part = t[16 * i : 16 * (i + tiles_at_once)]
+        pad = -part.shape[0] % 16
+        if pad:
+            part = torch.cat([part, part.new_full((pad, c), fill)])
+        out[i : i + part.shape[0] // 16] = part.view(-1, 16, c).transpose(1, 2)
+    return out
 
 
 def library_loader(name: str) -> Callable[..., ctypes.CDLL]:

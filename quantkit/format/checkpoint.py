@@ -35,8 +35,8 @@ from quantkit.format.formats import FORMATS
 from quantkit.format.lazy_safetensors import (
     SafetensorsFiles,
     TensorEntry,
-    damaged,
     read_header,
+    read_tensor,
 )
 from quantkit.format.safetensors_writer import write_safetensors
 from quantkit.format.scheme import QuantScheme
@@ -443,15 +443,12 @@ def read_weight_map(index_file: Path) -> dict[str, str]:
 
 
 def load_shard(file: Path) -> dict[str, torch.Tensor]:
-    """One safetensors file's tensors; a truncated, empty or foreign file is a CheckpointError
-    naming it (safetensors checks the header against the file size before reading a byte)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(file), device="cpu")
-    except (SafetensorError, ValueError, RuntimeError) as e:
-        raise damaged(file, e) from e
+    """One safetensors file's tensors, each read into memory of its own (`read_tensor`); a
+    truncated, empty or foreign file is a CheckpointError naming it (the header is checked
+    against the file size before a byte of tensors is read). Not memory-mapped: a mapped
+    file's touched pages stay in the resident set as long as any tensor of it lives (4.7 GB
+    beside the 9.4 GB of tensors an 8B INT4 model holds after loading)."""
+    return {name: read_tensor(entry) for name, entry in read_header(file).items()}
 
 
 def shard_names(file: Path) -> list[str]:

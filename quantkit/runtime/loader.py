@@ -70,6 +70,10 @@ def load_model(
                 local, scheme=loaded.scheme, bias=bias, validated=True
             )
     model = build_model(loaded.config, loaded.tensors, dtype=options.torch_dtype(), modules=modules)
+    # The model holds what it needs; the read tensors it replaced (cast, or fused below) go now,
+    # not when this function returns.
+    loaded.tensors.clear()
+    del modules
     model = model.to(options.device)
     # q/k/v and gate/up as one matmul each (row views, no extra memory; see
     # quantkit.runtime.fusion).
