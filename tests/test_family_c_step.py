@@ -17,7 +17,7 @@ from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.cpu.w4a16 import cpu_kernel_available
 from quantkit.quantize.pipeline import quantize_model
 from quantkit.runtime.loader import load_model
-from tests.family_models import FAMILIES, SLIDING_WINDOW, make_family_model
+from tests.family_models import FAMILIES, MOE_FAMILIES, SLIDING_WINDOW, make_family_model
 
 pytestmark = [
     pytest.mark.skipif(not cpu_kernel_available(), reason="needs gcc for the C kernel"),
@@ -35,7 +35,7 @@ def _checkpoint(name: str, tmp: Path, **config: object) -> Path:
     return outcome.save(tmp / "ckpt", source_dir=src)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES + MOE_FAMILIES)
 def family_model(request, tmp_path_factory):
     ckpt = _checkpoint(request.param, tmp_path_factory.mktemp(request.param))
     return request.param, load_model(ckpt, tokenizer=False).model
@@ -121,3 +121,23 @@ def test_a_long_row_split_in_chunks_inside_its_window(name: str, tmp_path: Path)
         slow = _torch_layers(model, [77], [n], None, s)
         model.decode_path = path
     torch.testing.assert_close(fast, slow, **TOL)
+
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_a_moe_step_reads_only_its_rows_top_k_experts(name: str, tmp_path: Path) -> None:
+    """The roofline's bytes per step count, of a layer's experts, the top-k one row runs (and
+    the expected distinct ones for more rows); the memory total still counts them all."""
+    from quantkit.perf.roofline import model_read_bytes
+
+    model = load_model(_checkpoint(name, tmp_path), tokenizer=False).model
+    moe = model.config.moe
+    experts = sum(
+        m.weight_bytes() for where, m in model.named_modules()
+        if ".experts." in where and hasattr(m, "weight_bytes")
+    )  # fmt: skip
+    everything = model_read_bytes(model, batch=10**6)  # every expert is somebody's
+    one = model_read_bytes(model)
+    assert everything.unread == 0 and one.total == everything.total
+    assert one.unread == round(experts * (1 - moe.top_k / moe.experts))
+    assert one.read_per_step == everything.read_per_step - one.unread
+    assert 0 < model_read_bytes(model, batch=2).unread < one.unread

@@ -163,11 +163,4 @@ def test_an_expert_no_token_reaches_is_rounded_to_nearest(
     report = json.loads((saved / "quantkit.json").read_text())["report"]
     assert report["moe_calibration"][0]["rtn_fallback"] == [3]
     code, out, _ = run_cli(capsys, "inspect", str(saved))
-    assert (
-        code == 0
-        and (
-            f"cpu decode   PyTorch path, not the C step: family {name}: PyTorch path: the C step "
-            "has no mixture-of-experts block"
-        )
-        in out
-    )
+    assert code == 0 and "cpu decode   PyTorch path" not in out  # the C step runs it

@@ -176,7 +176,8 @@ def test_parser_reads_every_declaration() -> None:
     assert structs["qk_decoder_layer"][0] == ("qkv", ("qk_w4_layer", 0))
     assert structs["qk_decoder_layer"][5] == ("post_norm", ("float", 1))
     assert structs["qk_decoder_dims"][8] == ("eps", ("double", 0))
-    assert structs["qk_decoder_dims"][-1] == ("attn_softcap", ("double", 0))
+    assert structs["qk_decoder_dims"][-1] == ("expert_inter", ("int64_t", 0))
+    assert structs["qk_decoder_layer"][-1] == ("experts", ("qk_w4_layer", 1))
 
 
 def _with_fields(cls: type, edit) -> type:

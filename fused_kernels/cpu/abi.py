@@ -65,6 +65,8 @@ class DecoderLayer(Structure):
         ("ffn_out_norm", c_void_p),
         ("sliding", c_int64),
         ("rope", c_int64),
+        ("router", c_void_p),
+        ("experts", POINTER(W4Layer)),
     ]
 
 
@@ -86,6 +88,10 @@ class DecoderDims(Structure):
         ("act", c_int64),
         ("attn_scale", c_double),
         ("attn_softcap", c_double),
+        ("experts", c_int64),
+        ("top_k", c_int64),
+        ("renormalize", c_int64),
+        ("expert_inter", c_int64),
     ]
 
 

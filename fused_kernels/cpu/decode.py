@@ -24,6 +24,7 @@ import torch
 from quantkit.errors import KernelUnavailableError
 from quantkit.fused_kernels.cpu.abi import DecoderDims as _Dims
 from quantkit.fused_kernels.cpu.abi import DecoderLayer as _DecoderLayer
+from quantkit.fused_kernels.cpu.abi import W4Layer as _W4Layer
 from quantkit.fused_kernels.cpu.launch import check_status
 from quantkit.fused_kernels.cpu.w4a16 import ACT_CODES, CpuInt4Layer, _library
 
@@ -43,7 +44,11 @@ __all__ = [
 # The phases of a layer that `speed.decode_phases` times (csrc/decode.c, enum PH_*, in its order):
 # "norm" holds the RMSNorms and residual adds, "permute" the activations' rearrangement (and
 # bf16 rounding) before each GEMV, "rope_kv" the rotary embedding and the K/V cache write.
-PHASES = ("norm", "permute", "qkv", "rope_kv", "attention", "o", "gate_up", "silu", "down")
+# "route" is a MoE layer's router, top-k and gathering of each expert's rows (the experts'
+# GEMVs count as gate_up and down).
+PHASES = (
+    "norm", "permute", "qkv", "rope_kv", "attention", "o", "gate_up", "silu", "down", "route",
+)  # fmt: skip
 
 
 def bf16_activations_available() -> bool:
@@ -90,6 +95,12 @@ class DecoderDims:
     activation: str = "silu"  # one of ACTIVATION_CODES
     attn_scale: float | None = None  # None: head_dim ** -0.5
     attn_softcap: float | None = None  # Gemma 2's cap on the attention logits
+    # The MoE layers': experts, experts a token runs, their weights renormalised to sum 1,
+    # an expert's intermediate size (0 without MoE).
+    experts: int = 0
+    top_k: int = 0
+    renormalize: bool = False
+    expert_inter: int = 0
 
 
 @dataclass(frozen=True)
@@ -100,8 +111,8 @@ class DecoderLayerParts:
 
     qkv: CpuInt4Layer
     o: CpuInt4Layer
-    gate_up: CpuInt4Layer
-    down: CpuInt4Layer
+    gate_up: CpuInt4Layer | None  # None in a MoE layer
+    down: CpuInt4Layer | None
     in_norm: torch.Tensor  # the attention's input norm
     post_norm: torch.Tensor  # the MLP's input norm
     k_cache: torch.Tensor
@@ -112,6 +123,10 @@ class DecoderLayerParts:
     ffn_out_norm: torch.Tensor | None = None
     sliding: bool = False  # attends to the last `DecoderDims.window` positions only
     rope: int = 0  # the rotary table it reads
+    # A mixture of experts in place of gate_up / down: the router's weight [experts, H] fp32,
+    # and each expert's (gate, up, down).
+    router: torch.Tensor | None = None
+    experts: tuple[tuple[CpuInt4Layer, CpuInt4Layer, CpuInt4Layer], ...] | None = None
 
 
 # The cache formats the step reads, by the cache tensors' dtype: (its `kv_dt` code, E - D).
@@ -130,17 +145,49 @@ def _expect(what: str, got: object, want: object) -> None:
         raise ValueError(f"{what}: expected {want}, got {got}")
 
 
-def _check_layer(i: int, p: DecoderLayerParts, d: DecoderDims) -> None:
+def _matmuls(i: int, p: DecoderLayerParts, d: DecoderDims) -> list[tuple[str, object, int, int]]:
+    """(name, layer, N, K) of each matmul of layer i: q/k/v, o, then gate_up and down, or each
+    expert's gate, up and down."""
     qkv_n = (d.heads + 2 * d.kv_heads) * d.head_dim
-    for name, layer, n, k in (
-        ("qkv", p.qkv, qkv_n, d.hidden),
-        ("o", p.o, d.hidden, d.heads * d.head_dim),
-        ("gate_up", p.gate_up, 2 * d.inter, d.hidden),
-        ("down", p.down, d.hidden, d.inter),
-    ):
+    out = [("qkv", p.qkv, qkv_n, d.hidden), ("o", p.o, d.hidden, d.heads * d.head_dim)]
+    if p.router is None:
+        return [
+            *out,
+            ("gate_up", p.gate_up, 2 * d.inter, d.hidden),
+            ("down", p.down, d.hidden, d.inter),
+        ]
+    if p.experts is None or len(p.experts) != d.experts or not 1 <= d.top_k <= d.experts:
+        raise ValueError(
+            f"layer {i} experts: expected {d.experts} (gate, up, down), top_k 1 to "
+            f"{d.experts}, got {None if p.experts is None else len(p.experts)}, top_k {d.top_k}"
+        )
+    _expect(
+        f"layer {i} router",
+        (p.router.dtype, tuple(p.router.shape), p.router.is_contiguous()),
+        (torch.float32, (d.experts, d.hidden), True),
+    )
+    sizes = ((d.expert_inter, d.hidden), (d.expert_inter, d.hidden), (d.hidden, d.expert_inter))
+    for e, parts in enumerate(p.experts):
+        for part, layer, (n, k) in zip(("gate", "up", "down"), parts, sizes, strict=True):
+            out.append((f"expert {e} {part}", layer, n, k))
+    return out
+
+
+def _check_layer(i: int, p: DecoderLayerParts, d: DecoderDims) -> None:
+    groups: dict[str, int] = {}
+    for name, layer, n, k in _matmuls(i, p, d):
+        if layer is None:
+            raise ValueError(f"layer {i} {name}: expected an INT4 layer, got none")
         _expect(f"layer {i} {name} [N, K]", (layer.out_features, layer.in_features), (n, k))
         if layer.variant is not None:
             raise ValueError(f"layer {i} {name}: expected the default kernel variant")
+        if name.startswith("expert"):  # every expert's groups are the first's (one scratch)
+            role = name.rsplit(" ", 1)[1]
+            _expect(
+                f"layer {i} {name} group size",
+                layer.group_size,
+                groups.setdefault(role, layer.group_size),
+            )
     norms = {
         "in_norm": (p.in_norm, d.hidden), "post_norm": (p.post_norm, d.hidden),
         "q_norm": (p.q_norm, d.head_dim), "k_norm": (p.k_norm, d.head_dim),
@@ -203,15 +250,22 @@ class CpuDecodeStep:
             _expect(f"layer {i} cache", (p.k_cache.dtype, tuple(p.k_cache.shape)), (kind, shape))
         self.cache_rows, self.slots = shape[0], shape[2]
         if act_dtype == torch.int8:  # the int8 tile's interleaved copies, before the structs
-            for p in layers:
-                for layer in (p.qkv, p.o, p.gate_up, p.down):
-                    layer.interleave()
+            for i, p in enumerate(layers):
+                for _, layer, _, _ in _matmuls(i, p, dims):
+                    layer.interleave()  # type: ignore[attr-defined]
         self._keep = list(layers)  # the tensors behind the pointers stay alive
         self._layers = (_DecoderLayer * len(layers))()
+        self._experts = []  # each MoE layer's W4Layer array, alive as long as the step
         for dst, p in zip(self._layers, layers, strict=True):
-            dst.qkv, dst.o, dst.gate_up, dst.down = (
-                p.qkv._layer, p.o._layer, p.gate_up._layer, p.down._layer,
-            )  # fmt: skip
+            dst.qkv, dst.o = p.qkv._layer, p.o._layer
+            if p.gate_up is not None and p.down is not None:
+                dst.gate_up, dst.down = p.gate_up._layer, p.down._layer
+            if p.router is not None and p.experts is not None:
+                array = (_W4Layer * (3 * len(p.experts)))(
+                    *(layer._layer for parts in p.experts for layer in parts)
+                )
+                self._experts.append(array)
+                dst.router, dst.experts = p.router.data_ptr(), array
             dst.in_norm, dst.post_norm = p.in_norm.data_ptr(), p.post_norm.data_ptr()
             dst.k_cache, dst.v_cache = p.k_cache.data_ptr(), p.v_cache.data_ptr()
             dst.q_norm, dst.k_norm, dst.attn_out_norm, dst.ffn_out_norm = (
@@ -223,6 +277,7 @@ class CpuDecodeStep:
             dims.hidden, dims.heads, dims.kv_heads, dims.head_dim, dims.inter, self.slots,
             self.cache_rows, CACHE_FORMATS[kind][0], dims.eps, dims.window or 0, dims.ropes,
             ACTIVATION_CODES[dims.activation], dims.attn_scale or 0.0, dims.attn_softcap or 0.0,
+            dims.experts, dims.top_k, int(dims.renormalize), dims.expert_inter,
         )  # fmt: skip
         self.hidden, self.head_dim, self.ropes = dims.hidden, dims.head_dim, dims.ropes
         lib = _library()  # qk_decode_work, qk_decode_step: typed by `abi`

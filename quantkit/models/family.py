@@ -54,12 +54,13 @@ class DecodeLayout:
     activation, down, [RMSNorm of down's output], residual add. The bracketed norms are named
     where a family has them. The window, rope tables, activation and attention scale/soft-cap
     are the model's config (`ModelConfig`). A family whose layer differs otherwise (a
-    mixture of experts) has no layout (`Family.decode` None)."""
+    mixture of experts takes `moe` in place of gate_up / down) has no layout (`Family.decode`
+    None)."""
 
     qkv: str  # a Fusion's `into`, or a Linear the checkpoint stores fused (Phi-3)
     o: str
-    gate_up: str  # a Fusion's `into`, or a stored fused Linear
-    down: str
+    gate_up: str | None  # a Fusion's `into`, or a stored fused Linear; None with `moe`
+    down: str | None
     in_norm: str
     post_norm: str  # the MLP's input norm
     attention: str  # the module holding the layer's KV cache (`cache`)
@@ -67,6 +68,9 @@ class DecodeLayout:
     k_norm: str | None = None
     attn_out_norm: str | None = None  # Gemma's sandwich norms
     ffn_out_norm: str | None = None
+    # A mixture of experts in place of the MLP (`models.moe.SparseMoe`): its module, whose
+    # router and experts the step runs (the top-k experts of each row only).
+    moe: str | None = None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from quantkit.models.family import Fusion, Moe, ScaleGroup
-from quantkit.models.llama import ATTENTION_LINEARS, K_PROJ, O_PROJ, Q_PROJ, V_PROJ
+from quantkit.models.llama import (
+    ATTENTION_LINEARS,
+    K_PROJ,
+    LLAMA_DECODE,
+    O_PROJ,
+    Q_PROJ,
+    V_PROJ,
+)
 from quantkit.models.mistral import MISTRAL
 
 ATTENTION_ONLY = {
@@ -27,14 +34,16 @@ ATTENTION_ONLY = {
     "input_groups": ((Q_PROJ, K_PROJ, V_PROJ), (O_PROJ,)),
     "fused": (Fusion("self_attn.fused_qkv", (Q_PROJ, K_PROJ, V_PROJ)),),
     "decode": None,
-    "pytorch_reason": "PyTorch path: the C step has no mixture-of-experts block",
     "gguf": None,
 }
+
+# The C step's layer: the MoE block `block_sparse_moe` in place of the MLP.
+MOE_DECODE = replace(LLAMA_DECODE, gate_up=None, down=None, moe="block_sparse_moe")
 
 MIXTRAL = replace(
     MISTRAL,
     model_types=("mixtral",),
-    **ATTENTION_ONLY,
+    **{**ATTENTION_ONLY, "decode": MOE_DECODE},
     bias_flags=None,
     moe=Moe(
         block="block_sparse_moe",

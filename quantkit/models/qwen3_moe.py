@@ -12,13 +12,18 @@ from dataclasses import replace
 
 from quantkit.models.family import Moe
 from quantkit.models.llama import ATTENTION_LINEARS
-from quantkit.models.mixtral import ATTENTION_ONLY
+from quantkit.models.mixtral import ATTENTION_ONLY, MOE_DECODE
 from quantkit.models.qwen3 import QWEN3
 
 QWEN3_MOE = replace(
     QWEN3,
     model_types=("qwen3_moe",),
-    **ATTENTION_ONLY,
+    **{
+        **ATTENTION_ONLY,
+        "decode": replace(
+            MOE_DECODE, moe="mlp", q_norm="self_attn.q_norm", k_norm="self_attn.k_norm"
+        ),
+    },
     bias_flags={"attention_bias": ATTENTION_LINEARS},  # experts carry no bias
     moe=Moe(
         block="mlp",

@@ -180,6 +180,9 @@ class WeightBytes:
     lm_head: int  # 0 when tied
     other: int  # norms, biases
     tied: bool
+    # Of linear + qparams, the bytes of experts a step does not run (a mixture of experts reads
+    # each row's top-k experts only): stored, not read (`model_read_bytes`).
+    unread: int = 0
 
     @property
     def total(self) -> int:
@@ -192,7 +195,7 @@ class WeightBytes:
 
     @property
     def read_per_step(self) -> int:
-        return self.linear + self.qparams + self.other + self.head
+        return self.linear + self.qparams + self.other + self.head - self.unread
 
 
 def _linear_bytes(
@@ -348,16 +351,22 @@ def _nbytes(t: Any) -> int:
     return t.numel() * t.element_size()
 
 
-def model_read_bytes(model: CausalLM) -> WeightBytes:
-    """What one decode step reads from a loaded model's real tensors, by part.
+def model_read_bytes(model: CausalLM, *, batch: int = 1) -> WeightBytes:
+    """What one decode step of `batch` rows reads from a loaded model's real tensors, by part.
 
     Compressed Linears count their own bytes (`QuantLinear.weight_bytes()`: packed ints or fp8,
     scales, zero points, bias), split into the packed weight and the rest; dense Linears their
     weight (and bias); norms their weight. The embedding table is stored but decode reads one
     row of it per sequence, so it counts in `embedding` (memory) only, unless it is also the
     tied lm_head, which reads it in full. A tensor shared by two modules counts once.
+
+    A mixture of experts runs each row's top-k experts only (the C step reads no other): of a
+    layer's E experts, a step of one row reads k, and of `batch` rows E (1 - (1 - k/E)^batch)
+    on average when the router spreads tokens evenly. The rest is `unread`.
     """
     linear = qparams = other = 0
+    moe = model.config.moe
+    expert_bytes = 0
     seen: set[int] = set()
 
     def fresh(t: Any) -> bool:
@@ -368,7 +377,8 @@ def model_read_bytes(model: CausalLM) -> WeightBytes:
         seen.add(key)
         return True
 
-    for module in model.model.layers.modules():
+    for where, module in model.model.layers.named_modules():
+        in_expert = ".experts." in where
         if hasattr(module, "weight_bytes"):  # QuantLinear, duck-typed: no import upward needed
             main = getattr(module, "weight_packed", None)
             main = module.weight if main is None else main
@@ -377,14 +387,20 @@ def model_read_bytes(model: CausalLM) -> WeightBytes:
             linear += _nbytes(main)
             other += extra
             qparams += module.weight_bytes() - _nbytes(main) - extra
+            expert_bytes += module.weight_bytes() - extra if in_expert else 0
             continue
         for name, p in module.named_parameters(recurse=False):
             if not fresh(p):
                 continue
             if isinstance(module, nn.Linear) and name == "weight":
                 linear += _nbytes(p)
+                expert_bytes += _nbytes(p) if in_expert else 0
             else:
                 other += _nbytes(p)
+    unread = 0
+    if moe is not None and expert_bytes:
+        read = moe.experts * (1 - (1 - moe.top_k / moe.experts) ** max(batch, 1))
+        unread = round(expert_bytes * (1 - read / moe.experts))
     other += _nbytes(model.model.norm.weight)
     embed = model.model.embed_tokens.weight
     if hasattr(model.lm_head, "weight_bytes"):  # a quantized head: its packed weight and scales
@@ -400,6 +416,7 @@ def model_read_bytes(model: CausalLM) -> WeightBytes:
         lm_head=head_bytes,
         other=other,
         tied=tied,
+        unread=unread,
     )
 
 
@@ -465,7 +482,7 @@ def decode_roofline(
 ) -> DecodeRoofline:
     """The roofline of `model`'s decode at `context` tokens of cache per row (use the mean
     context over the measured steps) and `batch` rows, from its real tensors."""
-    weights = model_read_bytes(model)
+    weights = model_read_bytes(model, batch=batch)
     traffic = bytes_per_decode_step(
         weights.read_per_step, model_kv_bytes_per_token(model), context=context, batch=batch
     )

@@ -90,18 +90,23 @@ class CpuDecodePath:
         self.reason = self._bind(model)
 
     @staticmethod
-    def _layer_kernels(layout: DecodeLayout, layer: object) -> list[object | None] | None:
-        """A decoder layer's four bound C kernels, qkv, o, gate_up, down (None where a Linear
-        is not INT4 on the cpu backend), or None when q/k/v or gate/up are not fused. A layout
-        part that is a Linear (a checkpoint storing q/k/v fused, Phi-3) is its own matmul."""
-        qkv, gate_up = layer_part(layer, layout.qkv), layer_part(layer, layout.gate_up)
-        matmuls = []
-        for part in (qkv, gate_up):
-            if part is None or (hasattr(part, "valid") and not part.valid()):
-                return None
-            matmuls.append(getattr(part, "fused", part))
-        o, down = layer_part(layer, layout.o), layer_part(layer, layout.down)
-        return [_cpu_int4(m) for m in (matmuls[0], o, matmuls[1], down)]
+    def _layer_kernels(
+        layout: DecodeLayout, layer: object
+    ) -> tuple[list[object | None], list[tuple[object | None, ...]] | None] | None:
+        """A decoder layer's bound C kernels (None where a Linear is not INT4 on the cpu
+        backend): [qkv, o, gate_up, down] and None, or for a mixture of experts [qkv, o] and
+        each expert's (gate, up, down); None when q/k/v or gate/up are not fused. A layout part
+        that is a Linear (a checkpoint storing q/k/v fused, Phi-3) is its own matmul."""
+        fused = [layer_part(layer, name) for name in (layout.qkv, layout.gate_up) if name]
+        if any(part is None or (hasattr(part, "valid") and not part.valid()) for part in fused):
+            return None
+        matmuls = [getattr(part, "fused", part) for part in fused]
+        kernels = [_cpu_int4(matmuls[0]), _cpu_int4(layer_part(layer, layout.o))]
+        if layout.moe is not None:
+            experts = layer_part(layer, layout.moe).experts
+            return kernels, [tuple(_cpu_int4(getattr(e, n)) for n in e.names) for e in experts]
+        assert layout.down is not None
+        return [*kernels, _cpu_int4(matmuls[1]), _cpu_int4(layer_part(layer, layout.down))], None
 
     def unsupported(self, model: CausalLM) -> str | None:
         """Why the step cannot run `model` (whatever its cache), or None when it can."""
@@ -116,10 +121,11 @@ class CpuDecodePath:
         if model.device.type != "cpu" or model.dtype != torch.float32:
             return f"needs fp32 on CPU, got {model.dtype} on {model.device.type}"
         for i, layer in enumerate(model.model.layers):
-            kernels = self._layer_kernels(layout, layer)
-            if kernels is None:
+            found = self._layer_kernels(layout, layer)
+            if found is None:
                 return f"layer {i}: q/k/v or gate/up not fused"
-            if any(k is None for k in kernels):
+            kernels, experts = found
+            if any(k is None for k in kernels) or any(None in e for e in experts or ()):
                 return f"layer {i}: a Linear is not INT4 on the cpu backend"
         return None
 
@@ -131,8 +137,14 @@ class CpuDecodePath:
         assert layout is not None
         parts = []
         for layer in model.model.layers:
-            kernels = self._layer_kernels(layout, layer)
-            assert kernels is not None
+            found = self._layer_kernels(layout, layer)
+            assert found is not None
+            kernels, experts = found
+            router = None
+            if layout.moe is not None:
+                block = layer_part(layer, layout.moe)
+                router = getattr(block, block.router_name).weight.detach().float().contiguous()
+                kernels += [None, None]
             attention = layer_part(layer, layout.attention)
             if attention.cache is None:
                 return "needs a KV cache"
@@ -153,14 +165,19 @@ class CpuDecodePath:
                     ffn_out_norm=norm(layout.ffn_out_norm),
                     sliding=attention.window is not None,
                     rope=attention.rope_index,
+                    router=router,
+                    experts=None if experts is None else tuple(experts),  # type: ignore[arg-type]
                 )
             )
         cfg = model.config
+        moe = cfg.moe
         dims = DecoderDims(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.intermediate_size, cfg.rms_norm_eps, window=cfg.sliding_window,
             ropes=len(cfg.ropes), activation=cfg.activation, attn_scale=cfg.attn_scale,
-            attn_softcap=cfg.attn_softcap,
+            attn_softcap=cfg.attn_softcap, experts=moe.experts if moe else 0,
+            top_k=moe.top_k if moe else 0, renormalize=bool(moe and moe.renormalize),
+            expert_inter=moe.intermediate if moe else 0,
         )  # fmt: skip
         try:
             self.step = CpuDecodeStep(parts, dims, act_dtype=self.act_dtype)

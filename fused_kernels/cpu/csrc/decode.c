@@ -35,7 +35,7 @@
    bf16, or int8 / fp8 e4m3 codes with a scale per head and position (`d->kv_dt`, attend.c).
    Return value: 0, 1 = unsupported group layout, 2 = the work buffer is too small, 3 = a slot or
    position outside the cache, 4 = an unknown cache format, 5 = a layer's rope table past
-   d->ropes. */
+   d->ropes, 6 = a MoE layer with no experts or top_k not in 1..experts. */
 
 /* The INT4 library's translation unit: the GEMV kernels (and through them `common.h` and
    `quantkit_kernels.h`, which declares qk_decoder_layer and qk_decoder_dims), then the step. */
@@ -48,7 +48,7 @@ static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
    is an `omp for` and ends at its implicit barrier), so a phase's time includes the wait for
    its slowest thread. Off, the cost is one predictable branch per phase. */
 enum { PH_NORM, PH_PERMUTE, PH_QKV, PH_ROPE_KV, PH_ATTENTION, PH_O, PH_GATE_UP, PH_SILU, PH_DOWN,
-       QK_PHASES };  /* out[] of qk_decode_phases, in this order (decode_cpu.PHASES) */
+       PH_ROUTE, QK_PHASES };  /* out[] of qk_decode_phases, in this order (decode_cpu.PHASES) */
 static double phase_s[QK_PHASES];
 static int64_t phase_calls;
 static int phases_on;
@@ -72,16 +72,44 @@ int qk_decode_phases(int on, double *out) {
         } \
     } while (0)
 
+/* A layer's MLP matmuls: gate_up and down, or (a MoE layer) its first expert's gate, up and
+   down, which every expert's equal in shape and groups (the binding checks). */
+static int64_t mlp_layers(const qk_decoder_layer *L, const qk_w4_layer **out) {
+    if (!L->router) {
+        out[0] = &L->gate_up, out[1] = &L->down;
+        return 2;
+    }
+    out[0] = L->experts, out[1] = L->experts + 1, out[2] = L->experts + 2;
+    return 3;
+}
+
 static int64_t decode_gemv_scratch(const qk_decoder_layer *layers, int64_t n_layers, int64_t R) {
     int64_t gemv = 0;
     for (int64_t l = 0; l < n_layers; l++) {
         const qk_decoder_layer *L = layers + l;
+        const qk_w4_layer *mlp[3];
+        const int64_t n_mlp = mlp_layers(L, mlp);
         gemv = max64(gemv, gemv_scratch(&L->qkv, R));
         gemv = max64(gemv, gemv_scratch(&L->o, R));
-        gemv = max64(gemv, gemv_scratch(&L->gate_up, R));
-        gemv = max64(gemv, gemv_scratch(&L->down, R));
+        for (int64_t i = 0; i < n_mlp; i++) gemv = max64(gemv, gemv_scratch(mlp[i], R));
     }
     return gemv;
+}
+
+/* Floats of the MoE layers' buffers: the gathered rows and the experts' sum [R][H] each, the
+   router's probabilities [R][E], each row's top-k weights [R][k], each expert's rows' weights
+   [E][R], then 8-byte integers (2 floats each): each row's experts [R][k], each expert's rows
+   [E][R] and counts [E]. */
+static int64_t moe_floats(const qk_decoder_dims *d, int64_t R) {
+    const int64_t E = d->experts, K = d->top_k;
+    if (E <= 0) return 0;
+    return 2 * R * d->hidden + R * E + R * K + E * R + 2 * (R * K + E * R + E) + 2;
+}
+
+/* The MLP buffer's floats a row: gate and up outputs side by side, of the dense MLP or of an
+   expert, whichever is wider. */
+static int64_t gu_floats(const qk_decoder_dims *d) {
+    return 2 * max64(d->inter, d->experts > 0 ? d->expert_inter : 0);
 }
 
 /* Long rows' attention is split over chunks of positions (flash-decoding): a row whose context
@@ -111,7 +139,8 @@ int64_t qk_decode_work(const qk_decoder_layer *layers, int64_t n_layers,
     const int64_t nch = chunks_of(d->slots, d->slots);
     const int64_t units = 2 * (R * d->heads + R * d->kv_heads * nch);  /* full, sliding */
     return decode_gemv_scratch(layers, n_layers, R)
-           + R * (d->hidden * 2 + qkv + d->heads * d->head_dim + 2 * d->inter)
+           + R * (d->hidden * 2 + qkv + d->heads * d->head_dim + gu_floats(d))
+           + moe_floats(d, R)
            + (int64_t)(n_threads > 0 ? n_threads : 1) * d->slots
            + R * d->heads * nch * (d->head_dim + 2)                            /* partials */
            + units * (int64_t)(sizeof(attend_unit) / sizeof(float)) + 64;
@@ -272,19 +301,27 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         int64_t bpg;
         int gsh;
         const qk_decoder_layer *L = layers + l;
-        if (group_layout(&L->qkv, &bpg, &gsh) || group_layout(&L->o, &bpg, &gsh) ||
-            group_layout(&L->gate_up, &bpg, &gsh) || group_layout(&L->down, &bpg, &gsh))
-            return 1;
+        if (group_layout(&L->qkv, &bpg, &gsh) || group_layout(&L->o, &bpg, &gsh)) return 1;
+        const int64_t n_mlp = L->router ? 3 * d->experts : 2;
+        const qk_w4_layer *mlp = L->router ? L->experts : NULL;
+        for (int64_t i = 0; i < n_mlp; i++)
+            if (group_layout(mlp ? mlp + i : i ? &L->down : &L->gate_up, &bpg, &gsh)) return 1;
+        if (L->router && (d->experts < 1 || d->top_k < 1 || d->top_k > d->experts)) return 6;
     }
     /* work: xp + params (the GEMV scratch; xp first) | h [R][H] | t [R][H] | qkv [R][QKV] |
-       att [R][Hq * D] | gu [R][2I] | scores [n_threads][S] */
+       att [R][Hq * D] | gu [R][gu_floats] | scores [n_threads][S] | partials | the MoE
+       buffers (moe_floats) | the attention units */
     float *xp = work, *h = work + decode_gemv_scratch(layers, n_layers, R), *t = h + R * H;
     float *qkv = t + R * H, *att = qkv + R * QKV, *gu = att + R * Hq * D;
-    float *scores = gu + R * 2 * I, *parts = scores + (int64_t)n_threads * S;
+    float *scores = gu + R * gu_floats(d), *parts = scores + (int64_t)n_threads * S;
     const int64_t n_chunks = (I + 255) / 256;
     const int64_t nch_max = chunks_of(S, S);
-    attend_unit *units =
-        (attend_unit *)(((uintptr_t)(parts + R * Hq * nch_max * (D + 2)) + 7) & ~(uintptr_t)7);
+    const int64_t NE = d->experts, TK = d->top_k, EI = d->expert_inter;
+    float *xe = parts + R * Hq * nch_max * (D + 2), *acc = xe + R * H, *probs = acc + R * H;
+    float *wt = probs + R * NE, *w_of = wt + R * TK;  /* w_of [NE][R]: an expert's rows' weights */
+    int64_t *sel = (int64_t *)(((uintptr_t)(w_of + NE * R) + 7) & ~(uintptr_t)7);
+    int64_t *rows_of = sel + R * TK, *count = rows_of + NE * R;
+    attend_unit *units = (attend_unit *)(((uintptr_t)(xe + moe_floats(d, R)) + 7) & ~(uintptr_t)7);
     /* the sliding layers' table after the full layers' (the most units one table takes) */
     attend_unit *units_sliding = units + R * Hq + R * Hkv * nch_max;
     /* Attention work units: a row's whole GQA group of query heads, which then reads its K/V
@@ -311,7 +348,10 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
     for (int64_t l = 0; l < n_layers; l++) {
         const qk_decoder_layer *L = layers + l;
         const int xq = gemv_x_dt(&L->qkv, act_dt), xo = gemv_x_dt(&L->o, act_dt);
-        const int xg = gemv_x_dt(&L->gate_up, act_dt), xd = gemv_x_dt(&L->down, act_dt);
+        const qk_w4_layer *mlp[3];
+        mlp_layers(L, mlp);
+        const int xg = gemv_x_dt(mlp[0], act_dt);
+        const int xd = gemv_x_dt(L->router ? mlp[2] : mlp[1], act_dt);
         const int64_t sl = L->sliding != 0, n_units = n_units_of[sl];
         const attend_unit *lunits = sl ? units_sliding : units;
         #pragma omp for schedule(static)
@@ -372,6 +412,83 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
             rmsnorm(x + r * H, L->post_norm, H, eps, h + r * H);
         }
         PHASE_END(PH_NORM);
+        if (L->router) {  /* a mixture of experts, then on to the next layer */
+            /* the router's softmax probabilities, each row's top_k and their weights */
+            #pragma omp for schedule(static)
+            for (int64_t re = 0; re < R * NE; re++)
+                probs[re] = dot(h + (re / NE) * H, L->router + (re % NE) * H, H);
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < R; r++) {
+                float *p = probs + r * NE, mx = -INFINITY, sum = 0.0f, kept = 0.0f;
+                for (int64_t e = 0; e < NE; e++) mx = fmaxf(mx, p[e]);
+                for (int64_t e = 0; e < NE; e++) sum += (p[e] = expf(p[e] - mx));
+                for (int64_t e = 0; e < NE; e++) p[e] /= sum;
+                for (int64_t k = 0; k < TK; k++) {  /* the largest left, the lowest index first */
+                    int64_t best = -1;
+                    for (int64_t e = 0; e < NE; e++) {
+                        int taken = 0;
+                        for (int64_t j = 0; j < k; j++) taken |= sel[r * TK + j] == e;
+                        if (!taken && (best < 0 || p[e] > p[best])) best = e;
+                    }
+                    sel[r * TK + k] = best;
+                    kept += (wt[r * TK + k] = p[best]);
+                }
+                for (int64_t k = 0; d->renormalize && k < TK; k++) wt[r * TK + k] /= kept;
+            }
+            #pragma omp single
+            {  /* each expert's rows, in row order */
+                for (int64_t e = 0; e < NE; e++) count[e] = 0;
+                for (int64_t r = 0; r < R; r++)
+                    for (int64_t k = 0; k < TK; k++) {
+                        const int64_t e = sel[r * TK + k], c = count[e]++;
+                        rows_of[e * R + c] = r;
+                        w_of[e * R + c] = wt[r * TK + k];
+                    }
+            }
+            #pragma omp for schedule(static)
+            for (int64_t i = 0; i < R * H; i++) acc[i] = 0.0f;
+            PHASE_END(PH_ROUTE);
+            /* each chosen expert on its rows: acc[r] += w * down(act(gate(h_r)) * up(h_r)), in
+               expert order, then x += acc (the PyTorch block's order of additions) */
+            const int64_t e_chunks = (EI + 255) / 256;
+            for (int64_t e = 0; e < NE; e++) {
+                const int64_t n = count[e];
+                if (n == 0) continue;
+                const qk_w4_layer *G = L->experts + 3 * e;
+                #pragma omp for schedule(static)
+                for (int64_t i = 0; i < n; i++)
+                    memcpy(xe + i * H, h + rows_of[e * R + i] * H, (size_t)H * sizeof(float));
+                PHASE_END(PH_ROUTE);
+                permute_x(xe, DT_F32, G, n, H, xp, xg, row_invariant);
+                PHASE_END(PH_PERMUTE);
+                gemv_rows(G, xp, xg, n, gu, DT_F32, 2 * EI, row_invariant);
+                gemv_rows(G + 1, xp, xg, n, gu + EI, DT_F32, 2 * EI, row_invariant);
+                PHASE_END(PH_GATE_UP);
+                #pragma omp for schedule(static)
+                for (int64_t rc = 0; rc < n * e_chunks; rc++) {
+                    float *g = gu + (rc / e_chunks) * 2 * EI;
+                    int64_t i0 = (rc % e_chunks) * 256, i1 = i0 + 256 < EI ? i0 + 256 : EI;
+                    if (d->act == 1) gelu_mul(g + i0, g + EI + i0, i1 - i0);
+                    else silu_mul(g + i0, g + EI + i0, i1 - i0);
+                }
+                PHASE_END(PH_SILU);
+                permute_x(gu, DT_F32, G + 2, n, 2 * EI, xp, xd, row_invariant);
+                PHASE_END(PH_PERMUTE);
+                gemv_rows(G + 2, xp, xd, n, t, DT_F32, H, row_invariant);
+                PHASE_END(PH_DOWN);
+                #pragma omp for schedule(static)
+                for (int64_t i = 0; i < n; i++) {  /* an expert's rows are distinct rows */
+                    const float w = w_of[e * R + i];
+                    float *a = acc + rows_of[e * R + i] * H;
+                    for (int64_t j = 0; j < H; j++) a[j] += t[i * H + j] * w;
+                }
+                PHASE_END(PH_NORM);
+            }
+            #pragma omp for schedule(static)
+            for (int64_t i = 0; i < R * H; i++) x[i] += acc[i];
+            PHASE_END(PH_NORM);
+            continue;
+        }
         permute_x(h, DT_F32, &L->gate_up, R, H, xp, xg, row_invariant);
         PHASE_END(PH_PERMUTE);
         gemv_rows(&L->gate_up, xp, xg, R, gu, DT_F32, 2 * I, row_invariant);

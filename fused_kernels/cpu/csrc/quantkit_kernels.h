@@ -54,6 +54,11 @@ typedef struct {
     const float *attn_out_norm, *ffn_out_norm;
     int64_t sliding;  /* 1: each token attends to the last d->window positions only */
     int64_t rope;  /* the rotary table this layer reads, 0 .. d->ropes - 1 */
+    /* A mixture of experts in place of gate_up / down (Mixtral, Qwen3-MoE), or NULL: the
+       router [d->experts][H] (fp32), and each expert's gate, up and down layers in turn
+       ([d->experts][3]). */
+    const float *router;
+    const qk_w4_layer *experts;
 } qk_decoder_layer;
 
 typedef struct {
@@ -64,6 +69,9 @@ typedef struct {
     int64_t act;  /* the MLP's gate activation: 0 = SiLU, 1 = GELU (tanh approximation) */
     double attn_scale;  /* the q k^T scale; 0: 1 / sqrt(D) */
     double attn_softcap;  /* cap * tanh(logits / cap) on the scaled logits; 0: none */
+    /* The MoE layers': experts, how many each token runs (top_k), whether their softmax
+       weights are renormalised to sum 1, and an expert's intermediate size; 0 without MoE. */
+    int64_t experts, top_k, renormalize, expert_inter;
 } qk_decoder_dims;
 
 /* One FP8 layer's static arguments, bound once (`CpuFp8Layer`): a decode call passes 9 arguments
@@ -113,9 +121,10 @@ int qk_w4_dequant(const int32_t *wq, int64_t n0, int64_t n1, int64_t K, int64_t 
 int64_t qk_decode_work(const qk_decoder_layer *layers, int64_t n_layers,
                        const qk_decoder_dims *d, int64_t R, int n_threads);
 
-/* Seconds spent in each phase by the steps since the last call into out[9] (unless NULL), in
+/* Seconds spent in each phase by the steps since the last call into out[10] (unless NULL), in
    the order of a layer: norms and residual adds, the activations' rearrangement before each
-   GEMV, qkv, rope + K/V write, attention, o, gate_up, silu, down (enum PH_* in decode.c);
+   GEMV, qkv, rope + K/V write, attention, o, gate_up, silu, down, and the MoE layers' routing
+   (router, top-k, gathering each expert's rows; their GEMVs count as gate_up and down);
    then zeroes them and turns the timers on or off. Returns how many steps ran timed. */
 int qk_decode_phases(int on, double *out);
 
@@ -123,7 +132,7 @@ int qk_decode_phases(int on, double *out);
    kv_dt in d: the cache format, 0 = fp32, 1 = bf16, 2 = int8, 3 = fp8 e4m3 (decode.c's attend.c).
    Return value: 0, 1 = unsupported group layout, 2 = the work buffer is too small, 3 = a slot or
    position outside the cache, 4 = an unknown cache format, 5 = a layer's rope table past
-   d->ropes. */
+   d->ropes, 6 = a MoE layer with no experts or top_k not in 1..experts. */
 int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_decoder_dims *d,
                    float *x, int64_t R, const int64_t *slot, const int64_t *pos,
                    const float *cos_, const float *sin_, int act_dt, int row_invariant,
