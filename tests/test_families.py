@@ -105,8 +105,18 @@ def test_entry_is_self_consistent(family: Family) -> None:
     assert all(set(v) <= linears for v in (family.bias_flags or {}).values())
     if family.decode is not None:
         d = family.decode
-        assert {d.qkv, d.gate_up} <= {f.into for f in family.fused} | linears  # Phi-3: stored
-        assert {d.o, d.down} <= linears and {d.in_norm, d.post_norm} <= norms
+        fused_or_stored = {f.into for f in family.fused} | linears  # Phi-3: stored fused
+        assert d.qkv in fused_or_stored and d.o in linears
+        assert {d.in_norm, d.post_norm} <= norms
+        # the MLP: gate_up and down, or a mixture of experts (whose Linears are per model)
+        assert (d.moe is None) == (family.moe is None)
+        if d.moe is None:
+            assert d.gate_up in fused_or_stored and d.down in linears
+        else:
+            assert d.moe == family.moe.block and d.gate_up is None and d.down is None
+        extra = (d.q_norm, d.k_norm, d.attn_out_norm, d.ffn_out_norm)
+        assert {n for n in extra if n is not None} <= norms
+        assert (d.q_norm is None) == (d.k_norm is None) == (not family.qk_norm)
     if family.gguf is not None:
         assert set(family.gguf.layer.values()) == linears | norms
         assert set(family.gguf.rope_permuted) <= set(family.gguf.layer)
