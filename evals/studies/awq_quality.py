@@ -18,31 +18,23 @@ import statistics
 import time
 from pathlib import Path
 
-from quantkit.evals.accuracy.perplexity import perplexity
 from quantkit.evals.common import print_and_save
+from quantkit.evals.studies.heldout import held_out, reference_ppl
+from quantkit.evals.studies.heldout import ppl as _ppl
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import build_model
 from quantkit.quantize.algorithms import DEFAULT_CALIB_SAMPLES, GPTQ_CALIB_SAMPLES
 from quantkit.quantize.awq import AwqConfig
-from quantkit.quantize.calibration import calibration_samples, heldout_tokens, wiki_split
-from quantkit.quantize.pipeline import load_dense, quantize_model
-from quantkit.sources.resolve import resolve_model
-from quantkit.sources.tokenizer import load_tokenizer
-
-
-def _ppl(model, tokens) -> float:
-    return perplexity(model, tokens, window=512, progress=True).ppl
+from quantkit.quantize.calibration import calibration_samples, wiki_split
+from quantkit.quantize.pipeline import quantize_model
 
 
 def run(args: argparse.Namespace) -> dict:
-    model_dir = resolve_model(args.model)
-    tok = load_tokenizer(model_dir)
-    held = heldout_tokens(tok, max_tokens=args.eval_tokens)
+    data = held_out(args.model, args.eval_tokens)
+    model_dir, tok, held = data.model_dir, data.tokenizer, data.tokens
     group = args.group_size if args.group_size == "auto" else int(args.group_size)
     results: dict = {"model": args.model, "eval_tokens": held.numel(), "window": 512}
-    _, dense, _ = load_dense(model_dir)
-    results["reference"] = _ppl(dense, held)
-    del dense
+    results["reference"] = reference_ppl(data)
     print(f"reference  ppl {results['reference']:.3f}", flush=True)
 
     rtn = quantize_model(model_dir, scheme=QuantScheme("int4", group))

@@ -26,19 +26,18 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from quantkit.evals.accuracy.perplexity import perplexity
 from quantkit.evals.common import print_and_save
+from quantkit.evals.studies.heldout import held_out, reference_ppl
+from quantkit.evals.studies.heldout import ppl as _ppl
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import build_model
 from quantkit.quantize.algorithms import ALGORITHMS, Algorithm, QuantizeJob
 from quantkit.quantize.awq import AwqConfig
 from quantkit.quantize.awq_gptq import awq_gptq_walk
-from quantkit.quantize.calibration import calibration_samples, heldout_tokens, wiki_split
+from quantkit.quantize.calibration import calibration_samples, wiki_split
 from quantkit.quantize.gptq import GptqConfig
 from quantkit.quantize.layer_walk import LayerWalk
-from quantkit.quantize.pipeline import load_dense, quantize_model
-from quantkit.sources.resolve import resolve_model
-from quantkit.sources.tokenizer import load_tokenizer
+from quantkit.quantize.pipeline import quantize_model
 
 CONFIGS: dict[str, type[AwqConfig] | type[GptqConfig]] = {"awq": AwqConfig, "gptq": GptqConfig}
 
@@ -111,10 +110,6 @@ def _default(section: str, field: str) -> Any:
     return defaults.get(field)
 
 
-def _ppl(model, tokens) -> float:
-    return perplexity(model, tokens, window=512, progress=True).ppl
-
-
 def _baseline(path: Path | None, want: dict[str, Any]) -> dict[str, Any] | None:
     """An earlier run's reference and RTN perplexities, when measured on the same tokens."""
     if path is None:
@@ -127,9 +122,8 @@ def _baseline(path: Path | None, want: dict[str, Any]) -> dict[str, Any] | None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     variants = [parse_variant(v) for v in args.variants]  # bad specs fail before any work
-    model_dir = resolve_model(args.model)
-    tok = load_tokenizer(model_dir)
-    held = heldout_tokens(tok, max_tokens=args.eval_tokens)
+    data = held_out(args.model, args.eval_tokens)
+    model_dir, tok, held = data.model_dir, data.tokenizer, data.tokens
     group = args.group_size if args.group_size == "auto" else int(args.group_size)
     scheme = QuantScheme("int4", group, args.symmetric)
     results: dict[str, Any] = {"model": args.model, "eval_tokens": held.numel(), "window": 512}
@@ -139,9 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if old is not None:
         results["reference"], results["rtn"] = old["reference"], old["rtn"]
     else:
-        _, dense, _ = load_dense(model_dir)
-        results["reference"] = _ppl(dense, held)
-        del dense
+        results["reference"] = reference_ppl(data)
         results["rtn"] = _ppl(build_model(rtn.config, rtn.dense_state()), held)
     del rtn
     print(f"reference ppl {results['reference']:.3f}, rtn {results['rtn']:.3f}", flush=True)

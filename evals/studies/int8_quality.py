@@ -20,12 +20,11 @@ from typing import Any
 
 from quantkit.evals.accuracy.perplexity import perplexity
 from quantkit.evals.common import print_and_save
+from quantkit.evals.studies.heldout import held_out, reference_ppl
 from quantkit.format.scheme import QuantScheme
-from quantkit.quantize.calibration import calibration_samples, heldout_tokens, wiki_split
-from quantkit.quantize.pipeline import load_dense, quantize_model
+from quantkit.quantize.calibration import calibration_samples, wiki_split
+from quantkit.quantize.pipeline import quantize_model
 from quantkit.quantize.smoothquant import SmoothQuantConfig
-from quantkit.sources.resolve import resolve_model
-from quantkit.sources.tokenizer import load_tokenizer
 
 _KEYS = {"alpha": float, "linear_prev": int, "samples": int, "seq_len": int}
 INT8 = QuantScheme("int8")
@@ -43,13 +42,10 @@ def parse_variant(text: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    model_dir = resolve_model(args.model)
-    tok = load_tokenizer(model_dir)
-    held = heldout_tokens(tok, max_tokens=args.eval_tokens)
+    data = held_out(args.model, args.eval_tokens)
+    model_dir, tok, held = data.model_dir, data.tokenizer, data.tokens
     results: dict[str, Any] = {"model": args.model, "eval_tokens": held.numel(), "window": 512}
-    _, dense, _ = load_dense(model_dir)
-    results["reference"] = perplexity(dense, held, window=512, progress=True).ppl
-    del dense
+    results["reference"] = reference_ppl(data)
     print(f"reference          ppl {results['reference']:.3f}", flush=True)
     t0 = time.perf_counter()
     rtn = quantize_model(model_dir, scheme=INT8, algorithm="rtn")
