@@ -13,8 +13,9 @@ requires):
    (native code, no Python loop over the vocabulary); rows in an accepting state also get every
    EOS id, so a sequence can only end where the grammar is complete;
 3. with a token budget, rows close to running out are steered to finish in time (`budget`);
-4. unpack the bits and set the disallowed logits to -inf with numpy: single-threaded passes,
-   no torch.compile warm-up, no OpenMP threads competing with the model's (see `_apply_mask`).
+4. set the disallowed logits to -inf: one C pass over the bits and the logits on CPU, numpy or
+   torch elsewhere; single-threaded, no OpenMP threads competing with the model's (see
+   `_apply_mask`).
 
 The time of every call is kept in `mask_times_s` (see `mask_stats`).
 
@@ -30,6 +31,7 @@ catches reuse without a reset.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +40,7 @@ import numpy as np
 import torch
 
 from quantkit.errors import GrammarError
+from quantkit.fused_kernels.cpu.logit_mask import mask_logits, mask_logits_available
 from quantkit.grammar.budget import WINDOW, CompletionPlan
 from quantkit.grammar.compiler import CompiledGrammar
 from quantkit.grammar.vocabulary import byte_tokens
@@ -61,15 +64,22 @@ def _bit(token: int) -> np.int32:
     return np.uint32(1 << (token & 31)).view(np.int32)
 
 
-def _apply_mask(logits: torch.Tensor, allowed: np.ndarray) -> torch.Tensor:
-    """logits with the disallowed entries set to -inf (a new tensor).
+def _apply_mask(logits: torch.Tensor, bits: np.ndarray) -> torch.Tensor:
+    """logits with the tokens whose bit is clear set to -inf (a new tensor).
 
-    On CPU with float32 logits this runs in numpy, single-threaded: torch's masked_fill splits
-    a 49k-wide row over its OpenMP threads, which on a busy 2-core machine took 1.7 ms per call
-    instead of 31 us on one thread (measured), the oversubscription the issue warns about. The
-    allowed entries are copied into a row of -inf (`copyto` with `where`): 29-39 us for 49152
-    logits against 72-77 us for `np.where` (2-core AMD EPYC, quiet).
+    On CPU with float32 logits one C pass (`fused_kernels.cpu.logit_mask`) reads the bits and
+    the logits once and writes the result: after the decode step has streamed the weights
+    through every cache, the numpy path below (unpack the bits, a fresh -inf row, copy where
+    allowed) took 150-400 us a 49k row on a 2-core EPYC, the C pass ~10. Elsewhere (float64,
+    no C compiler) numpy, single-threaded: torch's masked_fill splits a 49k-wide row over its
+    OpenMP threads, which on a busy 2-core machine took 1.7 ms per call instead of 31 us on one
+    thread (measured), the oversubscription the issue warns about. On other devices torch.
     """
+    vocab = logits.shape[1]
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and _c_mask():
+        return mask_logits(logits, bits)
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, count=vocab, bitorder="little")
+    allowed = allowed.view(np.bool_)
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         array = logits.numpy()
         out = np.full(array.shape, -np.inf, dtype=array.dtype)
@@ -77,6 +87,12 @@ def _apply_mask(logits: torch.Tensor, allowed: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(out)
     allowed_t = torch.from_numpy(allowed).to(logits.device, non_blocking=True)
     return logits.masked_fill(allowed_t.logical_not(), float("-inf"))
+
+
+@functools.cache
+def _c_mask() -> bool:
+    """Whether the C mask pass loads here (checked once per process)."""
+    return mask_logits_available()
 
 
 class GrammarLogitsProcessor:
@@ -115,6 +131,7 @@ class GrammarLogitsProcessor:
         self.max_new_tokens = max_new_tokens
         # byte -> a token that is exactly that byte (every byte-level vocabulary has them).
         self._byte_token = byte_tokens(self.vocabulary)
+        _c_mask()  # load the C mask pass now (~10 ms once), not inside the first step's time
         self.mask_times_s: list[float] = []
         self.reset()
 
@@ -323,8 +340,7 @@ class GrammarLogitsProcessor:
             self._extra = 0
         self._width = width
         bits = self._fill(logits)
-        allowed = np.unpackbits(bits.view(np.uint8), axis=1, count=vocab, bitorder="little")
-        out = _apply_mask(logits, allowed.view(np.bool_))
+        out = _apply_mask(logits, bits)
         self.mask_times_s.append(time.perf_counter() - started)
         return out
 

@@ -362,6 +362,18 @@ FUNCTIONS: dict[str, Fn] = {
         y_stride=c_int64,
         n_threads=c_int,
     ),
+    # logit_mask.c
+    "qk_mask_logits": fn(
+        c_int,
+        logits=c_void_p,
+        in_stride=c_int64,
+        out=c_void_p,
+        out_stride=c_int64,
+        bits=c_void_p,
+        words=c_int64,
+        rows=c_int64,
+        vocab=c_int64,
+    ),
 }
 
 # --------------------------------------------------------------------------------------- libraries
@@ -412,6 +424,7 @@ LIBRARIES: dict[str, Library] = {
         ),  # fmt: skip
     ),
     "qk_int8_cpu": Library("int8.c", ("qk_w8a8_available", "qk_w8a8_quant_tokens", "qk_w8a8_gemm")),
+    "qk_logit_mask": Library("logit_mask.c", ("qk_mask_logits",)),
 }
 
 

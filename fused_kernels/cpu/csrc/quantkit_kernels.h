@@ -210,4 +210,12 @@ int qk_w8a8_gemm(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
                  int64_t Kp, const float *scale, const float *bias, int64_t N, float *y,
                  int64_t y_stride, int n_threads);
 
+/* ---- logit_mask.c (library qk_logit_mask): a grammar's bitmask on a step's logits. ---- */
+
+/* out [rows, vocab] = logits where bit v of the row's mask (bits [rows, words] uint32, bit v % 32
+   of word v / 32) is set, else -inf. Strides in floats. Returns 0, 1 = a bad argument
+   (words * 32 < vocab). */
+int qk_mask_logits(const float *logits, int64_t in_stride, float *out, int64_t out_stride,
+                   const uint32_t *bits, int64_t words, int64_t rows, int64_t vocab);
+
 #endif /* QUANTKIT_KERNELS_H */
