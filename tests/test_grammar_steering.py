@@ -246,3 +246,17 @@ def test_a_key_that_could_only_end_as_a_written_one_is_not_begun(vocab) -> None:
                          steps=60)  # fmt: skip
     assert ended and no_repeated_keys(text) and validate_json(text, schema) is None, text
     assert json.loads(text).keys() == {"ab", "cd"}, text
+
+
+def test_a_value_that_would_close_into_a_cornered_key_is_not_closed_so(vocab) -> None:
+    """`{"ab":"","cd":"` then `","`: one token closes the value and opens a key of an object
+    whose every name is written (the corner entered from inside a string value, as a held-out
+    JSONSchemaBench output did). The screen reads where the token leaves the text, not its
+    first byte, so `","` is cleared and the value closes with `"` instead."""
+    value = {"type": "string", "pattern": "^[a-z]*$"}  # no `,` inside: `","` can only close
+    schema = {"type": "object", "patternProperties": {"^(ab|cd)$": value},
+              "additionalProperties": False}  # fmt: skip
+    processor = GrammarLogitsProcessor(llg(schema, vocab), max_new_tokens=60)
+    text, ended = greedy(processor, vocab, ['","', '"', "a", "b", "c", "d", ":", "}"], steps=60)
+    assert ended and no_repeated_keys(text) and validate_json(text, schema) is None, text
+    assert json.loads(text) == {"ab": "", "cd": ""}, text

@@ -137,6 +137,30 @@ class DistinctItems:
         finally:
             del self.text[size:]
 
+    def key_after(self, data: bytes) -> tuple[set[bytes], bytes, bool] | None:
+        """Where `data` would leave a key of an object that has written keys: (those keys, as
+        written with quotes; the new key's text so far; whether its opening quote is still to
+        come, after a `,`). None when it leaves none (no object, one without keys, a value), or
+        when `data` itself would end a repeat. This state is left as it was (as
+        `first_repeat`: the probe shares the text, cut back afterwards)."""
+        frames = [f.copy() for f in self.stack]
+        probe = DistinctItems(self.text, frames, self.in_string, self.escaped, self.string_start,
+                              self.items, self.keys, self.whole_names, self.writable)  # fmt: skip
+        size = len(self.text)
+        try:
+            if not probe.feed(data, shared=True):
+                return None
+            top = probe.stack[-1] if probe.stack else None
+            if top is None or top.array or not top.keys:
+                return None
+            if probe.in_string and top.key == probe.string_start:
+                return top.keys, bytes(probe.text[top.key + 1 :]), False
+            if not probe.in_string and top.want_key:
+                return top.keys, b"", True
+            return None
+        finally:
+            del self.text[size:]
+
     def probe(self) -> DistinctItems:
         """A copy to walk ahead with: its own text and open containers, the seen items and
         keys shared (feed it with `shared=True`, which replaces them rather than adds)."""

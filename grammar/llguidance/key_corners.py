@@ -56,15 +56,8 @@ class KeyCorners:
                logits: torch.Tensor) -> int:  # fmt: skip
         """Clear the best tokens of `line` that lead into a corner (see the module docstring);
         how many were cleared."""
-        top = state.stack[-1] if state.stack else None
-        if top is None or top.array or not top.keys or not state.keys:
-            return 0
-        in_key = state.in_string and top.key == state.string_start
-        if state.in_string and not in_key:
-            return 0  # inside a value's string
-        written = {k[1:-1] for k in top.keys}
-        so_far = bytes(state.text[top.key + 1 :]) if in_key else None
-        after_value = not state.in_string and not top.want_key  # a `,` would begin a key
+        if not state.keys or not any(not f.array and f.keys for f in state.stack):
+            return 0  # no open object has written keys: no corner to enter
         words = line.view(np.uint32)
         allowed = set_bits(words)
         if not allowed.size:
@@ -72,15 +65,16 @@ class KeyCorners:
         scores = logits.detach().float().numpy()[allowed]
         cleared = 0
         for token in allowed[np.argsort(-scores, kind="stable")][:TOP].tolist():
-            data = self.token_bytes.get(token, b"")
-            quote = False  # the key's opening quote is still to come after this token
-            if after_value:
-                if not data.startswith(b","):
-                    return cleared  # `}` or more of the value: no key begins
-                quote, data = data == b",", data[1:]
-            name = b"" if quote else self._name_after(so_far, data)
-            if name is None or not any(w.startswith(name) for w in written):
-                return cleared  # closes a new key, or leaves written keys' names: safe
+            # Where the token leaves the text: inside a key, or after a `,` before one. A
+            # token can close a string value and begin a key at once (`","`), so it is fed
+            # to a probe of the text state rather than read by its first byte.
+            where = state.key_after(self.token_bytes.get(token, b""))
+            if where is None:
+                return cleared  # leaves no key of an object with written keys: safe
+            keys, name, quote = where
+            written = {k[1:-1] for k in keys}
+            if not any(w.startswith(name) for w in written):
+                return cleared  # leaves written keys' names: safe
             copy = matcher.deep_copy()
             if not copy.consume_token(token):
                 return cleared
@@ -95,19 +89,21 @@ class KeyCorners:
             cleared += 1
         return cleared
 
-    @staticmethod
-    def _name_after(so_far: bytes | None, data: bytes) -> bytes | None:
-        """The key's text after `data` (None: the key is closed by it, or none is begun)."""
-        if so_far is None:  # at a key's start: the token must open it
-            if not data.startswith(b'"'):
-                return None
-            so_far, data = b"", data[1:]
-        end = data.find(b'"')
-        return None if end >= 0 else so_far + data
-
     def _dead(self, matcher: Any, name: bytes, written: set[bytes], seen: list[int]) -> bool:
         """Whether every continuation of the key `name` the grammar allows ends as a written
-        key (a search over single bytes; at NODES masks it gives up: not dead)."""
+        key (a search over single bytes; at NODES masks it gives up: not dead). The bytes the
+        grammar forces are followed without a mask (`compute_ff_bytes`): with names as
+        patterns, a written name's letters after its first are usually forced, so a search
+        costs about one mask per branching of the written names, not one per letter."""
+        for byte in matcher.compute_ff_bytes():
+            if byte == _QUOTE:
+                return name in written  # the only way on ends the key here
+            name += bytes([byte])
+            if not any(w.startswith(name) for w in written):
+                return False  # leaves every written key's name
+            token = self.byte_token.get(byte)
+            if token is None or not matcher.consume_token(token):
+                return False  # cannot be followed here: not shown dead
         seen[0] += 1
         if seen[0] > NODES:
             return False
