@@ -48,6 +48,7 @@ LOCAL_TASKS: dict[str, str] = {
     "openbookqa": "quantkit_openbookqa",
     "copa": "quantkit_copa",
     "lambada": "quantkit_lambada_openai",
+    "lambada_gen": "quantkit_lambada_gen",
     "wikipedia": "quantkit_wikipedia",
 }
 _ALIASES = {"openbook_qa": "openbookqa", "lambada_openai": "lambada", "wiki": "wikipedia"}
