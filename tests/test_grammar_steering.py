@@ -260,3 +260,16 @@ def test_a_value_that_would_close_into_a_cornered_key_is_not_closed_so(vocab) ->
     text, ended = greedy(processor, vocab, ['","', '"', "a", "b", "c", "d", ":", "}"], steps=60)
     assert ended and no_repeated_keys(text) and validate_json(text, schema) is None, text
     assert json.loads(text) == {"ab": "", "cd": ""}, text
+
+
+def test_a_walk_through_a_repeat_the_grammar_asks_for_completes(vocab) -> None:
+    """Seven booleans of a `minItems: 7` array look like a loop (`true,` again and again); the
+    walk walks on through it (`closing._GRACE`) instead of giving up, so the row can be
+    steered to finish."""
+    days = {"type": "array", "items": {"type": "boolean"}, "minItems": 7, "maxItems": 7}
+    schema = {"type": "object", "properties": {"d": days}, "required": ["d"],
+              "additionalProperties": False}  # fmt: skip
+    row = llg(schema, vocab).new_row()
+    path, complete = row.closing_path(limit=400)
+    assert complete, path
+    assert len(json.loads(path)["d"]) == 7, path

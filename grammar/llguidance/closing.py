@@ -18,9 +18,11 @@ The processor (`processor.GrammarLogitsProcessor`) walks a row when its tokens l
 the last path's length, and inside `budget.WINDOW` tokens of it allows only the tokens that
 follow the path (`along`): each writes at least one of its bytes, so the document closes in
 time. Measured on the embedded model's vocabulary: a walk takes 50-150 us for the tails of
-ordinary schemas. It gives up at `limit` bytes, or as soon as it goes round in a loop (an
-email address: `}` is allowed inside one for ever, and only an `@` would lead on), and the row
-is then left unsteered until its next walk.
+ordinary schemas. It gives up at `limit` bytes, or when it goes round in a loop (an email
+address: `}` is allowed inside one for ever, and only an `@` would lead on) and still goes
+round `_GRACE` bytes after trying to close at every byte (a repeat the grammar asks for, seven
+booleans of a `minItems: 7` array, ends within that), and the row is then left unsteered until
+its next walk.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ __all__ = ["ClosingWalk"]
 
 # A walk checks every 16 bytes whether it goes round in steps of up to this many bytes.
 _LOOP = 128
+# A walk that goes round again after `finishing` begins walks on this many bytes before it
+# gives up: a repeat the grammar asks for ends within it.
+_GRACE = 256
 # The bytes that may end a text at once, tried first by a walk that goes round.
 _CLOSERS = b'"}]);\n'
 # The bytes tried first, in order (see the module docstring); every other byte comes after.
@@ -87,6 +92,7 @@ class ClosingWalk:
         walker = matcher.deep_copy()
         check = None if allows is None else allows()
         out = bytearray()
+        looped = 0  # finishing: where the walk was first seen going round (0: not yet)
         while len(out) < limit:
             if walker.is_accepting():
                 return bytes(out), True
@@ -111,9 +117,15 @@ class ClosingWalk:
             else:
                 return bytes(out), False  # only multi-byte tokens go on (or none at all)
             if self._going_round(out):
-                if finishing:
-                    return bytes(out), False
-                return self.path(matcher, limit=limit, allows=allows, finishing=True)
+                if not finishing:
+                    return self.path(matcher, limit=limit, allows=allows, finishing=True)
+                # A repeat the grammar asks for (seven booleans of a minItems 7 array) ends
+                # within a bounded stretch; a free text never does: walk on `_GRACE` bytes.
+                looped = looped or len(out)
+                if len(out) - looped >= _GRACE:
+                    return bytes(out[:looped]), False
+        if looped and not walker.is_accepting():  # went round to the limit: no way found
+            return bytes(out[: min(looped, limit - 1)]), False
         return bytes(out), bool(walker.is_accepting())
 
     def _finish(self, walker: Any, check: Callable[[bytes], bool] | None,
