@@ -273,3 +273,20 @@ def test_a_walk_through_a_repeat_the_grammar_asks_for_completes(vocab) -> None:
     path, complete = row.closing_path(limit=400)
     assert complete, path
     assert len(json.loads(path)["d"]) == 7, path
+
+
+def test_a_walk_from_inside_a_run_of_zeros_leaves_it(vocab) -> None:
+    """A date-time's fraction takes digits for ever and ends only at `z` or an offset: a walk
+    from a row already deep in `000…` does not begin with more zeros (the row would follow
+    them and the next walk would begin the same way); it reads the row's text as the start of
+    the loop and takes another byte first."""
+    stamp = {"type": "string", "format": "date-time"}
+    schema = {"type": "object", "properties": {"t": stamp}, "required": ["t"],
+              "additionalProperties": False}  # fmt: skip
+    row = llg(schema, vocab).new_row()
+    for char in '{"t":"2023-08-22t14:22:22.' + "0" * 40:
+        assert row.advance(_id(char)), char
+    path, complete = row.closing_path(limit=200)
+    assert complete and not path.startswith(b"0"), path
+    text = '{"t":"2023-08-22t14:22:22.' + "0" * 40 + path.decode()
+    assert validate_json(text, schema) is None, text

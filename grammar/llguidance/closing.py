@@ -40,6 +40,10 @@ _LOOP = 128
 # A walk that goes round again after `finishing` begins walks on this many bytes before it
 # gives up: a repeat the grammar asks for ends within it.
 _GRACE = 256
+# A walk going round takes last the bytes among the last this many at each sighting, until
+# it takes a byte that ends a value or an item (`_LEXEME_ENDS`).
+_RECENT = 16
+_LEXEME_ENDS = frozenset(b'"}],:')
 # The bytes that may end a text at once, tried first by a walk that goes round.
 _CLOSERS = b'"}]);\n'
 # The bytes tried first, in order (see the module docstring); every other byte comes after.
@@ -79,6 +83,7 @@ class ClosingWalk:
         limit: int,
         allows: Callable[[], Callable[[bytes], bool]] | None = None,
         finishing: bool = False,
+        tail: bytes = b"",
     ) -> tuple[bytes, bool]:
         """(bytes, complete): the bytes a copy of `matcher` took to reach an accepting state
         (complete), or the first `limit` of them / up to where no single byte was allowed
@@ -88,11 +93,20 @@ class ClosingWalk:
 
         A walk that goes round (a free line of text where `"` is always allowed and never
         ends it) is walked again `finishing`: at each byte, a closing byte that completes the
-        text at once is taken first (tried and rolled back: ~20 us a byte, so only then)."""
+        text at once is taken first (tried and rolled back: ~20 us a byte, so only then).
+
+        tail: the row's text before the walk (its last bytes), which the loop checks read in
+        front of the walk's own: a row already in a run of zeros must not be sent down a path
+        that begins with more of them (each walk would then start the run again)."""
         walker = matcher.deep_copy()
         check = None if allows is None else allows()
         out = bytearray()
-        looped = 0  # finishing: where the walk was first seen going round (0: not yet)
+        seen_text = bytearray(tail[-3 * _LOOP :])  # the tail, then `out`: what loops are read in
+        looped = 0  # finishing: where the loop under way began (0: none)
+        avoid: set[int] = set()  # finishing: the bytes of the loops under way, taken last
+        if finishing and self._repeating(seen_text):  # the row's own text goes round already
+            avoid = set(seen_text[-_RECENT:])
+        seen = 0  # finishing: where the walk was last seen going round
         while len(out) < limit:
             if walker.is_accepting():
                 return bytes(out), True
@@ -103,29 +117,41 @@ class ClosingWalk:
                 if check is not None and taken and not check(forced[:taken]):
                     return bytes(out), False  # the grammar forces a repeated key: no way on
                 out += forced[:taken]
+                seen_text += forced[:taken]
                 if taken:
                     continue
             if finishing and self._finish(walker, check, out):
                 return bytes(out), True
-            for token in self.order:
+            # Going round, the bytes the loops held (the last `_RECENT` at each sighting) come
+            # last until a value or item ends: a date-time's fraction goes round on `0` and
+            # ends only at a `Z` or an offset.
+            order = self._avoiding(avoid) if avoid else self.order
+            for token in order:
                 if walker.validate_tokens([token]) and (
                     check is None or check(self.token_bytes[token])
                 ):
                     walker.consume_token(token)
                     out += self.token_bytes[token]
+                    seen_text += self.token_bytes[token]
+                    if self.token_bytes[token][0] in _LEXEME_ENDS:
+                        avoid = set()  # the looping value or item has ended
                     break
             else:
                 return bytes(out), False  # only multi-byte tokens go on (or none at all)
-            if self._going_round(out):
+            if self._going_round(seen_text):
                 if not finishing:
-                    return self.path(matcher, limit=limit, allows=allows, finishing=True)
+                    return self.path(matcher, limit=limit, allows=allows, finishing=True,
+                                     tail=tail)  # fmt: skip
                 # A repeat the grammar asks for (seven booleans of a minItems 7 array) ends
                 # within a bounded stretch; a free text never does: walk on `_GRACE` bytes.
-                looped = looped or len(out)
+                looped, seen = looped or len(out), len(out)
+                avoid |= set(seen_text[-_RECENT:])
                 if len(out) - looped >= _GRACE:
                     return bytes(out[:looped]), False
-        if looped and not walker.is_accepting():  # went round to the limit: no way found
-            return bytes(out[: min(looped, limit - 1)]), False
+            elif looped and len(out) - seen > _LOOP:
+                looped = 0  # the loop ended: an ordinary walk again
+        if looped and not walker.is_accepting() and self._repeating(seen_text):
+            return bytes(out[: min(looped, limit - 1)]), False  # round to the limit: no way
         return bytes(out), bool(walker.is_accepting())
 
     def _finish(self, walker: Any, check: Callable[[bytes], bool] | None,
@@ -140,6 +166,17 @@ class ClosingWalk:
                 return True
             walker.rollback(1)
         return False
+
+    def _avoiding(self, avoid: set[int]) -> list[int]:
+        """The walk's byte order with the bytes in `avoid` moved last."""
+        fresh = [t for t in self.order if self.token_bytes[t][0] not in avoid]
+        return fresh + [t for t in self.order if self.token_bytes[t][0] in avoid]
+
+    @staticmethod
+    def _repeating(out: bytearray) -> bool:
+        """Whether the text ends in a repeat, in short or long steps (checked at any length)."""
+        return repeats(out[-3 * MAX_PERIOD :]) or repeats(out[-3 * _LOOP :], total=3 * 16,
+                                                           longest=_LOOP)  # fmt: skip
 
     @staticmethod
     def _going_round(out: bytearray) -> bool:

@@ -194,11 +194,15 @@ class LlgRow:
         return list(self.matcher.compute_ff_tokens())
 
     def closing_path(
-        self, *, limit: int, allows: Callable[[], Callable[[bytes], bool]] | None = None
+        self,
+        *,
+        limit: int,
+        allows: Callable[[], Callable[[bytes], bool]] | None = None,
+        tail: bytes = b"",
     ) -> tuple[bytes, bool]:
         """A way to complete the document from here, in bytes, and whether it is complete
-        (`closing.ClosingWalk.path`, on a copy of the matcher)."""
-        return self.walk.path(self.matcher, limit=limit, allows=allows)
+        (`closing.ClosingWalk.path`, on a copy of the matcher; tail: the text's last bytes)."""
+        return self.walk.path(self.matcher, limit=limit, allows=allows, tail=tail)
 
     def along(self, path: bytes) -> list[int]:
         """The tokens that follow `path` (`closing.ClosingWalk.along`)."""
