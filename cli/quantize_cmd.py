@@ -23,9 +23,13 @@ from quantkit.quantize.calibration import heldout_tokens
 from quantkit.quantize.choice import choose_scheme
 from quantkit.quantize.clip_search import CLIP_MODES
 from quantkit.quantize.gptq import GptqConfig
+from quantkit.quantize.memory_plan import PERPLEXITY_BATCH, PERPLEXITY_WINDOW
 from quantkit.quantize.pipeline import LayerProgress, QuantizeOutcome
 from quantkit.quantize.recipe import Calibration, Hooks, Recipe, quantize_and_save
 from quantkit.quantize.staging import staging_dir
+
+# The perplexity's windows, as the memory plan sizes its logits.
+_WINDOWS = {"window": PERPLEXITY_WINDOW, "batch_size": PERPLEXITY_BATCH}
 
 
 @click.command("quantize")
@@ -210,7 +214,8 @@ def _progress(score: Any) -> _CliHooks:
 
 
 def _perplexity_scorer(eval_tokens: int) -> Any:
-    """Held-out perplexity of a model, window 512 (None when --eval-tokens is 0)."""
+    """Held-out perplexity of a model, in the windows and batches the memory plan sizes
+    (`memory_plan.PERPLEXITY_WINDOW`, 512 tokens; None when --eval-tokens is 0)."""
     if eval_tokens <= 0:
         return None
     held = None
@@ -221,9 +226,9 @@ def _perplexity_scorer(eval_tokens: int) -> Any:
             held = heldout_tokens(tokenizer, max_tokens=eval_tokens)
         if which == "reference":
             click.echo(f"perplexity of the reference model on {held.numel()} held-out tokens ...")
-            return {"reference": perplexity(dense, held, window=512, progress=True).ppl}
-        ppl = perplexity(dense, held, window=512, progress=True).ppl
-        return {"quantized": ppl, "tokens": held.numel(), "window": 512}
+            return {"reference": perplexity(dense, held, **_WINDOWS, progress=True).ppl}
+        ppl = perplexity(dense, held, **_WINDOWS, progress=True).ppl
+        return {"quantized": ppl, "tokens": held.numel(), "window": PERPLEXITY_WINDOW}
 
     return score
 
@@ -291,5 +296,7 @@ def _summary(
             f"on {ppl['tokens']} held-out tokens, window {ppl['window']}"
         )
     estimate = report.get("peak_rss_estimate_mb")
-    planned = f" (estimated before the run: at most {estimate} MB)" if estimate else ""
+    phase = report.get("peak_rss_estimate_phase")
+    where = f", in the {phase} phase" if phase else ""
+    planned = f" (estimated before the run: at most {estimate} MB{where})" if estimate else ""
     click.echo(f"peak RSS     {report['peak_rss_mb']:.0f} MB{planned}")

@@ -3,6 +3,8 @@ a run that cannot fit is refused in one line with both numbers and the option th
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from quantkit.quantize import memory_plan
 from quantkit.quantize.memory_plan import InsufficientMemoryError, check_memory, plan_memory
 from quantkit.quantize.source_model import open_source
-from tests.conftest import run_cli
+from tests.conftest import TINY_LLAMA, make_hf_model, run_cli
 
 
 def test_each_option_grows_the_phase_it_belongs_to(tiny_model_dir: Path) -> None:
@@ -57,3 +59,83 @@ def test_the_cli_refuses_before_reading_weights(tiny_model_dir: Path, tmp_path: 
 def test_available_memory_is_read(monkeypatch) -> None:
     got = memory_plan.available_bytes()
     assert got is None or got > 0
+
+
+def _scored(model_dir: Path) -> memory_plan.MemoryPlan:
+    return plan_memory(open_source(model_dir), calibrated=None, samples=0, seq_len=512,
+                       quantize_head=False, score=True)  # fmt: skip
+
+
+def _logits(vocab: int) -> int:
+    return 4 * memory_plan.PERPLEXITY_BATCH * memory_plan.PERPLEXITY_WINDOW * vocab
+
+
+def test_the_perplexity_holds_three_batches_of_logits(tmp_path: Path, monkeypatch) -> None:
+    # The last batch's log-probabilities, the logits and the new log-probabilities: measured
+    # +1155 MiB on SmolLM2-135M's 49152-token vocabulary, 3 x 384 MiB.
+    small = _scored(make_hf_model(tmp_path / "small", {"vocab_size": 512}))
+    large = _scored(make_hf_model(tmp_path / "large", {"vocab_size": 4096}))
+    grown = large.phases["perplexity"] - small.phases["perplexity"]
+    assert grown >= 3 * (_logits(4096) - _logits(512))
+    assert large.phases["perplexity"] >= 3 * _logits(4096)
+    monkeypatch.setattr(memory_plan, "PERPLEXITY_WINDOW", 2 * memory_plan.PERPLEXITY_WINDOW)
+    wider = _scored(tmp_path / "large")
+    assert wider.phases["perplexity"] - large.phases["perplexity"] >= 3 * _logits(4096) // 2
+
+
+def test_a_final_soft_cap_holds_one_more_batch_of_logits(tiny_model_dir: Path) -> None:
+    source = open_source(tiny_model_dir)
+    plain = plan_memory(source, calibrated=None, samples=0, seq_len=512, quantize_head=False,
+                        score=True)  # fmt: skip
+    source.shell.config = replace(source.shell.config, final_softcap=30.0)
+    capped = plan_memory(source, calibrated=None, samples=0, seq_len=512, quantize_head=False,
+                         score=True)  # fmt: skip
+    vocab = source.shell.config.vocab_size
+    assert capped.phases["perplexity"] - plain.phases["perplexity"] == _logits(vocab)
+
+
+def test_a_tied_head_is_the_embedding_counted_once(tmp_path: Path) -> None:
+    tied = open_source(make_hf_model(tmp_path / "tied", {"tie_word_embeddings": True}))
+    untied = open_source(make_hf_model(tmp_path / "untied", {"tie_word_embeddings": False}))
+    vocab, hidden = TINY_LLAMA["vocab_size"], TINY_LLAMA["hidden_size"]
+    # fp32 weights, nothing left in the heap: the model is the tensors read, so an untied
+    # head is 4 bytes a parameter more and a tied one nothing.
+    grown = memory_plan._perplexity(untied, 0) - memory_plan._perplexity(tied, 0)
+    assert grown == 4 * vocab * hidden
+
+
+def test_the_tokenizer_and_text_count_only_when_loaded(tiny_model_dir: Path) -> None:
+    source = open_source(tiny_model_dir)
+    bare = plan_memory(source, calibrated=None, samples=0, seq_len=512, quantize_head=False,
+                       score=False)  # fmt: skip
+    scored = plan_memory(source, calibrated=None, samples=0, seq_len=512, quantize_head=False,
+                         score=True)  # fmt: skip
+    tokenizer = (tiny_model_dir / "tokenizer.json").stat().st_size
+    assert bare.runtime == memory_plan.RUNTIME_BYTES
+    assert scored.runtime == (memory_plan.RUNTIME_BYTES + memory_plan.TOKENIZER_BYTES
+                              + memory_plan.TOKENIZER_PER_FILE_BYTE * tokenizer
+                              + memory_plan.TEXT_BYTES)  # fmt: skip
+
+
+def test_calibration_activations_are_fp32_four_copies_at_once(tiny_model_dir: Path) -> None:
+    source = open_source(tiny_model_dir)
+    hidden = source.shell.config.hidden_size
+    plans = {
+        n: plan_memory(
+            source, calibrated="gptq", samples=n, seq_len=512, quantize_head=False, score=False
+        )
+        for n in (64, 128)
+    }
+    grown = plans[128].phases["decoder layer"] - plans[64].phases["decoder layer"]
+    assert grown >= 4 * 4 * 64 * 512 * hidden
+
+
+def test_the_estimate_and_its_phase_are_printed(tiny_model_dir: Path, tmp_path: Path,
+                                                capsys) -> None:  # fmt: skip
+    code, out, err = run_cli(capsys, "quantize", str(tiny_model_dir), "--method", "rtn",
+                             "--eval-tokens", "1100", "-o", str(tmp_path / "out"))  # fmt: skip
+    assert code == 0, err
+    line = next(x for x in out.splitlines() if x.startswith("peak RSS"))
+    # A tiny model's working sets are far below the runtime's: the perplexity's is the largest.
+    assert re.search(r"at most \d+ MB, in the perplexity phase\)$", line), line
+    assert f"window {memory_plan.PERPLEXITY_WINDOW}" in out

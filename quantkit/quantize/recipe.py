@@ -113,7 +113,7 @@ def quantize_and_save(
     plan = plan_memory(
         source, calibrated=method.name if method.calibrated else None, samples=n_samples,
         seq_len=cal.seq_len, quantize_head=recipe.quantize_head, score=hooks.score is not None,
-        awq=recipe.awq, gptq=recipe.gptq,
+        awq=recipe.awq, gptq=recipe.gptq, scheme=recipe.scheme,
     )  # fmt: skip
     check_memory(plan)  # before anything is read: refused with both numbers, not killed later
     calib_ids = None
@@ -165,6 +165,7 @@ def quantize_and_save(
             outcome, model=recipe.model, calibration=calibration, ppl=scores, gptq=recipe.gptq
         )
         report["peak_rss_estimate_mb"] = round(plan.peak / 2**20)
+        report["peak_rss_estimate_phase"] = plan.largest
         if resumed:
             report["resumed_at_layer"] = resumed
         report.update(extra_report or {})
