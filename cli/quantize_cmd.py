@@ -37,13 +37,14 @@ _WINDOWS = {"window": PERPLEXITY_WINDOW, "batch_size": PERPLEXITY_BATCH}
 @click.option("--bits", type=int, default=4, show_default=True, help="4 = INT4, 8 = FP8 (E4M3).")
 @click.option(
     "--method",
-    type=click.Choice(["rtn", "awq", "gptq", "awq+gptq", "smoothquant", "fp8"]),
+    type=click.Choice(["rtn", "awq", "gptq", "awq+gptq", "smoothquant", "smoothquant+gptq", "fp8"]),
     default=None,
     help="The algorithm that chooses the codes: rtn (round to nearest, no calibration), awq "
     "(int4 only; the int4 default), gptq (error-compensated rounding; the fp8 default), "
-    "awq+gptq (int4 only: AWQ's scales folded, then GPTQ rounding) or "
-    "smoothquant (activation outliers moved into the weights, then rtn; int8 only, its "
-    "default). The format (--bits) is the same whichever chose the codes; fp8 = --bits 8 "
+    "awq+gptq (int4 only: AWQ's scales folded, then GPTQ rounding), "
+    "smoothquant (activation outliers moved into the weights, then rtn; int8 only) or "
+    "smoothquant+gptq (SmoothQuant, then GPTQ rounding; int8 only, its default). The "
+    "format (--bits) is the same whichever chose the codes; fp8 = --bits 8 "
     "--method rtn.",
 )
 @click.option(

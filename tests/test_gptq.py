@@ -221,7 +221,8 @@ def test_gptq_is_an_algorithm_not_a_format() -> None:
     # The config round-trips the format alone: whichever algorithm chose the codes.
     for scheme in (s, QuantScheme("int4", 32)):
         assert scheme_from_quantization_config(scheme_to_quantization_config(scheme)) == scheme
-    assert algorithm_for("gptq", QuantScheme("int4")).kinds == ("int4", "fp8", "nvfp4", "mxfp4")
+    kinds = ("int4", "fp8", "int8", "nvfp4", "mxfp4")
+    assert algorithm_for("gptq", QuantScheme("int4")).kinds == kinds
     assert algorithm_for(None, QuantScheme("fp8")).name == "gptq"
     assert algorithm_for(None, QuantScheme("int4")).name == "awq"
     with pytest.raises(

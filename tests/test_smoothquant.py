@@ -5,8 +5,9 @@
 - With an outlier channel planted in the norms (what SmoothQuant is for), smoothing cuts every
   layer's W8A8 output error against plain rounding, and the checkpoint's modules compute what
   the walk left in the model.
-- The CLI writes an `int-quantized` checkpoint that loads and generates; every option that does
-  not apply to int8 is a one-line error.
+- The CLI writes an `int-quantized` checkpoint that loads and generates (`--method smoothquant`;
+  the default, SmoothQuant then GPTQ: test_smoothquant_gptq.py); every option that does not
+  apply to int8 is a one-line error.
 """
 
 from __future__ import annotations
@@ -112,10 +113,10 @@ def test_smoothquant_cuts_the_w8a8_error_of_outlier_channels(tiny_llama_dir: Pat
     torch.testing.assert_close(linear(x), emulated, rtol=1e-5, atol=1e-5)
 
 
-def test_int8_is_named_by_format_and_defaults_to_smoothquant() -> None:
+def test_int8_is_named_by_format_and_defaults_to_smoothquant_gptq() -> None:
     base = dict(method=None, activations="none", group_size="auto", symmetric=False)
     scheme, algorithm = choose_scheme(bits=8, fmt="int8", given={"bits", "fmt"}, **base)
-    assert (scheme, algorithm) == (SCHEME, "smoothquant")
+    assert (scheme, algorithm) == (SCHEME, "smoothquant+gptq")
     scheme, algorithm = choose_scheme(bits=8, fmt=None, given={"bits"}, **base)
     assert (scheme.kind, algorithm) == ("fp8", "gptq")
 
@@ -133,12 +134,12 @@ def _one_line_error(code: int, err: str, *needles: str) -> None:
     [
         (["--group-size", "64"], ["--group-size", "INT4-only", "--format int8"]),
         (["--symmetric"], ["--symmetric", "INT4-only"]),
-        (["--method", "awq"], ["method awq", "int4 only", "rtn, smoothquant"]),
-        (["--method", "gptq"], ["method gptq", "for int8 expected one of rtn, smoothquant"]),
+        (["--method", "awq"], ["method awq", "int4 only", "rtn, gptq, smoothquant"]),
+        (["--method", "awq+gptq"], ["method awq+gptq", "for int8 expected one of rtn, gptq"]),
         (["--activations", "none"], ["--format int8 means --activations dynamic"]),
         (["--bits", "4"], ["--format int8 means --bits 8, got --bits 4"]),
         (["--method", "fp8"], ["--method fp8 means --bits 8 --method rtn, got --format int8"]),
-        (["--damp", "0.1"], ["--damp", "GPTQ-only"]),
+        (["--method", "smoothquant", "--damp", "0.1"], ["--damp", "GPTQ-only"]),
         (["--method", "rtn", "--calib-samples", "4"], ["--calib-samples", "no calibration"]),
     ],
 )
@@ -166,7 +167,8 @@ def test_quantize_int8_then_load_and_generate(tmp_path: Path, tiny_model_dir: Pa
     calib.write_text("\n\n".join(_training_text() * 8))
     out = tmp_path / "int8"
     code, stdout, err = run(
-        capsys, "quantize", str(tiny_model_dir), "--format", "int8", "--calib", str(calib),
+        capsys, "quantize", str(tiny_model_dir), "--format", "int8", "--method", "smoothquant",
+        "--calib", str(calib),
         "--calib-samples", "4", "--calib-seq-len", "32", "--eval-tokens", "600", "-o", str(out),
     )  # fmt: skip
     assert code == 0, err

@@ -18,8 +18,9 @@ that they absorb it (the optimal brain surgeon update). Per Linear:
 
 The rounding itself is a function passed in (`RoundFn`), with its scales fixed beforehand: for
 FP8 E4M3 the per-row scale is absmax / 448 as stored in the checkpoint dtype, and a column is
-rounded with `fp8_codes` on that scale; for INT4 the group-wise scales and zero points are RTN's
-(min/max per group), and a column is rounded in its group (`Int4Rounder`).
+rounded with `fp8_codes` on that scale (INT8 likewise on absmax / 127: `gptq_int8`); for INT4
+the group-wise scales and zero points are RTN's (min/max per group), and a column is rounded in
+its group (`Int4Rounder`).
 
 Layer by layer (`gptq_quantize`): the calibration activations enter each decoder layer from
 the already-quantized layers before it. Within a layer, the Linears that share an input
@@ -53,6 +54,7 @@ from quantkit.models.decoder import CausalLM
 from quantkit.models.family import Family
 from quantkit.quantize.clip_search import CLIP_MODES, clip_ratios
 from quantkit.quantize.gptq_fp4 import Fp4Rounder
+from quantkit.quantize.gptq_int8 import Int8Rounder
 from quantkit.quantize.layer_walk import (
     LayerErrorReport,
     LayerWalk,
@@ -275,8 +277,9 @@ class Int4Rounder:
         return int4_tensors(codes, self.scale[rows], zero, dtype=dtype)
 
 
-ROUNDERS: dict[str, type[Fp8Rounder] | type[Int4Rounder] | type[Fp4Rounder]] = {
+ROUNDERS: dict[str, type[Fp8Rounder] | type[Int4Rounder] | type[Fp4Rounder] | type[Int8Rounder]] = {
     "fp8": Fp8Rounder,
+    "int8": Int8Rounder,
     "int4": Int4Rounder,
     "nvfp4": Fp4Rounder,
     "mxfp4": Fp4Rounder,

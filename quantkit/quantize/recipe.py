@@ -246,8 +246,9 @@ def build_report(
     }
     if "gptq" in configs:
         report["gptq"] = asdict(gptq)
-    if "gptq" in configs and not layer_mse:
-        # Per layer: 1 - GPTQ/RTN of the summed Linear-output error on the calibration inputs.
+    if outcome.algorithm == "gptq":
+        # Per layer: 1 - GPTQ/RTN of the summed Linear-output error on the calibration inputs
+        # (the combinations report their layer's output error).
         report["gptq_layer_error_reduction"] = reductions
     return report
 

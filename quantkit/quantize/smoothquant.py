@@ -15,7 +15,8 @@ per-channel int8 scale, stored as the checkpoint stores it.
 
 One decoder layer at a time (`smoothquant_walk`): the calibration activations entering the
 layer are run through it once to take each group input's per-channel max, the groups are
-smoothed, the Linears rounded, and the layer's W8A8 output (weights dequantized, activations
+smoothed, the Linears rounded (to nearest, or by a `RoundStage` given: GPTQ on the smoothed
+layer, `smoothquant_gptq`), and the layer's W8A8 output (weights dequantized, activations
 rounded per token as at run time) is the next layer's input. The per-layer report compares the
 layer's W8A8 output error on `report_sequences` sequences with plain RTN (no smoothing) and
 with SmoothQuant.
@@ -48,6 +49,10 @@ from quantkit.quantize.layer_walk import (
 from quantkit.quantize.moe import expert_token_counts
 from quantkit.quantize.scale_groups import fold_scale, model_scale_groups
 
+# (index, the smoothed layer, the activations entering it [n, T, H], the layer as a function of
+# them) -> {module name: its checkpoint tensors}, the layer's Linears given their stored values.
+RoundStage = Callable[[int, nn.Module, torch.Tensor, Callable], dict[str, dict[str, torch.Tensor]]]
+
 # Bounds of max|X_j| and max|W_j| before the powers: a channel that never fires or a weight
 # column of zeros keeps s_j = 1 (nothing to move), and no s_j divides by zero.
 _TINY = 1e-5
@@ -55,12 +60,19 @@ _TINY = 1e-5
 
 @dataclass(frozen=True)
 class SmoothQuantConfig:
-    alpha: float = 0.5  # migration strength: 0 leaves the activations, 1 moves all into W
+    # Migration strength: 0 leaves the activations, 1 moves all into W. SmolLM2-135M W8A8,
+    # 8192 held-out tokens (evals/studies/int8_quality.py; reference 15.176): 0.75 gave +1.43%
+    # with round to nearest (0.5: +1.64%) and +0.72% with GPTQ after it; with only the
+    # activations rounded, 0.75 left +0.42%, 0.5 +1.23% and 0.9 +0.48%.
+    alpha: float = 0.75
     # Smooth the groups whose previous op is a Linear (up -> down; v -> o without GQA) too,
     # not only those after a norm (the paper's and llm-compressor's default mappings).
     linear_prev: bool = True
     batch_sequences: int = 16  # sequences per forward chunk (bounds activation memory)
     report_sequences: int = 8  # sequences the per-layer error report runs on
+    # smoothquant+gptq: GPTQ's Hessians summed over the inputs as the runtime rounds them (per
+    # token, to int8), not the float ones (`smoothquant_gptq`).
+    runtime_inputs: bool = True
 
 
 @dataclass
@@ -204,10 +216,12 @@ def smoothquant_walk(
     arch: Family | None = None,
     cfg: SmoothQuantConfig | None = None,
     scale_dtype: torch.dtype = torch.float32,
+    round_stage: RoundStage | None = None,
 ) -> LayerWalk:
     """SmoothQuant + round to nearest as a `LayerWalk`: each step smooths one decoder layer,
-    rounds its Linears to int8 (scales stored in `scale_dtype`), gives them their dequantized
-    values in place and returns {module name: its checkpoint tensors (local names)}."""
+    rounds its Linears to int8 (scales stored in `scale_dtype`; with `round_stage`, as it
+    rounds them), gives them their dequantized values in place and returns {module name: its
+    checkpoint tensors (local names)}."""
     if scheme.kind != INT8.kind:
         raise ValueError(f"smoothquant: expected an int8 scheme, got {scheme.describe()}")
     arch = arch or model.family
@@ -218,6 +232,17 @@ def smoothquant_walk(
     # Every Linear's input too: the experts' token counts.
     names = sorted({_input_of(g) for g in groups} | set(linears))
     report_rows = torch.arange(min(cfg.report_sequences, samples.shape[0]))
+
+    def nearest(
+        index: int, layer: nn.Module, x: torch.Tensor, run_layer: Callable
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        result: dict[str, dict[str, torch.Tensor]] = {}
+        for name in linears:
+            m = layer.get_submodule(name)
+            q, stored = _round_int8(m.weight.data, scale_dtype)
+            result[f"model.layers.{index}.{name}"] = INT8.pack(q, scheme, dtype=scale_dtype)
+            m.weight.data = stored.to(m.weight.dtype)
+        return result
 
     def w8a8_output(layer: nn.Module, run_layer: Callable, xs: torch.Tensor) -> torch.Tensor:
         with w8a8_activations(layer, linears):
@@ -245,11 +270,8 @@ def smoothquant_walk(
         clock.lap("baseline")
         report.smoothed = smooth_layer(layer, groups, cap, cfg=cfg)
         clock.lap("smooth")
-        result: dict[str, dict[str, torch.Tensor]] = {}
-        for name, m in zip(linears, mods, strict=True):
-            q, stored = _round_int8(m.weight.data, scale_dtype)
-            result[f"model.layers.{index}.{name}"] = INT8.pack(q, scheme, dtype=scale_dtype)
-            m.weight.data = stored.to(m.weight.dtype)
+        stage = round_stage or nearest
+        result = stage(index, layer, x, run_layer)
         clock.lap("round")
         report.method_error = float(
             (w8a8_output(layer, run_layer, x_report) - target).pow(2).mean()
