@@ -68,3 +68,20 @@ def test_the_options_the_test_models_set_change_the_forward(family_model) -> Non
     ids, _ = padded_batch()
     with torch.no_grad():
         assert max_rel_err(other(ids), ours(ids)) > 1e-3
+
+
+def test_a_final_soft_cap_taken_in_place_is_the_formula(tmp_path: Path) -> None:
+    """Without autograd the final soft-cap is taken in place (two vocabulary-wide copies
+    fewer); with it, out of place: the same logits either way."""
+    path = make_family_model("gemma2", tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    ours = build_model(config, load_file(path / "model.safetensors"))
+    assert ours.config.final_softcap is not None
+    ids, _ = padded_batch()
+    with torch.no_grad():
+        in_place = ours(ids)
+    with torch.enable_grad():
+        formula = ours(ids)
+    assert formula.requires_grad
+    assert torch.equal(formula.detach(), in_place)
+    assert in_place.abs().max() <= ours.config.final_softcap

@@ -70,28 +70,32 @@ def _logits(vocab: int) -> int:
     return 4 * memory_plan.PERPLEXITY_BATCH * memory_plan.PERPLEXITY_WINDOW * vocab
 
 
-def test_the_perplexity_holds_three_batches_of_logits(tmp_path: Path, monkeypatch) -> None:
-    # The last batch's log-probabilities, the logits and the new log-probabilities: measured
-    # +1155 MiB on SmolLM2-135M's 49152-token vocabulary, 3 x 384 MiB.
+def test_the_perplexity_holds_a_batch_of_logits_and_a_window_of_log_probs(
+    tmp_path: Path, monkeypatch
+) -> None:
+    # The batch's logits and one window's log-probabilities (`perplexity` takes them a row at a
+    # time; a final soft-cap in place): measured peak 7848 MiB on a 4-layer Gemma-2-2B shape
+    # (12312 when four batches lived at once), estimated 8664.
     small = _scored(make_hf_model(tmp_path / "small", {"vocab_size": 512}))
     large = _scored(make_hf_model(tmp_path / "large", {"vocab_size": 4096}))
+    per_batch = 1 + 1 / memory_plan.PERPLEXITY_BATCH
     grown = large.phases["perplexity"] - small.phases["perplexity"]
-    assert grown >= 3 * (_logits(4096) - _logits(512))
-    assert large.phases["perplexity"] >= 3 * _logits(4096)
+    assert grown >= per_batch * (_logits(4096) - _logits(512))
+    assert large.phases["perplexity"] >= per_batch * _logits(4096)
     monkeypatch.setattr(memory_plan, "PERPLEXITY_WINDOW", 2 * memory_plan.PERPLEXITY_WINDOW)
     wider = _scored(tmp_path / "large")
-    assert wider.phases["perplexity"] - large.phases["perplexity"] >= 3 * _logits(4096) // 2
+    assert wider.phases["perplexity"] - large.phases["perplexity"] >= per_batch * _logits(4096)
 
 
-def test_a_final_soft_cap_holds_one_more_batch_of_logits(tiny_model_dir: Path) -> None:
+def test_a_final_soft_cap_costs_no_more_logits(tiny_model_dir: Path) -> None:
+    # It is taken in place (`CausalLM.logits`).
     source = open_source(tiny_model_dir)
     plain = plan_memory(source, calibrated=None, samples=0, seq_len=512, quantize_head=False,
                         score=True)  # fmt: skip
     source.shell.config = replace(source.shell.config, final_softcap=30.0)
     capped = plan_memory(source, calibrated=None, samples=0, seq_len=512, quantize_head=False,
                          score=True)  # fmt: skip
-    vocab = source.shell.config.vocab_size
-    assert capped.phases["perplexity"] - plain.phases["perplexity"] == _logits(vocab)
+    assert capped.phases["perplexity"] == plain.phases["perplexity"]
 
 
 def test_a_tied_head_is_the_embedding_counted_once(tmp_path: Path) -> None:

@@ -59,3 +59,23 @@ def test_compare_logits_identity_and_difference() -> None:
     assert same.kl == pytest.approx(0.0, abs=1e-6) and same.top1 == 1.0
     other = compare_logits(_bigram_lm(table), _bigram_lm(-table), tokens, window=16)
     assert other.kl > 0.1 and other.top1 < 0.5
+
+
+def test_scoring_a_row_at_a_time_adds_up_as_one_batch() -> None:
+    # Each row's log-probabilities are taken on their own (memory); the sum is the same bits
+    # whatever the batch, and each call's logits are fresh tensors the scorer may drop.
+    v = 11
+    table = torch.randn(v, v, generator=torch.Generator().manual_seed(3))
+    tokens = torch.randint(0, v, (200,), generator=torch.Generator().manual_seed(4))
+    seen: list[torch.Tensor] = []
+
+    def lm(ids: torch.Tensor) -> torch.Tensor:
+        seen.append(ids)
+        return table[ids]
+
+    one = perplexity(lm, tokens, window=32, stride=12, batch_size=1)
+    assert {len(ids) for ids in seen} == {1}
+    seen.clear()
+    four = perplexity(lm, tokens, window=32, stride=12, batch_size=4)
+    assert max(len(ids) for ids in seen) == 4
+    assert (one.tokens, one.nll) == (four.tokens, four.nll)

@@ -73,12 +73,17 @@ def perplexity(
     with torch.no_grad():
         for batch in batches:
             ids = torch.stack([tokens[b:e] for b, e, _ in batch])
-            logp = F.log_softmax(logits_fn(ids).float(), dim=-1)
+            logits = logits_fn(ids).float()
+            # One row's log-probabilities at a time, of its scored positions only: beside the
+            # batch's logits, a window's worth lives at once (log_softmax is per position, so
+            # the values are those of the whole batch's).
             for row, (_, _, first) in enumerate(batch):
                 target = ids[row, first:]
-                picked = logp[row, first - 1 : -1].gather(-1, target.unsqueeze(-1))
-                nll -= float(picked.sum())
+                logp = F.log_softmax(logits[row, first - 1 : -1], dim=-1)
+                nll -= float(logp.gather(-1, target.unsqueeze(-1)).sum())
                 count += target.numel()
+                del logp
+            del logits  # before the next batch's forward
             bar.update(len(batch))
     bar.close()
     mean = nll / count

@@ -10,9 +10,8 @@ largest of the phases' working sets:
 - the outer tensors, one at a time: the embedding read (with its NaN mask, or converted to the
   storage dtype), a quantized head rounded, on top of what the layer walk left in the heap;
 - the perplexity before and after (`--eval-tokens`): the whole model in fp32, what its loading
-  or the layer walk left in the heap, and a batch of windows' logits and log-probabilities
-  over the vocabulary (three at once: the last batch's log-probabilities are still held while
-  the next batch's are made).
+  or the layer walk left in the heap, a batch of windows' logits over the vocabulary and one
+  window's log-probabilities.
 
 All of it from the tensors' headers and the config, no weight read. Each term names the
 measurement that sized it (RSS sampled every 20 ms, phases marked; MiB). The figures are upper
@@ -291,11 +290,13 @@ def _outer(source: SourceModel, quantize_head: bool) -> int:
 
 def _perplexity(source: SourceModel, left: int) -> int:
     """The whole model in fp32 scored a batch of windows at a time. Measured over the loaded
-    model during the scoring: +1155 MiB on SmolLM2-135M (49152-token vocabulary: 3 x 384 MiB
-    of logits), +3785 on a Qwen3-1.7B shape (151936: 3 x 1187), +8178 on a Gemma-2-2B one
-    (256000 and a final soft-cap: 4 x 1953). The reference model's loading: +857 MiB on
-    SmolLM2 (its bf16 state, the fp32 model, a second fp32 copy of the tied head before it
-    is tied)."""
+    model during the scoring when three batches of logits lived at once: +1155 MiB on
+    SmolLM2-135M (49152-token vocabulary: 3 x 384 MiB of logits), +3785 on a Qwen3-1.7B shape
+    (151936: 3 x 1187), +8178 on a Gemma-2-2B one (256000 and a final soft-cap: 4 x 1953).
+    Now one batch and a window's log-probabilities: a 4-layer Gemma-2-2B shape's RTN run with
+    4096 held-out tokens peaks at 7848 MiB (12312 before; estimated 8664). The reference
+    model's loading: +857 MiB on SmolLM2 (its bf16 state, the fp32 model, a second fp32 copy
+    of the tied head before it is tied)."""
     cfg = source.shell.config
     entries = source.files.entries
     params = sum(math.prod(e.shape) for e in entries.values())
@@ -310,9 +311,9 @@ def _perplexity(source: SourceModel, left: int) -> int:
                 if 4 * n < MMAP_THRESHOLD)  # fmt: skip
     heap = max(state if converted else 0, left - small)
     logits = PERPLEXITY_BATCH * PERPLEXITY_WINDOW * cfg.vocab_size * 4
-    # The last batch's log-probabilities, the logits and the new log-probabilities; with a
-    # final soft-cap, tanh(logits / cap) * cap holds two more while the logits live.
-    copies = 3 if cfg.final_softcap is None else 4
+    # The batch's logits (a final soft-cap is taken in place) and one window's
+    # log-probabilities (`perplexity` takes them a row at a time).
+    logits += logits // PERPLEXITY_BATCH
     tokens = PERPLEXITY_BATCH * PERPLEXITY_WINDOW
     inner = max(cfg.intermediate_size or 0, cfg.hidden_size)
     forward = 4 * tokens * (4 * cfg.hidden_size + 3 * inner)
@@ -320,7 +321,7 @@ def _perplexity(source: SourceModel, left: int) -> int:
     # softmax), one batch's.
     scores = 4 * PERPLEXITY_BATCH * cfg.num_heads * PERPLEXITY_WINDOW**2
     forward += scores * (4 if cfg.attn_softcap is not None else 1)
-    return max(load, model + heap + copies * logits + forward)
+    return max(load, model + heap + logits + forward)
 
 
 def _tokenizer_and_text(source: SourceModel) -> int:
