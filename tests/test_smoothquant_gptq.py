@@ -22,7 +22,7 @@ from quantkit.format.packing import int8_row_scale
 from quantkit.format.scheme import QuantScheme
 from quantkit.quantize.choice import choose_scheme
 from quantkit.quantize.gptq import Hessian, gptq_weight, output_error
-from quantkit.quantize.gptq_int8 import Int8Rounder
+from quantkit.quantize.gptq_rows import Int8Rounder
 from quantkit.quantize.layer_walk import run_walk
 from quantkit.quantize.smoothquant import SmoothQuantConfig, smoothquant_walk, w8a8_activations
 from quantkit.quantize.smoothquant_gptq import smoothquant_gptq_walk

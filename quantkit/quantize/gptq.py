@@ -18,7 +18,7 @@ that they absorb it (the optimal brain surgeon update). Per Linear:
 
 The rounding itself is a function passed in (`RoundFn`), with its scales fixed beforehand: for
 FP8 E4M3 the per-row scale is absmax / 448 as stored in the checkpoint dtype, and a column is
-rounded with `fp8_codes` on that scale (INT8 likewise on absmax / 127: `gptq_int8`); for INT4
+rounded with `fp8_codes` on that scale (INT8 likewise on absmax / 127; both: `gptq_rows`); for INT4
 the group-wise scales and zero points are RTN's (min/max per group), and a column is rounded in
 its group (`Int4Rounder`).
 
@@ -38,13 +38,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from quantkit.format.fp8 import fp8_tensors
 from quantkit.format.int4 import int4_tensors
 from quantkit.format.packing import (
     INT4_MAX,
     INT4_MIN,
-    fp8_codes,
-    fp8_row_scale,
     int4_dequantize,
     int4_qparams,
     int4_quantize,
@@ -54,7 +51,7 @@ from quantkit.models.decoder import CausalLM
 from quantkit.models.family import Family
 from quantkit.quantize.clip_search import CLIP_MODES, clip_ratios
 from quantkit.quantize.gptq_fp4 import Fp4Rounder
-from quantkit.quantize.gptq_int8 import Int8Rounder
+from quantkit.quantize.gptq_rows import Fp8Rounder, Int8Rounder
 from quantkit.quantize.layer_walk import (
     LayerErrorReport,
     LayerWalk,
@@ -205,32 +202,6 @@ class Rounder(Protocol):
     ) -> dict[str, torch.Tensor]:
         """The checkpoint tensors (local names) of rows `rows` of the GPTQ-rounded q."""
         ...
-
-
-class Fp8Rounder:
-    """E4M3 on RTN's per-row scale (row absmax / 448), as `scale_dtype` stores it, so the
-    checkpoint's w8 * scale are exactly the values the error compensation saw."""
-
-    def __init__(self, w: torch.Tensor, scheme: QuantScheme, *, scale_dtype: torch.dtype) -> None:
-        self.scale = fp8_row_scale(w).to(scale_dtype).float()
-
-    def round(self, columns: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        return fp8_codes(columns, self.scale).float() * self.scale
-
-    def nearest(self, w: torch.Tensor) -> torch.Tensor:
-        return fp8_codes(w, self.scale).float() * self.scale
-
-    def codes(self, q: torch.Tensor) -> torch.Tensor:
-        # q holds code * scale exactly up to fp32 rounding, far below E4M3's spacing: exact codes.
-        return fp8_codes(q, self.scale)
-
-    def stored(self, q: torch.Tensor) -> torch.Tensor:
-        return self.codes(q).float() * self.scale
-
-    def tensors(
-        self, q: torch.Tensor, rows: slice, *, dtype: torch.dtype
-    ) -> dict[str, torch.Tensor]:
-        return fp8_tensors(fp8_codes(q[rows], self.scale[rows]), self.scale[rows], dtype=dtype)
 
 
 class Int4Rounder:
