@@ -290,27 +290,3 @@ def test_a_walk_from_inside_a_run_of_zeros_leaves_it(vocab) -> None:
     assert complete and not path.startswith(b"0"), path
     text = '{"t":"2023-08-22t14:22:22.' + "0" * 40 + path.decode()
     assert validate_json(text, schema) is None, text
-
-
-def test_a_walk_leaves_a_recursion_at_the_branch_it_took_each_time_round(vocab) -> None:
-    """A spec whose "spec" is a spec again (or a leaf): from a row already three levels down,
-    the walk's preferred bytes would take the recursive branch for ever (its decision comes
-    after values that end, so no byte of the loop is still avoided there). It takes last the
-    bytes that followed the same text before, and leaves by the leaf."""
-    nested = {"anyOf": [{"$ref": "#/$defs/node"}, {"$ref": "#/$defs/leaf"}]}
-    text = {"type": "string"}
-    node = {"type": "object", "additionalProperties": False,
-            "properties": {"name": text, "repeat": text, "resolve": text, "next": nested},
-            "required": ["name", "repeat", "resolve", "next"]}  # fmt: skip
-    leaf = {"type": "object", "additionalProperties": False,
-            "properties": {"name": text, "repeat": text, "resolve": text,
-                           "nexz": {"type": "integer"}},
-            "required": ["name", "repeat", "resolve", "nexz"]}  # fmt: skip
-    schema = {"$defs": {"node": node, "leaf": leaf}, "$ref": "#/$defs/node"}
-    row = llg(schema, vocab).new_row()
-    prefix = '{"name":"","repeat":"","resolve":"","next":' * 3
-    for char in prefix:
-        assert row.advance(_id(char)), char
-    path, complete = row.closing_path(limit=400)
-    assert complete and len(path) < 120, path
-    assert validate_json(prefix + path.decode(), schema) is None, path

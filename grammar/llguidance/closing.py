@@ -10,10 +10,6 @@ bytes whole and otherwise the first allowed byte of a fixed preference: the byte
 something (`"`, `}`, `]`, `)`, `;`, a newline), then `,` (the next required property or item),
 then the shortest
 values (`0`, a letter for a string that needs one, `t`/`f`/`n` for literals), then any byte.
-A walk that went round takes last, at each choice, the bytes that followed the same 16 bytes
-before (in the row's text or its own), unless they end a value: a recursion the preferences
-would follow for ever (a spec whose "spec" is a spec again, or a leaf) is left at the branch
-it took each time round.
 The path it returns is a complete document's tail, not always the shortest one (a greedy choice
 can open a string whose pattern needs ten bytes where a number needed one), and its length in
 bytes bounds the tokens it needs from above.
@@ -48,10 +44,6 @@ _GRACE = 256
 # it takes a byte that ends a value or an item (`_LEXEME_ENDS`).
 _RECENT = 16
 _LEXEME_ENDS = frozenset(b'"}],:')
-# At each choice a walk takes last the bytes that followed the same last this many bytes
-# before (in the row's text or the walk's own): a recursion (a spec whose "spec" is a spec
-# again) is left at the branch it took each time round, wherever that lies in the loop.
-_CONTEXT = 16
 # The bytes that may end a text at once, tried first by a walk that goes round.
 _CLOSERS = b'"}]);\n'
 # The bytes tried first, in order (see the module docstring); every other byte comes after.
@@ -112,12 +104,8 @@ class ClosingWalk:
         seen_text = bytearray(tail[-3 * _LOOP :])  # the tail, then `out`: what loops are read in
         looped = 0  # finishing: where the loop under way began (0: none)
         avoid: set[int] = set()  # finishing: the bytes of the loops under way, taken last
-        # finishing (this walk went round before), until a loop's length passes without going
-        # round: the bytes that followed the walk's last `_CONTEXT` before are taken last
-        # (`_followers`), from the first byte: a recursion is left in its first level.
-        recall = finishing
         if finishing and self._repeating(seen_text):  # the row's own text goes round already
-            avoid = set(seen_text[-_RECENT:]) - _LEXEME_ENDS
+            avoid = set(seen_text[-_RECENT:])
         seen = 0  # finishing: where the walk was last seen going round
         while len(out) < limit:
             if walker.is_accepting():
@@ -138,13 +126,6 @@ class ClosingWalk:
             # last until a value or item ends: a date-time's fraction goes round on `0` and
             # ends only at a `Z` or an offset.
             order = self._avoiding(avoid) if avoid else self.order
-            # Bytes that followed this text before come last, but a byte that ends a value
-            # stays where it is: a string closed empty last time round is closed empty again
-            # (a byte written into it would change every context after it), and a closing
-            # bracket is the way out.
-            before = self._followers(seen_text) - _LEXEME_ENDS if recall else None
-            if before:
-                order = self._taken_last(order, before)
             for token in order:
                 if walker.validate_tokens([token]) and (
                     check is None or check(self.token_bytes[token])
@@ -163,12 +144,12 @@ class ClosingWalk:
                                      tail=tail)  # fmt: skip
                 # A repeat the grammar asks for (seven booleans of a minItems 7 array) ends
                 # within a bounded stretch; a free text never does: walk on `_GRACE` bytes.
-                looped, seen, recall = looped or len(out), len(out), True
-                avoid |= set(seen_text[-_RECENT:]) - _LEXEME_ENDS
+                looped, seen = looped or len(out), len(out)
+                avoid |= set(seen_text[-_RECENT:])
                 if len(out) - looped >= _GRACE:
                     return bytes(out[:looped]), False
-            elif (looped or recall) and len(out) - seen > _LOOP:
-                looped, recall = 0, False  # the loop ended: an ordinary walk again
+            elif looped and len(out) - seen > _LOOP:
+                looped = 0  # the loop ended: an ordinary walk again
         if looped and not walker.is_accepting() and self._repeating(seen_text):
             return bytes(out[: min(looped, limit - 1)]), False  # round to the limit: no way
         return bytes(out), bool(walker.is_accepting())
@@ -186,23 +167,6 @@ class ClosingWalk:
             walker.rollback(1)
         return False
 
-    @staticmethod
-    def _followers(text: bytearray) -> set[int]:
-        """The bytes that followed `text`'s last `_CONTEXT` bytes where they occurred before."""
-        if len(text) <= _CONTEXT:
-            return set()
-        context, last = bytes(text[-_CONTEXT:]), len(text) - _CONTEXT
-        found, at = set(), text.find(context)
-        while 0 <= at < last:
-            found.add(text[at + _CONTEXT])
-            at = text.find(context, at + 1)
-        return found
-
-    def _taken_last(self, order: list[int], before: set[int]) -> list[int]:
-        """`order` with the tokens of the bytes in `before` moved last."""
-        fresh = [t for t in order if self.token_bytes[t][0] not in before]
-        return fresh + [t for t in order if self.token_bytes[t][0] in before]
-
     def _avoiding(self, avoid: set[int]) -> list[int]:
         """The walk's byte order with the bytes in `avoid` moved last."""
         fresh = [t for t in self.order if self.token_bytes[t][0] not in avoid]
@@ -211,21 +175,15 @@ class ClosingWalk:
     @staticmethod
     def _repeating(out: bytearray) -> bool:
         """Whether the text ends in a repeat, in short or long steps (checked at any length)."""
-        return repeats(out[-3 * MAX_PERIOD :]) or ClosingWalk._long_repeat(out)
+        return repeats(out[-3 * MAX_PERIOD :]) or repeats(out[-3 * _LOOP :], total=3 * 16,
+                                                           longest=_LOOP)  # fmt: skip
 
     @staticmethod
     def _going_round(out: bytearray) -> bool:
         if len(out) >= REPEAT_BYTES and repeats(out[-3 * MAX_PERIOD :]):
             return True  # a string no preferred byte closes
         # in longer steps (a clause, an item), checked every 16 bytes
-        return len(out) % 16 == 0 and ClosingWalk._long_repeat(out)
-
-    @staticmethod
-    def _long_repeat(out: bytearray) -> bool:
-        """A piece of up to `_LOOP` bytes written over and over, 96 bytes in all: twice is
-        enough for a piece of 48 bytes or more (a recursion's level: each time round after
-        the first is a whole level of bytes spent)."""
-        return repeats(out[-3 * _LOOP :], least=2, total=96, longest=_LOOP)
+        return len(out) % 16 == 0 and repeats(out[-3 * _LOOP :], total=3 * 16, longest=_LOOP)
 
     def along(self, path: bytes) -> list[int]:
         """The tokens whose bytes begin `path` (each writes at least one of its bytes)."""
