@@ -7,6 +7,7 @@ stuck in a loop would."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from quantkit.grammar.compiler import compile_grammar
-from quantkit.grammar.constraints import regex_grammar, validate_json
+from quantkit.grammar.constraints import lark_grammar, regex_grammar, validate_json
 from quantkit.grammar.llguidance.closing import ClosingWalk
 from quantkit.grammar.llguidance.runaway import MAX_DEPTH, MAX_NUMBER, repeats
 from quantkit.grammar.processor import GrammarLogitsProcessor
@@ -290,3 +291,43 @@ def test_a_walk_from_inside_a_run_of_zeros_leaves_it(vocab) -> None:
     assert complete and not path.startswith(b"0"), path
     text = '{"t":"2023-08-22t14:22:22.' + "0" * 40 + path.decode()
     assert validate_json(text, schema) is None, text
+
+
+def test_a_walk_leaves_a_recursion_at_the_branch_it_took_each_time_round(vocab) -> None:
+    """A spec whose "spec" is a spec again (or a leaf): from a row already three levels down,
+    the walk's preferred bytes would take the recursive branch for ever (its decision comes
+    after values that end, so no byte of the loop is still avoided there). It takes last the
+    bytes that followed the same text before, and leaves by the leaf."""
+    nested = {"anyOf": [{"$ref": "#/$defs/node"}, {"$ref": "#/$defs/leaf"}]}
+    text = {"type": "string"}
+    node = {"type": "object", "additionalProperties": False,
+            "properties": {"name": text, "repeat": text, "resolve": text, "next": nested},
+            "required": ["name", "repeat", "resolve", "next"]}  # fmt: skip
+    leaf = {"type": "object", "additionalProperties": False,
+            "properties": {"name": text, "repeat": text, "resolve": text,
+                           "nexz": {"type": "integer"}},
+            "required": ["name", "repeat", "resolve", "nexz"]}  # fmt: skip
+    schema = {"$defs": {"node": node, "leaf": leaf}, "$ref": "#/$defs/node"}
+    row = llg(schema, vocab).new_row()
+    prefix = '{"name":"","repeat":"","resolve":"","next":' * 3
+    for char in prefix:
+        assert row.advance(_id(char)), char
+    path, complete = row.closing_path(limit=400)
+    assert complete and len(path) < 120, path
+    assert validate_json(prefix + path.decode(), schema) is None, path
+
+
+def test_a_lark_list_the_model_would_go_on_with_is_closed_in_time(vocab) -> None:
+    """A list whose `,` the walk prefers over the byte that leaves it: every walk took the
+    list round again, and a row following them wrote items to the limit. Walks read the row's
+    own text (every grammar, not only JSON schemas) and leave at the `,` that continued it."""
+    grammar = 'start: "x" COLS "z" TABLE\nCOLS: COL ("," COL)*\nCOL: "ab" | "cd" | "ef"\n' \
+        'TABLE: "u" | "v"\n'  # fmt: skip
+    compiled = compile_grammar(lark_grammar(grammar), vocab, engine="llguidance", timeout_s=10)
+    row = compiled.new_row()
+    for char in "xab,ab,ab,ab":
+        assert row.advance(_id(char)), char
+    assert row.closing_path(limit=60) == (b"zu", True)
+    processor = GrammarLogitsProcessor(compiled, max_new_tokens=24)
+    text, ended = greedy(processor, vocab, [",", "ab"], steps=24)
+    assert ended and re.fullmatch(r"xab(,ab)*z[uv]", text), text

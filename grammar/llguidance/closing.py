@@ -10,6 +10,10 @@ bytes whole and otherwise the first allowed byte of a fixed preference: the byte
 something (`"`, `}`, `]`, `)`, `;`, a newline), then `,` (the next required property or item),
 then the shortest
 values (`0`, a letter for a string that needs one, `t`/`f`/`n` for literals), then any byte.
+A walk that went round takes last, at each choice, the bytes that followed the same 16 bytes
+(else 8, else 4) before, in the row's text or its own, unless they close something: a
+recursion the preferences would follow for ever (a spec whose "spec" is a spec again, or a
+leaf) is left at the branch it took each time round, and a list at the `,` that continued it.
 The path it returns is a complete document's tail, not always the shortest one (a greedy choice
 can open a string whose pattern needs ten bytes where a number needed one), and its length in
 bytes bounds the tokens it needs from above.
@@ -44,6 +48,12 @@ _GRACE = 256
 # it takes a byte that ends a value or an item (`_LEXEME_ENDS`).
 _RECENT = 16
 _LEXEME_ENDS = frozenset(b'"}],:')
+# A walk that went round takes last at each choice the bytes that followed the same last this
+# many bytes before (else 8, else 4; in the row's text or the walk's own), except the closing
+# ones (`_KEEP`): a recursion (a spec whose "spec" is a spec again) is left at the branch it
+# took each time round, wherever that lies in the loop, and a list at its `,`.
+_CONTEXT = 16
+_KEEP = frozenset(b'"}]')
 # The bytes that may end a text at once, tried first by a walk that goes round.
 _CLOSERS = b'"}]);\n'
 # The bytes tried first, in order (see the module docstring); every other byte comes after.
@@ -104,6 +114,10 @@ class ClosingWalk:
         seen_text = bytearray(tail[-3 * _LOOP :])  # the tail, then `out`: what loops are read in
         looped = 0  # finishing: where the loop under way began (0: none)
         avoid: set[int] = set()  # finishing: the bytes of the loops under way, taken last
+        # finishing (this walk went round before), until a loop's length passes without going
+        # round: the bytes that followed the walk's last `_CONTEXT` before are taken last
+        # (`_followers`), from the first byte: a recursion is left in its first level.
+        recall = finishing
         if finishing and self._repeating(seen_text):  # the row's own text goes round already
             avoid = set(seen_text[-_RECENT:])
         seen = 0  # finishing: where the walk was last seen going round
@@ -118,6 +132,8 @@ class ClosingWalk:
                     return bytes(out), False  # the grammar forces a repeated key: no way on
                 out += forced[:taken]
                 seen_text += forced[:taken]
+                if avoid and not _LEXEME_ENDS.isdisjoint(forced[:taken]):
+                    avoid = set()  # a forced `":` ended the key: a value is chosen afresh
                 if taken:
                     continue
             if finishing and self._finish(walker, check, out):
@@ -126,6 +142,13 @@ class ClosingWalk:
             # last until a value or item ends: a date-time's fraction goes round on `0` and
             # ends only at a `Z` or an offset.
             order = self._avoiding(avoid) if avoid else self.order
+            # Bytes that followed this text before come last, but a closing byte stays where it
+            # is: a string closed empty last time round is closed empty again (a byte written
+            # into it would change every context after it), and a closing bracket is the way
+            # out. A `,` is not kept: it goes round once more.
+            before = self._followers(seen_text) - _KEEP if recall else None
+            if before:
+                order = self._taken_last(order, before)
             for token in order:
                 if walker.validate_tokens([token]) and (
                     check is None or check(self.token_bytes[token])
@@ -144,12 +167,12 @@ class ClosingWalk:
                                      tail=tail)  # fmt: skip
                 # A repeat the grammar asks for (seven booleans of a minItems 7 array) ends
                 # within a bounded stretch; a free text never does: walk on `_GRACE` bytes.
-                looped, seen = looped or len(out), len(out)
+                looped, seen, recall = looped or len(out), len(out), True
                 avoid |= set(seen_text[-_RECENT:])
                 if len(out) - looped >= _GRACE:
                     return bytes(out[:looped]), False
-            elif looped and len(out) - seen > _LOOP:
-                looped = 0  # the loop ended: an ordinary walk again
+            elif (looped or recall) and len(out) - seen > _LOOP:
+                looped, recall = 0, False  # the loop ended: an ordinary walk again
         if looped and not walker.is_accepting() and self._repeating(seen_text):
             return bytes(out[: min(looped, limit - 1)]), False  # round to the limit: no way
         return bytes(out), bool(walker.is_accepting())
@@ -167,6 +190,27 @@ class ClosingWalk:
             walker.rollback(1)
         return False
 
+    @staticmethod
+    def _followers(text: bytearray) -> set[int]:
+        """The bytes that followed `text`'s last `_CONTEXT` bytes where they occurred before, or
+        its last 8 or 4 where the longer never did."""
+        for size in (_CONTEXT, 8, 4):
+            if len(text) <= size:
+                continue
+            context, last = bytes(text[-size:]), len(text) - size
+            found, at = set(), text.find(context)
+            while 0 <= at < last:
+                found.add(text[at + size])
+                at = text.find(context, at + 1)
+            if found:
+                return found
+        return set()
+
+    def _taken_last(self, order: list[int], before: set[int]) -> list[int]:
+        """`order` with the tokens of the bytes in `before` moved last."""
+        fresh = [t for t in order if self.token_bytes[t][0] not in before]
+        return fresh + [t for t in order if self.token_bytes[t][0] in before]
+
     def _avoiding(self, avoid: set[int]) -> list[int]:
         """The walk's byte order with the bytes in `avoid` moved last."""
         fresh = [t for t in self.order if self.token_bytes[t][0] not in avoid]
@@ -175,15 +219,21 @@ class ClosingWalk:
     @staticmethod
     def _repeating(out: bytearray) -> bool:
         """Whether the text ends in a repeat, in short or long steps (checked at any length)."""
-        return repeats(out[-3 * MAX_PERIOD :]) or repeats(out[-3 * _LOOP :], total=3 * 16,
-                                                           longest=_LOOP)  # fmt: skip
+        return repeats(out[-3 * MAX_PERIOD :]) or ClosingWalk._long_repeat(out)
 
     @staticmethod
     def _going_round(out: bytearray) -> bool:
         if len(out) >= REPEAT_BYTES and repeats(out[-3 * MAX_PERIOD :]):
             return True  # a string no preferred byte closes
         # in longer steps (a clause, an item), checked every 16 bytes
-        return len(out) % 16 == 0 and repeats(out[-3 * _LOOP :], total=3 * 16, longest=_LOOP)
+        return len(out) % 16 == 0 and ClosingWalk._long_repeat(out)
+
+    @staticmethod
+    def _long_repeat(out: bytearray) -> bool:
+        """A piece of up to `_LOOP` bytes written over and over, 96 bytes in all: twice is
+        enough for a piece of 48 bytes or more (a recursion's level: each time round after
+        the first is a whole level of bytes spent)."""
+        return repeats(out[-3 * _LOOP :], least=2, total=96, longest=_LOOP)
 
     def along(self, path: bytes) -> list[int]:
         """The tokens whose bytes begin `path` (each writes at least one of its bytes)."""

@@ -170,6 +170,10 @@ class LlgIndex:
         return distinct
 
 
+# The row's text a walk reads its loops in (`closing.ClosingWalk.path`'s tail).
+_TAIL = 384
+
+
 class LlgRow:
     """One sequence's llguidance matcher behind the row interface the processor drives."""
 
@@ -177,11 +181,17 @@ class LlgRow:
 
     def __init__(self, matcher: Any, walk: ClosingWalk) -> None:
         self.matcher, self.walk = matcher, walk
+        self.text = bytearray()  # the row's last bytes (at least `_TAIL`): a walk's tail
         if matcher.is_error():
             raise GrammarError(f"llguidance: {matcher.get_error()}")
 
     def advance(self, token: int) -> bool:
-        return bool(self.matcher.consume_token(int(token)))
+        if not self.matcher.consume_token(int(token)):
+            return False
+        self.text += self.walk.token_bytes.get(int(token), b"")
+        if len(self.text) > 2 * _TAIL:
+            del self.text[:-_TAIL]
+        return True
 
     def fill(self, line: np.ndarray) -> None:
         self.matcher.unsafe_compute_mask_ptr(line.ctypes.data, line.nbytes)
@@ -201,7 +211,9 @@ class LlgRow:
         tail: bytes = b"",
     ) -> tuple[bytes, bool]:
         """A way to complete the document from here, in bytes, and whether it is complete
-        (`closing.ClosingWalk.path`, on a copy of the matcher; tail: the text's last bytes)."""
+        (`closing.ClosingWalk.path`, on a copy of the matcher; tail: the text's last bytes,
+        the row's own when not given)."""
+        tail = tail or bytes(self.text[-_TAIL:])
         return self.walk.path(self.matcher, limit=limit, allows=allows, tail=tail)
 
     def along(self, path: bytes) -> list[int]:
