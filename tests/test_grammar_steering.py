@@ -331,3 +331,18 @@ def test_a_lark_list_the_model_would_go_on_with_is_closed_in_time(vocab) -> None
     processor = GrammarLogitsProcessor(compiled, max_new_tokens=24)
     text, ended = greedy(processor, vocab, [",", "ab"], steps=24)
     assert ended and re.fullmatch(r"xab(,ab)*z[uv]", text), text
+
+
+def test_a_walk_stuck_in_a_value_it_cannot_finish_is_no_way_not_a_path_to_follow(vocab) -> None:
+    """An email needs an `@` this vocabulary cannot write: the walk goes round in the local part
+    to its limit, its avoided bytes changing the loop (`}}}…0000a0000…`). That is no way (a
+    path shorter than the limit), not a path longer than fits, which the row would follow from
+    its first token (the embedded model's person.json, `make demo`'s schema, ran to the limit
+    so)."""
+    schema = {"type": "object", "properties": {"e": {"type": "string", "format": "email"}},
+              "required": ["e"], "additionalProperties": False}  # fmt: skip
+    row = llg(schema, vocab).new_row()
+    for char in '{"e":"':
+        assert row.advance(_id(char)), char
+    path, complete = row.closing_path(limit=300)
+    assert not complete and len(path) < 300, path

@@ -175,7 +175,18 @@ class ClosingWalk:
                 looped, recall = 0, False  # the loop ended: an ordinary walk again
         if looped and not walker.is_accepting() and self._repeating(seen_text):
             return bytes(out[: min(looped, limit - 1)]), False  # round to the limit: no way
+        if finishing and not walker.is_accepting() and self._stuck(seen_text):
+            # Round to the limit in a loop the avoided bytes keep changing (an email's local
+            # part: `}}}…0}}}…a}}}…`): no way either, or the row would follow it from its
+            # first token.
+            return bytes(out[: limit - 1]), False
         return bytes(out), bool(walker.is_accepting())
+
+    @staticmethod
+    def _stuck(text: bytearray) -> bool:
+        """Whether the text's last `_LOOP` bytes are mostly one byte written over and over."""
+        window = text[-_LOOP:]
+        return len(window) == _LOOP and max(window.count(b) for b in set(window)) * 2 > _LOOP
 
     def _finish(self, walker: Any, check: Callable[[bytes], bool] | None,
                 out: bytearray) -> bool:  # fmt: skip
