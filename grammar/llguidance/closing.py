@@ -141,7 +141,7 @@ class ClosingWalk:
             # Going round, the bytes the loops held (the last `_RECENT` at each sighting) come
             # last until a value or item ends: a date-time's fraction goes round on `0` and
             # ends only at a `Z` or an offset.
-            order = self._avoiding(avoid) if avoid else self.order
+            order = self._taken_last(self.order, avoid) if avoid else self.order
             # Bytes that followed this text before come last, but a closing byte stays where it
             # is: a string closed empty last time round is closed empty again (a byte written
             # into it would change every context after it), and a closing bracket is the way
@@ -217,15 +217,10 @@ class ClosingWalk:
                 return found
         return set()
 
-    def _taken_last(self, order: list[int], before: set[int]) -> list[int]:
-        """`order` with the tokens of the bytes in `before` moved last."""
-        fresh = [t for t in order if self.token_bytes[t][0] not in before]
-        return fresh + [t for t in order if self.token_bytes[t][0] in before]
-
-    def _avoiding(self, avoid: set[int]) -> list[int]:
-        """The walk's byte order with the bytes in `avoid` moved last."""
-        fresh = [t for t in self.order if self.token_bytes[t][0] not in avoid]
-        return fresh + [t for t in self.order if self.token_bytes[t][0] in avoid]
+    def _taken_last(self, order: list[int], last: set[int]) -> list[int]:
+        """`order` with the tokens of the bytes in `last` moved last."""
+        fresh = [t for t in order if self.token_bytes[t][0] not in last]
+        return fresh + [t for t in order if self.token_bytes[t][0] in last]
 
     @staticmethod
     def _repeating(out: bytearray) -> bool:

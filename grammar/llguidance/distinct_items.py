@@ -364,10 +364,6 @@ def set_bits(words: np.ndarray) -> np.ndarray:
     return at[rows] * 32 + cols
 
 
-# The text's last bytes a closing walk is given (its loop checks read at most 384).
-_TAIL = 384
-
-
 class DistinctRow:
     """An llguidance row (`engine.LlgRow`) whose arrays hold distinct items (items) and
     whose objects hold distinct keys (keys)."""
@@ -447,8 +443,8 @@ class DistinctRow:
 
             return check
 
-        tail = bytes(state.text[-_TAIL:])  # the walk reads loops across it (`closing`)
-        return self.row.closing_path(limit=limit, allows=allows, tail=tail)
+        # The walk reads loops across the row's own text (`LlgRow` keeps its last bytes).
+        return self.row.closing_path(limit=limit, allows=allows)
 
     def along(self, path: bytes) -> list[int]:
         """See `LlgRow.along`."""

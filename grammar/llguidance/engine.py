@@ -170,7 +170,8 @@ class LlgIndex:
         return distinct
 
 
-# The row's text a walk reads its loops in (`closing.ClosingWalk.path`'s tail).
+# The row's text a walk reads its loops in (`closing.ClosingWalk.path`'s tail; its loop checks
+# read at most 384 bytes).
 _TAIL = 384
 
 
@@ -208,12 +209,11 @@ class LlgRow:
         *,
         limit: int,
         allows: Callable[[], Callable[[bytes], bool]] | None = None,
-        tail: bytes = b"",
     ) -> tuple[bytes, bool]:
         """A way to complete the document from here, in bytes, and whether it is complete
-        (`closing.ClosingWalk.path`, on a copy of the matcher; tail: the text's last bytes,
-        the row's own when not given)."""
-        tail = tail or bytes(self.text[-_TAIL:])
+        (`closing.ClosingWalk.path`, on a copy of the matcher, reading loops across the row's
+        own last bytes)."""
+        tail = bytes(self.text[-_TAIL:])
         return self.walk.path(self.matcher, limit=limit, allows=allows, tail=tail)
 
     def along(self, path: bytes) -> list[int]:
