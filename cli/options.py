@@ -29,6 +29,23 @@ from quantkit.runtime.options import ACT_DTYPE_NAMES, RuntimeOptions
 from quantkit.runtime.speculate import SpecConfig, parse_speculate
 
 
+def parse_device(name: str) -> torch.device:
+    """A --device value as a torch device: auto = the first GPU when there is one, else cpu; a
+    GPU this machine does not have is refused here, not at the first tensor moved to it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
+        raise GenerationError(f"--device: expected auto, cpu or cuda[:N], got {name!r}")
+    device = torch.device(name)
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise GenerationError(
+                f"--device: expected a device this machine has ({count} GPU(s)), got {name}"
+            )
+    return device
+
+
 @dataclass(frozen=True)
 class Runtime:
     """What the runtime options said, unchecked until a method reads them."""
@@ -45,14 +62,7 @@ class Runtime:
 
     def torch_device(self) -> torch.device:
         """--device as a torch device: auto = cuda when there is one."""
-        name = self.device
-        if name == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", name):
-            raise GenerationError(f"--device: expected auto, cpu or cuda[:N], got {name!r}")
-        if name.startswith("cuda") and not torch.cuda.is_available():
-            raise GenerationError(f"--device: expected a device this machine has, got {name}")
-        return torch.device(name)
+        return parse_device(self.device)
 
     def set_threads(self) -> None:
         """Apply --threads to torch (nothing when not given)."""

@@ -7,8 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import click
+import torch
 from tqdm.auto import tqdm
 
+from quantkit.cli.options import parse_device
 from quantkit.errors import SchemeError
 from quantkit.evals.accuracy.perplexity import perplexity
 from quantkit.models.decoder import CausalLM
@@ -121,6 +123,14 @@ _WINDOWS = {"window": PERPLEXITY_WINDOW, "batch_size": PERPLEXITY_BATCH}
     show_default=True,
     help="Held-out tokens for perplexity before/after (0 skips it).",
 )
+@click.option(
+    "--device",
+    default="auto",
+    show_default=True,
+    help="Where each layer is calibrated and rounded: auto (the first GPU when there is one), "
+    "cpu or cuda[:N]. Only the layer being quantized and its calibration activations go to "
+    "the GPU; the rest stays on disk and in host memory.",
+)
 @click.option("-o", "--output", type=click.Path(path_type=Path), help="Checkpoint directory.")
 @click.option("--force", is_flag=True, help="Replace an existing output directory.")
 @click.option(
@@ -147,6 +157,7 @@ def quantize_cmd(
     act_order: bool,
     clip: str,
     eval_tokens: int,
+    device: str,
     output: Path | None,
     force: bool,
     restart: bool,
@@ -159,6 +170,7 @@ def quantize_cmd(
     )  # fmt: skip
     if damp < 0:
         raise SchemeError(f"--damp: expected a fraction >= 0, got {damp}")
+    where = parse_device(device)
     recipe = Recipe(
         model,
         scheme,
@@ -172,9 +184,11 @@ def quantize_cmd(
         output
         or Path("out") / f"{Path(model).name.removesuffix('.gguf')}-{algorithm}-{scheme.kind}"
     )
-    hooks = _progress(_perplexity_scorer(eval_tokens))
+    hooks = _progress(_perplexity_scorer(eval_tokens, where))
     try:
-        outcome, report = quantize_and_save(recipe, out, force=force, hooks=hooks, restart=restart)
+        outcome, report = quantize_and_save(
+            recipe, out, force=force, hooks=hooks, restart=restart, device=where
+        )
     except BaseException:
         _say_kept(out)
         raise
@@ -214,9 +228,9 @@ def _progress(score: Any) -> _CliHooks:
     return hooks
 
 
-def _perplexity_scorer(eval_tokens: int) -> Any:
+def _perplexity_scorer(eval_tokens: int, device: torch.device) -> Any:
     """Held-out perplexity of a model, in the windows and batches the memory plan sizes
-    (`memory_plan.PERPLEXITY_WINDOW`, 512 tokens; None when --eval-tokens is 0)."""
+    (`memory_plan.PERPLEXITY_WINDOW`, 512 tokens; None when --eval-tokens is 0), on `device`."""
     if eval_tokens <= 0:
         return None
     held = None
@@ -225,10 +239,12 @@ def _perplexity_scorer(eval_tokens: int) -> Any:
         nonlocal held
         if held is None:  # tokenized once, on the reference, for both models
             held = heldout_tokens(tokenizer, max_tokens=eval_tokens)
+        model = dense.to(device)
+        logits = model if device.type == "cpu" else lambda ids: model(ids.to(device))
         if which == "reference":
             click.echo(f"perplexity of the reference model on {held.numel()} held-out tokens ...")
-            return {"reference": perplexity(dense, held, **_WINDOWS, progress=True).ppl}
-        ppl = perplexity(dense, held, **_WINDOWS, progress=True).ppl
+            return {"reference": perplexity(logits, held, **_WINDOWS, progress=True).ppl}
+        ppl = perplexity(logits, held, **_WINDOWS, progress=True).ppl
         return {"quantized": ppl, "tokens": held.numel(), "window": PERPLEXITY_WINDOW}
 
     return score
@@ -301,3 +317,5 @@ def _summary(
     where = f", in the {phase} phase" if phase else ""
     planned = f" (estimated before the run: at most {estimate} MB{where})" if estimate else ""
     click.echo(f"peak RSS     {report['peak_rss_mb']:.0f} MB{planned}")
+    if "device" in report:
+        click.echo(f"device       {report['device']}: peak {report['peak_gpu_mb']} MB allocated")

@@ -353,6 +353,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--force", action="store_true", help="replace an existing directory")
+    p.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="a folder with tokenizer.json (and config.json's token ids) to copy; default: the "
+        "embedded model's",
+    )
     args = p.parse_args(argv)
     config = dict(SHAPES[args.shape])
     if args.layers is not None:
@@ -362,7 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         if "layer_types" in config:
             config["layer_types"] = config["layer_types"][: args.layers]
     try:
-        done = write_synthetic(config, args.output, seed=args.seed, force=args.force)
+        done = write_synthetic(
+            config, args.output, seed=args.seed, force=args.force, tokenizer_dir=args.tokenizer
+        )
     except (QuantkitError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

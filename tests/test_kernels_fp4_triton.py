@@ -157,3 +157,50 @@ def test_fp4_kernel_compiles_for_hopper(tmp_path) -> None:
         pytest.skip("this Triton install has no CUDA toolchain (ptxas)")
     assert proc.returncode == 0, proc.stderr[-5000:]
     assert "compiled for sm_90" in proc.stdout
+
+
+_GPU_SCRIPT = textwrap.dedent(
+    """
+    import dataclasses
+    import sys
+    import torch
+    sys.path.insert(0, ".")
+    from tests.test_kernels_fp4_triton import CASES, packed
+    from quantkit.fused_kernels.reference.fp4 import dequantize_fp4_weights, fp4_linear_reference
+    import quantkit.fused_kernels.triton.fp4 as T
+
+    assert not T.is_interpreted()
+    cases = CASES + [("nvfp4", 1, 4096, 4096, "none", torch.bfloat16),
+                     ("mxfp4", 16, 14336, 4096, "none", torch.bfloat16),
+                     ("nvfp4", 512, 4096, 14336, "dynamic", torch.bfloat16)]
+    for kind, m, n, k, act, dtype in cases:
+        weights, _ = packed(kind, n, k, act, seed=m)
+        weights = dataclasses.replace(weights, **{
+            f.name: getattr(weights, f.name).cuda() for f in dataclasses.fields(weights)
+            if isinstance(getattr(weights, f.name), torch.Tensor)})
+        x = torch.randn(m, k, device="cuda").to(dtype)
+        dynamic = act == "dynamic"
+        y = T.fp4_linear_triton(x, weights, act_dynamic=dynamic).float()
+        ref = fp4_linear_reference(x.float(), weights, act_dynamic=dynamic).float()
+        w = dequantize_fp4_weights(weights).float()
+        mag = (x.float().abs() @ w.abs().T).max().item()
+        err = (y - ref).abs().max().item() / mag
+        # fp32: the order of the sums; fp16 / bf16: the tile's and the output's rounding.
+        tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+        assert err < tol, (kind, m, n, k, act, dtype, err)
+    print("gpu sweep ok")
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp4_triton_on_gpu_matches_reference() -> None:
+    """The compiled kernel on CUDA, both formats, both paths, in a fresh process (as the
+    interpreter-mode tests of this file must not be the module under test)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _GPU_SCRIPT], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "gpu sweep ok" in proc.stdout

@@ -78,7 +78,7 @@ def perplexity(
             # batch's logits, a window's worth lives at once (log_softmax is per position, so
             # the values are those of the whole batch's).
             for row, (_, _, first) in enumerate(batch):
-                target = ids[row, first:]
+                target = ids[row, first:].to(logits.device)
                 logp = F.log_softmax(logits[row, first - 1 : -1], dim=-1)
                 nll -= float(logp.gather(-1, target.unsqueeze(-1)).sum())
                 count += target.numel()

@@ -172,8 +172,8 @@ def _search_clip(w: torch.Tensor, x: torch.Tensor, *, scheme: QuantScheme, cfg: 
     g = scheme.group_size_for(k)
     groups = k // g
     xg = x.view(-1, groups, g).transpose(0, 1)  # [G, T, g]
-    best_err = torch.full((groups, n), float("inf"))
-    best = torch.ones(groups, n)
+    best_err = torch.full((groups, n), float("inf"), device=w.device)
+    best = torch.ones(groups, n, device=w.device)
     steps = int(cfg.clip_grid * (1 - cfg.max_shrink))
     with torch.no_grad():
         for i in range(steps + 1):

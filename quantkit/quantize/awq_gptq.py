@@ -49,6 +49,7 @@ from quantkit.quantize.gptq import (
     GptqPlan,
     Hessian,
     gptq_plan,
+    hessian_for,
     round_layer,
 )
 from quantkit.quantize.layer_walk import LayerWalk, PhaseClock, finish_layer, run_chunked
@@ -86,7 +87,7 @@ class _Folds:
                 out[name] = h
                 continue
             inverse = 1.0 / self.scales[name]
-            scaled = Hessian(h.sum.shape[0])
+            scaled = Hessian(h.sum.shape[0], device=h.sum.device)
             scaled.sum = h.sum * (inverse.view(-1, 1) * inverse.view(1, -1))
             scaled.tokens = h.tokens
             out[name] = scaled
@@ -130,7 +131,7 @@ def awq_gptq_walk(
         clock = PhaseClock(report.seconds)
         folds = None
         if not gptq.sequential:  # one forward for both
-            folds = _Folds({g[0]: _hessian(layer, g[0]) for g in gplan.input_groups})
+            folds = _Folds({g[0]: hessian_for(layer, g[0]) for g in gplan.input_groups})
         before = copy.deepcopy(layer.state_dict()) if "gptq" in candidates else None
         scaled = capture_and_scale(
             aplan,
@@ -168,10 +169,6 @@ def awq_gptq_walk(
         return result, report, finish_layer(scaled.run_layer, x, awq.batch_sequences, clock=clock)
 
     return LayerWalk(step, x)
-
-
-def _hessian(layer: nn.Module, name: str) -> Hessian:
-    return Hessian(layer.get_submodule(name).in_features)
 
 
 def _gptq(

@@ -54,8 +54,8 @@ def clip_ratios(
     g = k if group_size == -1 else group_size
     w = w.float()
     blocks = None if h is None or mode != "output" else _diagonal_blocks(h.float(), g)
-    best_err = torch.full((n, k // g), float("inf"))
-    best = torch.ones(n, k // g)
+    best_err = torch.full((n, k // g), float("inf"), device=w.device)
+    best = torch.ones(n, k // g, device=w.device)
     with torch.no_grad():
         for i in range(steps + 1):
             ratio = 1 - i * (1 - max_shrink) / steps

@@ -95,8 +95,8 @@ class GptqConfig:
 class Hessian:
     """Running H = 2 X^T X / tokens for one Linear input (X [tokens, K])."""
 
-    def __init__(self, k: int) -> None:
-        self.sum = torch.zeros(k, k, dtype=torch.float64)
+    def __init__(self, k: int, device: torch.device | str = "cpu") -> None:
+        self.sum = torch.zeros(k, k, dtype=torch.float64, device=device)
         self.tokens = 0
 
     def add(self, x: torch.Tensor) -> None:
@@ -151,7 +151,7 @@ def gptq_round(
     dead = h.diagonal() == 0
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
-    index = torch.arange(k)
+    index = torch.arange(k, device=w.device)
     if act_order:
         index = torch.argsort(h.diagonal(), descending=True)
         w, h = w[:, index], h[index][:, index]
@@ -310,6 +310,12 @@ def _tokens(hessians: dict[str, Hessian]) -> Callable[[str], int]:
     return lambda name: hessians[name].tokens if name in hessians else 0
 
 
+def hessian_for(layer: nn.Module, name: str) -> Hessian:
+    """An empty Hessian for Linear `name`'s input, on the device its weight is on."""
+    linear = layer.get_submodule(name)
+    return Hessian(linear.in_features, device=linear.weight.device)
+
+
 class _StopForward(Exception):  # noqa: N818 (control flow, not an error)
     """Raised by a capture hook once the last Linear a stage needs has seen its input: the rest
     of the layer's forward would be wasted work."""
@@ -319,7 +325,7 @@ def _capture_hessians(
     layer: nn.Module, x: torch.Tensor, run_layer: Callable, names: list[str], chunk: int
 ) -> dict[str, Hessian]:
     """H of the input of each Linear in `names` (the first of each input group), over x."""
-    hessians = {n: Hessian(layer.get_submodule(n).in_features) for n in names}
+    hessians = {n: hessian_for(layer, n) for n in names}
     last = names[-1]
 
     def hook_for(name: str) -> Callable:

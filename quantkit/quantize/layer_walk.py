@@ -53,12 +53,14 @@ class LayerErrorReport:
 def first_layer_inputs(
     model: CausalLM, samples: torch.Tensor, *, batch_sequences: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(hidden states entering layer 0 [n, T, H], rope cos, sin for a chunk of sequences)."""
+    """(hidden states entering layer 0 [n, T, H], rope cos, sin for a chunk of sequences), on
+    the device of the model's embedding (where the calibration runs; its rotary tables with it)."""
     n_seq, seq_len = samples.shape
-    positions = torch.arange(seq_len).expand(min(n_seq, batch_sequences), seq_len)
+    device = model.model.embed_tokens.weight.device
+    positions = torch.arange(seq_len, device=device).expand(min(n_seq, batch_sequences), seq_len)
     cos, sin = model.rope(positions)
     with torch.no_grad():
-        x = model.embed(samples).to(model.dtype)
+        x = model.embed(samples.to(device)).to(model.dtype)
     return x, cos, sin
 
 

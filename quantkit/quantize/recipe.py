@@ -92,12 +92,14 @@ def quantize_and_save(
     hooks: Hooks | None = None,
     extra_report: dict[str, Any] | None = None,
     restart: bool = False,
+    device: torch.device | str = "cpu",
 ) -> tuple[QuantizeOutcome, dict[str, Any]]:
     """Quantize `recipe.model` layer by layer (`streaming`) and write the checkpoint to `out`;
     returns the outcome and the report stored in quantkit.json.
 
     Finished layers wait in `<out>.partial/`: a run that is killed leaves them there, and the
-    same call again continues from the first unfinished layer (`restart` starts over)."""
+    same call again continues from the first unfinished layer (`restart` starts over). On a
+    GPU (`device`), each layer is calibrated there (`streaming`)."""
     started = time.perf_counter()
     hooks = hooks or Hooks()
     method = recipe.method()
@@ -130,7 +132,8 @@ def quantize_and_save(
         _, reference, _ = load_dense(model_dir)
         scores.update(hooks.score(reference, "reference", tokenizer))
         del reference
-    staging = Staging(staging_dir(out), _fingerprint(recipe, method, source, calib_ids))
+    fingerprint = _fingerprint(recipe, method, source, calib_ids, torch.device(device))
+    staging = Staging(staging_dir(out), fingerprint)
     resumed = staging.open(restart=restart)
     if hooks.on_start is not None:
         hooks.on_start(method, source.num_layers)
@@ -146,6 +149,7 @@ def quantize_and_save(
             on_layer=hooks.on_layer,
             quantize_head=recipe.quantize_head,
             resumed=resumed,
+            device=device,
         )
         outcome.timings = {"load_s": open_s, **outcome.timings}
         if hooks.score is not None:
@@ -168,6 +172,9 @@ def quantize_and_save(
         report["peak_rss_estimate_phase"] = plan.largest
         if resumed:
             report["resumed_at_layer"] = resumed
+        if torch.device(device).type == "cuda":
+            report["device"] = f"{device} ({torch.cuda.get_device_name(device)})"
+            report["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20)
         report.update(extra_report or {})
         t0 = time.perf_counter()
         outcome.save(out, source_dir=model_dir, report=report, force=force)
@@ -184,10 +191,15 @@ def quantize_and_save(
 
 
 def _fingerprint(
-    recipe: Recipe, method: Algorithm, source: SourceModel, calib_ids: torch.Tensor | None
+    recipe: Recipe,
+    method: Algorithm,
+    source: SourceModel,
+    calib_ids: torch.Tensor | None,
+    device: torch.device,
 ) -> dict[str, Any]:
     """What a staging directory may only be resumed with: the same weights files and config,
-    format, algorithm and settings, and calibration tokens (hashed)."""
+    format, algorithm and settings, calibration tokens (hashed), and the kind of device (a GPU
+    rounds its sums in another order than the CPU: layers from both would match neither run)."""
     files = sorted({e.file for e in source.files.entries.values()})
     sections = {part: asdict(getattr(recipe, part)) for part in method.configs}
     # One algorithm's settings flat (as before combinations existed), several by name.
@@ -195,7 +207,10 @@ def _fingerprint(
     calibration = None
     if calib_ids is not None:
         calibration = _digest(calib_ids.contiguous().numpy().tobytes())
+    # Only a GPU is named, so that a CPU run's staging directory reads as before.
+    where = {} if device.type == "cpu" else {"device": device.type}
     return {
+        **where,
         "model": str(source.model_dir.resolve()),
         "weights": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files],
         "config": _digest(json.dumps(source.config, sort_keys=True).encode()),

@@ -231,7 +231,7 @@ def smoothquant_walk(
     linears = model.config.layer_linears()
     # Every Linear's input too: the experts' token counts.
     names = sorted({_input_of(g) for g in groups} | set(linears))
-    report_rows = torch.arange(min(cfg.report_sequences, samples.shape[0]))
+    report_rows = torch.arange(min(cfg.report_sequences, samples.shape[0]), device=x.device)
 
     def nearest(
         index: int, layer: nn.Module, x: torch.Tensor, run_layer: Callable

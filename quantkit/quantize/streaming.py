@@ -7,6 +7,11 @@ embedding, final norm and head. Peak memory is one layer in fp32, the calibratio
 and the algorithm's working set: it does not grow with the number of layers. The checkpoint is
 then written from the staged files one shard at a time (`QuantizeOutcome.save`), and the
 staging directory removed by the caller.
+
+On a GPU (`device`), the layer being calibrated, the calibration activations, the embedding rows
+they read and the rotary tables live on it; the layer's finished tensors and a copy of the
+activations leaving it come back to the host to be staged. Everything else stays on the host
+or on disk, as on the CPU, where `device` changes nothing.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ def stream_quantize(
     on_layer: OnLayer | None = None,
     quantize_head: bool = False,
     resumed: int = 0,
+    device: torch.device | str = "cpu",
 ) -> QuantizeOutcome:
     """Quantize `source` layer by layer into `staging` (opened by the caller; `resumed` is the
     number of layers it already holds, which are not redone). Returns the outcome, whose tensors
@@ -67,6 +73,8 @@ def stream_quantize(
     if method.calibrated:
         assert samples is not None
         ids = source.calibration_shell(samples())
+        shell.model.embed_tokens.to(device)
+        shell.model.rotary.to(device)
         timings["calibration_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     job = QuantizeJob(shell, shell.family, scheme, dtype, samples=ids)
@@ -76,13 +84,13 @@ def stream_quantize(
     for report in reports:
         if on_layer is not None:
             on_layer(report)
-    x = staging.activations() if resumed and method.calibrated else walk.x
+    x = staging.activations().to(device) if resumed and method.calibrated else walk.x
     for index in range(resumed, source.num_layers):
-        layer = source.layer(index)
+        layer = source.layer(index).to(device)
         out, report, x = walk.step(index, layer, x)
         tensors = _layer_tensors(index, layer, out, scheme, dtype)
         del layer, out
-        staging.save_layer(index, tensors, asdict(report), x)
+        staging.save_layer(index, tensors, asdict(report), None if x is None else x.cpu())
         del tensors
         reports.append(report)
         if on_layer is not None:
@@ -113,16 +121,16 @@ def _layer_tensors(
     scheme: QuantScheme,
     dtype: torch.dtype,
 ) -> dict[str, torch.Tensor]:
-    """The finished layer's checkpoint tensors in checkpoint order: its dense tensors (norms
-    with any folded scales, biases, routers) in the storage dtype, then each quantized Linear's,
-    checked against the format before anything is written."""
+    """The finished layer's checkpoint tensors in checkpoint order, on the host: its dense
+    tensors (norms with any folded scales, biases, routers) in the storage dtype, then each
+    quantized Linear's, checked against the format before anything is written."""
     prefix = f"model.layers.{index}."
     tensors = dense_tensors(layer.state_dict(), dtype, quantized, prefix=prefix)
     for name, local in quantized.items():
         check_module_tensors(local, scheme=scheme, prefix=name)
         for suffix, t in local.items():
             tensors[f"{name}.{suffix}"] = t
-    return tensors
+    return {name: t.cpu() for name, t in tensors.items()}
 
 
 def _outer_parts(
