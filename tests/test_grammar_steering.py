@@ -346,3 +346,23 @@ def test_a_walk_stuck_in_a_value_it_cannot_finish_is_no_way_not_a_path_to_follow
         assert row.advance(_id(char)), char
     path, complete = row.closing_path(limit=300)
     assert not complete and len(path) < 300, path
+
+
+def test_the_best_allowed_tokens_are_a_stable_sort_of_the_allowed_ones() -> None:
+    """`best_allowed` selects before it sorts; it must give what a stable sort of every allowed
+    score gives: the same tokens in the same order, ties to the lower id, -inf included."""
+    from quantkit.grammar.llguidance.key_corners import best_allowed
+
+    gen = np.random.default_rng(0)
+    for case in range(200):
+        vocab = int(gen.integers(1, 300))
+        scores = gen.integers(-3, 4, vocab).astype(np.float32)  # many ties
+        scores[gen.random(vocab) < 0.1] = -np.inf
+        allowed = gen.random(vocab) < gen.random()
+        line = np.zeros((vocab + 31) // 32, dtype=np.int32)
+        for t in np.flatnonzero(allowed):
+            line.view(np.uint32)[t >> 5] |= np.uint32(1 << (t & 31))
+        ids = np.flatnonzero(allowed)
+        want = ids[np.argsort(-scores[ids], kind="stable")][:8].tolist()
+        got, count = best_allowed(line, torch.from_numpy(scores), 8)
+        assert (got, count) == (want, ids.size), case

@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from quantkit.grammar.llguidance.distinct_items import DistinctItems, set_bits
+from quantkit.grammar.llguidance.distinct_items import DistinctItems
 from quantkit.grammar.vocabulary import byte_tokens
 
-__all__ = ["KeyCorners", "NODES", "TOP"]
+__all__ = ["KeyCorners", "NODES", "TOP", "best_allowed"]
 
 TOP = 8
 NODES = 64
@@ -59,12 +59,9 @@ class KeyCorners:
         if not state.keys or not any(not f.array and f.keys for f in state.stack):
             return 0  # no open object has written keys: no corner to enter
         words = line.view(np.uint32)
-        allowed = set_bits(words)
-        if not allowed.size:
-            return 0
-        scores = logits.detach().float().numpy()[allowed]
+        best, count = best_allowed(line, logits, TOP)
         cleared = 0
-        for token in allowed[np.argsort(-scores, kind="stable")][:TOP].tolist():
+        for token in best:
             # Where the token leaves the text: inside a key, or after a `,` before one. A
             # token can close a string value and begin a key at once (`","`), so it is fed
             # to a probe of the text state rather than read by its first byte.
@@ -83,7 +80,7 @@ class KeyCorners:
                 return cleared
             if not self._dead(copy, name, written, [0]):
                 return cleared
-            if cleared + 1 == allowed.size:
+            if cleared + 1 == count:
                 return cleared  # never the last token: a dead end is worse than a repeat
             words[token >> 5] &= ~np.uint32(1 << (token & 31))
             cleared += 1
@@ -129,3 +126,20 @@ class KeyCorners:
                                                             seen):  # fmt: skip
                 return False
         return True
+
+
+def best_allowed(line: np.ndarray, logits: torch.Tensor, top: int) -> tuple[list[int], int]:
+    """The `top` allowed tokens of a mask `line` (int32 bitmask words) by logit, best first,
+    ties to the lower id; and how many tokens the mask allows. Selects before sorting: a
+    full sort of ~50k allowed scores took milliseconds a step inside string values."""
+    allowed = np.unpackbits(line.view(np.uint8), bitorder="little")[: logits.shape[-1]]
+    allowed = allowed.astype(bool)
+    count = int(allowed.sum())
+    if count == 0:
+        return [], 0
+    scores = np.where(allowed, logits.detach().float().cpu().numpy(), -np.inf)
+    k = min(top, count)
+    cut = scores[np.argpartition(-scores, k - 1)[:k]].min()  # the k-th best allowed score
+    tied = np.flatnonzero(allowed & (scores >= cut))  # ascending ids: a stable sort keeps ties so
+    order = np.argsort(-scores[tied], kind="stable")
+    return tied[order][:k].tolist(), count
