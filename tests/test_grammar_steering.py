@@ -355,7 +355,7 @@ def test_the_best_allowed_tokens_are_a_stable_sort_of_the_allowed_ones() -> None
 
     gen = np.random.default_rng(0)
     for case in range(200):
-        vocab = int(gen.integers(1, 300))
+        vocab = int(gen.integers(1, 2000))  # below and above the 64 logits looked at first
         scores = gen.integers(-3, 4, vocab).astype(np.float32)  # many ties
         scores[gen.random(vocab) < 0.1] = -np.inf
         allowed = gen.random(vocab) < gen.random()
