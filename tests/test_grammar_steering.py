@@ -366,3 +366,26 @@ def test_the_best_allowed_tokens_are_a_stable_sort_of_the_allowed_ones() -> None
         want = ids[np.argsort(-scores[ids], kind="stable")][:8].tolist()
         got, count = best_allowed(line, torch.from_numpy(scores), 8)
         assert (got, count) == (want, ids.size), case
+
+
+def test_repeats_answers_as_the_plain_definition() -> None:
+    """`repeats` skips a period whose last byte differs from the byte a period before it;
+    the answers must be the definition's: the last `times * period` bytes are one piece."""
+
+    def plain(data: bytes, least: int, total: int, longest: int) -> bool:
+        for period in range(1, longest + 1):
+            times = max(least, -(-total // period))
+            if times * period > len(data):
+                return False
+            if data[len(data) - times * period :] == data[len(data) - period :] * times:
+                return True
+        return False
+
+    gen = np.random.default_rng(1)
+    for case in range(3000):
+        piece = bytes(gen.integers(97, 97 + int(gen.integers(1, 4)), int(gen.integers(1, 9))))
+        noise = bytes(gen.integers(97, 100, int(gen.integers(0, 20))))
+        data = (noise + piece * int(gen.integers(0, 30)))[-int(gen.integers(0, 120)) :]
+        for least, total, longest in ((3, 24, 32), (2, 96, 128), (4, 40, 40)):
+            got = repeats(bytearray(data), least=least, total=total, longest=longest)
+            assert got == plain(data, least, total, longest), (case, data)

@@ -53,6 +53,8 @@ _LEXEME_ENDS = frozenset(b'"}],:')
 # ones (`_KEEP`): a recursion (a spec whose "spec" is a spec again) is left at the branch it
 # took each time round, wherever that lies in the loop, and a list at its `,`.
 _CONTEXT = 16
+# The walk orders kept (`_order`): a few dozen pairs of byte sets recur across a row's walks.
+_ORDERS = 1024
 _KEEP = frozenset(b'"}]')
 # The bytes that may end a text at once, tried first by a walk that goes round.
 _CLOSERS = b'"}]);\n'
@@ -78,6 +80,7 @@ class ClosingWalk:
         self.by_bytes = by_bytes
         self.longest = max((len(d) for d in by_bytes), default=1)
         self.token_bytes = vocabulary.token_bytes
+        self._orders: dict[tuple[frozenset[int], frozenset[int]], list[int]] = {}
 
     @classmethod
     def of(cls, vocabulary: TokenVocabulary) -> ClosingWalk:
@@ -141,14 +144,12 @@ class ClosingWalk:
             # Going round, the bytes the loops held (the last `_RECENT` at each sighting) come
             # last until a value or item ends: a date-time's fraction goes round on `0` and
             # ends only at a `Z` or an offset.
-            order = self._taken_last(self.order, avoid) if avoid else self.order
             # Bytes that followed this text before come last, but a closing byte stays where it
             # is: a string closed empty last time round is closed empty again (a byte written
             # into it would change every context after it), and a closing bracket is the way
             # out. A `,` is not kept: it goes round once more.
-            before = self._followers(seen_text) - _KEEP if recall else None
-            if before:
-                order = self._taken_last(order, before)
+            before = self._followers(seen_text) - _KEEP if recall else set()
+            order = self._order(frozenset(avoid), frozenset(before))
             for token in order:
                 if walker.validate_tokens([token]) and (
                     check is None or check(self.token_bytes[token])
@@ -217,7 +218,23 @@ class ClosingWalk:
                 return found
         return set()
 
-    def _taken_last(self, order: list[int], last: set[int]) -> list[int]:
+    def _order(self, avoid: frozenset[int], before: frozenset[int]) -> list[int]:
+        """The order a walk tries bytes in: the preferred order with the bytes in `avoid` moved
+        last, then those in `before` (each move keeps the order within both parts). Made once
+        per pair of sets: a walk asks for the same few at every byte."""
+        key = (avoid, before)
+        found = self._orders.get(key)
+        if found is None:
+            found = self.order
+            for last in (avoid, before):
+                if last:
+                    found = self._taken_last(found, last)
+            if len(self._orders) >= _ORDERS:
+                self._orders.clear()
+            found = self._orders[key] = found
+        return found
+
+    def _taken_last(self, order: list[int], last: frozenset[int]) -> list[int]:
         """`order` with the tokens of the bytes in `last` moved last."""
         fresh = [t for t in order if self.token_bytes[t][0] not in last]
         return fresh + [t for t in order if self.token_bytes[t][0] in last]

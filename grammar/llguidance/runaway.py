@@ -26,6 +26,8 @@ items (`distinct_items.DistinctItems`).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from quantkit.grammar.llguidance.distinct_items import DistinctItems
@@ -93,14 +95,25 @@ def repeats(data: bytes | bytearray, *, least: int = 3, total: int = REPEAT_BYTE
     """Whether `data` ends in one piece of at most `longest` bytes written over and over: at
     least `least` times, and `total` bytes in all."""
     size = len(data)
-    for period in range(1, longest + 1):
-        times = max(least, -(-total // period))
-        if times * period > size:
+    for period, span, times in _periods(least, total, longest):
+        if span > size:
             return False
-        piece = data[size - period :]
-        if data[size - times * period :] == piece * times:
+        if times > 1 and data[size - 1] != data[size - 1 - period]:
+            continue  # the last byte is not the one a period before it: no repeat this long
+        if data[size - span :] == data[size - period :] * times:
             return True
     return False
+
+
+@functools.cache
+def _periods(least: int, total: int, longest: int) -> tuple[tuple[int, int, int], ...]:
+    """(period, bytes spanned, times) for each period `repeats` tries, shortest first (the
+    walks ask every byte: made once per setting)."""
+    found = []
+    for period in range(1, longest + 1):
+        times = max(least, -(-total // period))
+        found.append((period, times * period, times))
+    return tuple(found)
 
 
 def ends_twice(data: bytes | bytearray) -> bool:
