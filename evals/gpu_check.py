@@ -9,7 +9,8 @@ cost the others), inside an overall deadline, and prints one table at the end:
 2. `synthetic`: a random-weight checkpoint of a real model's shape (Llama-3.1-8B by default, cut
    to --layers), made on the host while the tests run;
 3. `awq`, `gptq`: `quantkit quantize --device cuda` of it, per-layer time and peak memory;
-4. `generate`: greedy decode of the AWQ checkpoint on the GPU (Triton kernels), tok/s and MBU;
+4. `generate`, `compiled`: greedy decode of the AWQ checkpoint on the GPU (Triton kernels), tok/s
+   and MBU, eager and with `--compile`;
 5. `kernels`: the W4A16 / FP8 kernel benchmark at the 8B shapes against dense bf16.
 
 Every stage's output goes to --log; the table says what each stage measured. Nothing here is
@@ -71,6 +72,13 @@ def _stages(work: Path, args: argparse.Namespace) -> tuple[Stage, list[Stage]]:
             [*cli, "generate", str(work / "awq"), "--device", args.device, "--prompt",
              "The history of the city", "--max-new-tokens", "128", "--temperature", "0"],
             args.generate_limit, "generate",
+        ),
+        Stage(
+            "compiled",
+            [*cli, "generate", str(work / "awq"), "--device", args.device, "--prompt",
+             "The history of the city", "--max-new-tokens", "128", "--temperature", "0",
+             "--compile"],
+            args.generate_limit * 2, "generate",
         ),
         Stage(
             "kernels",
