@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         default="tests/test_kernels_triton.py,tests/test_kernels_fp8_triton.py,"
         "tests/test_kernels_fp4_triton.py,tests/test_quantize_device.py",
     )
-    p.add_argument("--deadline", type=float, default=390.0, help="seconds for everything")
+    p.add_argument("--deadline", type=float, default=480.0, help="seconds for everything")
     p.add_argument("--only", default="", help="comma-separated stage names to run")
     p.add_argument("--synthetic-limit", type=float, default=240.0)
     p.add_argument("--tests-limit", type=float, default=200.0)
