@@ -389,3 +389,26 @@ def test_repeats_answers_as_the_plain_definition() -> None:
         for least, total, longest in ((3, 24, 32), (2, 96, 128), (4, 40, 40)):
             got = repeats(bytearray(data), least=least, total=total, longest=longest)
             assert got == plain(data, least, total, longest), (case, data)
+
+
+def test_a_rows_first_walk_is_shared_by_the_rows_of_its_grammar(vocab, monkeypatch) -> None:
+    """Every row of a grammar begins in the same state, so its first finishing walk is made
+    once per token limit; a row that has advanced walks for itself."""
+    schema = {"type": "object", "properties": {"a": {"type": "array", "minItems": 2,
+              "items": {"type": "integer"}}}, "required": ["a"]}  # fmt: skip
+    compiled = llg(schema, vocab)
+    calls: list[int] = []
+    real = ClosingWalk.path
+    monkeypatch.setattr(
+        ClosingWalk, "path", lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1]
+    )
+    # Limits no other test asks for: a grammar compiled once may serve several tests.
+    first = compiled.new_row().closing_path(limit=97)
+    assert first[1] and json.loads(first[0].decode())["a"]  # a complete document
+    made = len(calls)
+    second = compiled.new_row()
+    assert second.closing_path(limit=97) == first and len(calls) == made
+    assert second.closing_path(limit=61)[1] and len(calls) == made + 1  # its own walk
+    assert second.advance(_id('{"a":'))
+    path, complete = second.closing_path(limit=97)
+    assert len(calls) == made + 2 and complete and json.loads('{"a":' + path.decode())["a"]

@@ -157,10 +157,16 @@ class LlgIndex:
     walk: ClosingWalk | None = field(default=None, compare=False, repr=False)
     runaway: RunawayTokens | None = field(default=None, compare=False, repr=False)
     corners: KeyCorners | None = field(default=None, compare=False, repr=False)
+    # The finishing walk from the start, by limit: every row begins in the same state, so a
+    # row's first walk is the same as the last row's (~7 ms on person.json; a server sends one
+    # schema many times). Filled by the rows.
+    first_walks: dict[int, tuple[bytes, bool]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     def new_row(self) -> LlgRow | DistinctRow:
         assert self.walk is not None  # set by compile_llguidance
-        row = LlgRow(self.template.deep_copy(), self.walk)
+        row = LlgRow(self.template.deep_copy(), self.walk, first_walks=self.first_walks)
         if self.distinct is None:
             return row
         steer = None if self.runaway is None else partial(curb, tokens=self.runaway)
@@ -173,6 +179,8 @@ class LlgIndex:
 # The row's text a walk reads its loops in (`closing.ClosingWalk.path`'s tail; its loop checks
 # read at most 384 bytes).
 _TAIL = 384
+# First walks kept per grammar (one per token limit a request asked for).
+_FIRST_WALKS = 64
 
 
 class LlgRow:
@@ -180,15 +188,24 @@ class LlgRow:
 
     engine = "llguidance"
 
-    def __init__(self, matcher: Any, walk: ClosingWalk) -> None:
+    def __init__(
+        self,
+        matcher: Any,
+        walk: ClosingWalk,
+        *,
+        first_walks: dict[int, tuple[bytes, bool]] | None = None,
+    ) -> None:
         self.matcher, self.walk = matcher, walk
         self.text = bytearray()  # the row's last bytes (at least `_TAIL`): a walk's tail
+        # Walks from the start state, shared by the rows of one grammar; None once advanced.
+        self.first_walks = first_walks
         if matcher.is_error():
             raise GrammarError(f"llguidance: {matcher.get_error()}")
 
     def advance(self, token: int) -> bool:
         if not self.matcher.consume_token(int(token)):
             return False
+        self.first_walks = None  # no longer in the start state
         self.text += self.walk.token_bytes.get(int(token), b"")
         if len(self.text) > 2 * _TAIL:
             del self.text[:-_TAIL]
@@ -213,8 +230,15 @@ class LlgRow:
         """A way to complete the document from here, in bytes, and whether it is complete
         (`closing.ClosingWalk.path`, on a copy of the matcher, reading loops across the row's
         own last bytes)."""
+        if self.first_walks is not None and limit in self.first_walks:
+            return self.first_walks[limit]
         tail = bytes(self.text[-_TAIL:])
-        return self.walk.path(self.matcher, limit=limit, allows=allows, tail=tail)
+        found = self.walk.path(self.matcher, limit=limit, allows=allows, tail=tail)
+        if self.first_walks is not None:
+            if len(self.first_walks) >= _FIRST_WALKS:
+                self.first_walks.clear()
+            self.first_walks[limit] = found
+        return found
 
     def along(self, path: bytes) -> list[int]:
         """The tokens that follow `path` (`closing.ClosingWalk.along`)."""
