@@ -6,6 +6,7 @@ stuck in a loop would."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 from typing import Any
@@ -349,9 +350,10 @@ def test_a_walk_stuck_in_a_value_it_cannot_finish_is_no_way_not_a_path_to_follow
 
 
 def test_the_best_allowed_tokens_are_a_stable_sort_of_the_allowed_ones() -> None:
-    """`best_allowed` selects before it sorts; it must give what a stable sort of every allowed
-    score gives: the same tokens in the same order, ties to the lower id, -inf included."""
-    from quantkit.grammar.llguidance.key_corners import best_allowed
+    """`best_first` takes arg-maxes, then selects before it sorts; it must give what a stable
+    sort of every allowed score gives: the same tokens in the same order, ties to the lower id,
+    -inf included, on both of its paths (few and many tokens allowed among the best 64)."""
+    from quantkit.grammar.llguidance.key_corners import best_first
 
     gen = np.random.default_rng(0)
     for case in range(200):
@@ -364,8 +366,15 @@ def test_the_best_allowed_tokens_are_a_stable_sort_of_the_allowed_ones() -> None
             line.view(np.uint32)[t >> 5] |= np.uint32(1 << (t & 31))
         ids = np.flatnonzero(allowed)
         want = ids[np.argsort(-scores[ids], kind="stable")][:8].tolist()
-        got, count = best_allowed(line, torch.from_numpy(scores), 8)
-        assert (got, count) == (want, ids.size), case
+        got = list(itertools.islice(best_first(line, torch.from_numpy(scores), 8), 8))
+        assert got == want, case
+        # The screen clears each token it rejects in `line` before it asks for the next: the
+        # order stays that of the mask it began with.
+        cleared = []
+        for token in best_first(line, torch.from_numpy(scores), 8):
+            cleared.append(token)
+            line.view(np.uint32)[token >> 5] &= ~np.uint32(1 << (token & 31))
+        assert cleared == want, case
 
 
 def test_repeats_answers_as_the_plain_definition() -> None:

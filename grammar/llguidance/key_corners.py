@@ -21,7 +21,6 @@ outside a key, the arg-max that finds the model's best allowed token (tens of mi
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,11 +30,11 @@ import torch
 from quantkit.grammar.llguidance.distinct_items import DistinctItems
 from quantkit.grammar.vocabulary import byte_tokens
 
-__all__ = ["KeyCorners", "NODES", "TOP", "best_allowed", "best_first"]
+__all__ = ["KeyCorners", "NODES", "TOP", "best_first"]
 
 TOP = 8
 NODES = 64
-_RAW = 64  # the model's best logits looked at first (`best_allowed`)
+_RAW = 64  # the model's best logits looked at first (`best_first`)
 _QUOTE = ord('"')
 
 
@@ -131,22 +130,19 @@ class KeyCorners:
         return True
 
 
-def best_allowed(line: np.ndarray, logits: torch.Tensor, top: int) -> tuple[list[int], int]:
-    """The `top` allowed tokens of a mask `line` (int32 bitmask words) by logit, best first,
-    ties to the lower id (as a stable sort of every allowed score orders them); and how many
-    tokens the mask allows."""
-    count = int(np.bitwise_count(line.view(np.uint32)).sum())
-    return list(itertools.islice(best_first(line, logits, top), top)), count
-
-
 def best_first(line: np.ndarray, logits: torch.Tensor, top: int) -> Iterator[int]:
-    """`best_allowed`'s tokens one at a time, made as they are asked for: the screen usually
-    stops at the first. The model's best tokens come from repeated arg-maxes over the logits
-    (~15 us each for a 49k vocabulary), the allowed ones passed on; after `_RAW` of them (few
-    tokens allowed: inside a key) the rest come from every allowed score, selected before
-    sorting (a full sort of ~50k scores took milliseconds a step)."""
-    words = line.view(np.uint32)
-    scores = logits.detach().float().cpu().numpy().copy()
+    """The `top` allowed tokens of a mask `line` (int32 bitmask words) by logit, best first, ties
+    to the lower id (as a stable sort of every allowed score orders them), made one at a time as
+    they are asked for: the screen usually stops at the first. The model's best tokens come from
+    repeated arg-maxes over the logits (~15 us each for a 49k vocabulary), the allowed ones
+    passed on; after `_RAW` of them (few tokens allowed: inside a key) the rest come from every
+    allowed score, selected before sorting (a full sort of ~50k scores took milliseconds a
+    step)."""
+    # The mask as it is now: the screen clears tokens in `line` between the ones it asks for,
+    # and the order below is that of the mask it began with.
+    words = line.view(np.uint32).copy()
+    base = logits.detach().float().cpu().numpy()
+    scores = base.copy()  # the arg-maxes strike out what they took
     given = 0
     for _ in range(min(_RAW, scores.size)):
         token = int(scores.argmax())  # the first of equal maxima: the lower id
@@ -158,13 +154,13 @@ def best_first(line: np.ndarray, logits: torch.Tensor, top: int) -> Iterator[int
         scores[token] = -np.inf
     if given == top:
         return
-    allowed = np.unpackbits(line.view(np.uint8), bitorder="little")[: logits.shape[-1]]
+    allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[: logits.shape[-1]]
     allowed = allowed.astype(bool)
     count = int(allowed.sum())
     if count <= given:
         return
     k = min(top, count)
-    full = np.where(allowed, logits.detach().float().cpu().numpy(), -np.inf)
+    full = np.where(allowed, base, -np.inf)
     cut = full[np.argpartition(-full, k - 1)[:k]].min()  # the k-th best allowed score
     tied = np.flatnonzero(allowed & (full >= cut))  # ascending ids: a stable sort keeps ties so
     order = tied[np.argsort(-full[tied], kind="stable")][:k]
