@@ -240,7 +240,10 @@ def _perplexity_scorer(eval_tokens: int, device: torch.device) -> Any:
         if held is None:  # tokenized once, on the reference, for both models
             held = heldout_tokens(tokenizer, max_tokens=eval_tokens)
         model = dense.to(device)
-        logits = model if device.type == "cpu" else lambda ids: model(ids.to(device))
+
+        def logits(ids: torch.Tensor) -> torch.Tensor:
+            return model(ids.to(device))
+
         if which == "reference":
             click.echo(f"perplexity of the reference model on {held.numel()} held-out tokens ...")
             return {"reference": perplexity(logits, held, **_WINDOWS, progress=True).ppl}

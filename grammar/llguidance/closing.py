@@ -53,9 +53,9 @@ _LEXEME_ENDS = frozenset(b'"}],:')
 # ones (`_KEEP`): a recursion (a spec whose "spec" is a spec again) is left at the branch it
 # took each time round, wherever that lies in the loop, and a list at its `,`.
 _CONTEXT = 16
+_KEEP = frozenset(b'"}]')
 # The walk orders kept (`_order`): a few dozen pairs of byte sets recur across a row's walks.
 _ORDERS = 1024
-_KEEP = frozenset(b'"}]')
 # The bytes that may end a text at once, tried first by a walk that goes round.
 _CLOSERS = b'"}]);\n'
 # The bytes tried first, in order (see the module docstring); every other byte comes after.
@@ -231,7 +231,7 @@ class ClosingWalk:
                     found = self._taken_last(found, last)
             if len(self._orders) >= _ORDERS:
                 self._orders.clear()
-            found = self._orders[key] = found
+            self._orders[key] = found
         return found
 
     def _taken_last(self, order: list[int], last: frozenset[int]) -> list[int]:

@@ -101,6 +101,7 @@ def quantize_and_save(
     same call again continues from the first unfinished layer (`restart` starts over). On a
     GPU (`device`), each layer is calibrated there (`streaming`)."""
     started = time.perf_counter()
+    device = torch.device(device)
     hooks = hooks or Hooks()
     method = recipe.method()
     cal = recipe.calibration
@@ -132,8 +133,7 @@ def quantize_and_save(
         _, reference, _ = load_dense(model_dir)
         scores.update(hooks.score(reference, "reference", tokenizer))
         del reference
-    fingerprint = _fingerprint(recipe, method, source, calib_ids, torch.device(device))
-    staging = Staging(staging_dir(out), fingerprint)
+    staging = Staging(staging_dir(out), _fingerprint(recipe, method, source, calib_ids, device))
     resumed = staging.open(restart=restart)
     if hooks.on_start is not None:
         hooks.on_start(method, source.num_layers)
@@ -172,7 +172,7 @@ def quantize_and_save(
         report["peak_rss_estimate_phase"] = plan.largest
         if resumed:
             report["resumed_at_layer"] = resumed
-        if torch.device(device).type == "cuda":
+        if device.type == "cuda":
             report["device"] = f"{device} ({torch.cuda.get_device_name(device)})"
             report["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated(device) / 2**20)
         report.update(extra_report or {})
