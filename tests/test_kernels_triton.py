@@ -228,6 +228,36 @@ def test_split_k_and_single_split_agree(tk) -> None:
 
 
 @interpreted
+@pytest.mark.parametrize("unpack", [0, 1, 2])
+@pytest.mark.parametrize(
+    "m,n,k,group,symmetric,split,block_k",
+    [(1, 77, 200, -1, False, 1, 64), (3, 96, 384, 64, False, 3, 64),
+     (8, 40, 256, 32, True, 2, 32), (1, 50, 352, 32, False, 2, 128),
+     (2, 24, 1536, 64, True, 3, 256)],
+)  # fmt: skip
+def test_every_gemv_unpacking_matches_reference(
+    tk, unpack: int, m: int, n: int, k: int, group: int, symmetric: bool, split: int,
+    block_k: int,
+) -> None:  # fmt: skip
+    """The GEMV's three ways to unpack a tile (the nibble gather, and whole words split in
+    registers as a 3-D tile or reshaped), each with masked tails in N and K and split-K; whole
+    words also in steps of several groups (block_k > group: 352 = 2.75 steps of 4 groups)."""
+    layer = make_layer(n, k, group, symmetric)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
+    weights = packed(layer, k, layer["group"])
+    if unpack == 0:
+        block_k = min(block_k, k if group == -1 else group)
+    config = tk.BlockConfig(
+        block_m=1 << (m - 1).bit_length(), block_n=32, block_k=block_k, split_k=split,
+        unpack=unpack,
+    )  # fmt: skip
+    y = tk.w4a16_linear_triton(x, weights, path="gemv", config=config)
+    ref = w4a16_linear_reference(x, weights)
+    w = dequantize_packed_int4(*weights.tensors, in_features=k, group_size=layer["group"])
+    torch.testing.assert_close(y, ref, **tolerances(x, w))
+
+
+@interpreted
 def test_triton_rejects_bad_inputs(tk) -> None:
     layer = make_layer(64, 128, 32, False)
     wp, scale, zp = layer["weight_packed"], layer["weight_scale"], layer["weight_zero_point"]
@@ -281,10 +311,13 @@ _COMPILE_SCRIPT = textwrap.dedent(
                        options=options)
 
     acts = dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", zp_ptr="*i32")
-    for block_m in (1, 16):
+    for block_m, unpack in ((1, 0), (1, 1), (1, 2), (4, 1), (16, 0)):
         compile(T._w4a16_gemv_kernel, dict(acts, y_ptr="*fp32"),
                 dict(HAS_ZP=True, DOT_PRECISION="ieee", BLOCK_M=block_m, BLOCK_N=64,
-                     BLOCK_K=128, SPLIT_K=4))
+                     BLOCK_K=128, SPLIT_K=4, UNPACK=unpack, STEP_GROUPS=1))
+    compile(T._w4a16_gemv_kernel, dict(acts, y_ptr="*fp32"),
+            dict(HAS_ZP=True, DOT_PRECISION="ieee", BLOCK_M=1, BLOCK_N=16, BLOCK_K=1024,
+                 SPLIT_K=4, UNPACK=1, STEP_GROUPS=8), num_warps=8, num_stages=1)
     compile(T._w4a16_gemm_kernel, dict(acts, b_ptr="*bf16", y_ptr="*bf16"),
             dict(HAS_ZP=False, HAS_BIAS=True, DOT_PRECISION="ieee", BLOCK_M=64, BLOCK_N=128,
                  BLOCK_K=32, GROUP_M=8), num_warps=4, num_stages=4)

@@ -33,6 +33,7 @@ class BlockConfig:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 2
+    unpack: int = 0  # W4A16 GEMV only: how a tile of words is unpacked (see `w4a16`)
 
     def meta(self, kind: str) -> dict[str, int]:
         """The constexpr keyword arguments of the `kind` ('gemm' or 'gemv') kernel."""
@@ -41,6 +42,8 @@ class BlockConfig:
             meta.update(BLOCK_M=self.block_m, GROUP_M=self.group_m)
         else:
             meta.update(SPLIT_K=self.split_k)
+            if self.unpack:
+                meta.update(UNPACK=self.unpack)
         return meta
 
 
@@ -81,18 +84,43 @@ def interpreter_config(kind: str, m: int, *, group_size: int, in_features: int) 
     """
     block_k = max_block_k(group_size, in_features)
     if kind == "gemv":
-        return BlockConfig(block_m=gemv_block_m(m), block_n=128, block_k=block_k, split_k=2)
+        block_m = gemv_block_m(m)
+        unpack = 1 if block_m < 16 else 0  # the tile of words, where it applies
+        return BlockConfig(block_m=block_m, block_n=128, block_k=block_k, split_k=2, unpack=unpack)
     return BlockConfig(block_m=min(64, max(16, m_bucket(m))), block_n=64, block_k=block_k)
 
 
+def words_blocks(block_k: int, group_size: int, in_features: int) -> tuple[int, int]:
+    """(BLOCK_K, STEP_GROUPS) of a GEMV step that reads whole words (UNPACK > 0).
+
+    A step may span several whole groups (STEP_GROUPS = BLOCK_K / G) when G is a power of two
+    of at least 8 elements; otherwise it stays inside one group, as the other kernels' steps do.
+    """
+    if block_k > group_size and group_size != in_features and group_size >= 8:
+        if group_size & (group_size - 1) == 0:
+            return block_k, block_k // group_size
+    return min(block_k, max_block_k(group_size, in_features, cap=1 << 30)), 1
+
+
 def clamp_block_k(configs: list[Any], named_args: dict[str, Any], **_: Any) -> list[Any]:
-    """`prune_configs_by` hook: lower each candidate's BLOCK_K to fit the group size."""
+    """`prune_configs_by` hook: fit each candidate's BLOCK_K to the group size (whole-word GEMV
+    steps may span groups: `words_blocks`), and turn SPLIT_K = 0 into one K step per program."""
     import triton
 
-    limit = max_block_k(named_args["GROUP_SIZE"], named_args["K"], cap=1 << 30)
+    group, k = named_args["GROUP_SIZE"], named_args["K"]
+    limit = max_block_k(group, k, cap=1 << 30)
     seen, out = set(), []
     for cfg in configs:
         kwargs = dict(cfg.kwargs, BLOCK_K=min(cfg.kwargs["BLOCK_K"], limit))
+        if kwargs.get("UNPACK") and kwargs["BLOCK_K"] >= 8:
+            block_k, step_groups = words_blocks(cfg.kwargs["BLOCK_K"], group, k)
+            kwargs.update(
+                BLOCK_K=block_k, **({"STEP_GROUPS": step_groups} if step_groups > 1 else {})
+            )
+        else:  # a tile of whole words needs a word per row
+            kwargs.pop("UNPACK", None)
+        if kwargs.get("SPLIT_K") == 0:
+            kwargs["SPLIT_K"] = triton.cdiv(k, kwargs["BLOCK_K"])
         key = (tuple(sorted(kwargs.items())), cfg.num_warps, cfg.num_stages)
         if key not in seen:
             seen.add(key)
@@ -110,19 +138,32 @@ def _triton_config(meta: dict[str, int], num_warps: int, num_stages: int) -> Any
 # `ptxas -v`: none spills, except where noted (the dequantized [BLOCK_K, BLOCK_N] tile lives in
 # registers next to the accumulator: 128x256x64 GEMM tiles at 8 warps spilled 484 bytes, a
 # 128x256 GEMV tile at 4 warps spilled 10 KB, so those are absent).
-# GEMV: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
+# GEMV: (BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, UNPACK). UNPACK 0 gathers a
+# [BLOCK_K, BLOCK_N] tile nibble by nibble (4-byte loads, each word addressed 8 times); 1 and 2
+# load [BLOCK_N, BLOCK_K / 8] whole words (contiguous along K: 16-byte loads) and split them in
+# registers, 2 through a reshape to [BLOCK_N, BLOCK_K]. 16 rows go through tl.dot with 0.
+# SPLIT_K 0 means one K step per program (`clamp_block_k` sets K / BLOCK_K).
 _GEMV_TILES = {
+    # The last four read whole words: measured on an H200 (`python -m
+    # quantkit.evals.kernels.gemv_sweep`, CUDA-graph replay), the best of them took 25.4 / 71.1 /
+    # 74.2 us at the Llama-3-8B q/o, gate/up and down shapes where the best gather tile took 31.1
+    # / 100.1 / 89.3 us; at 4 rows the gather tiles stayed ahead, so that bucket has none.
     1: [
-        (64, 128, 1, 4, 3),
-        (128, 128, 1, 4, 3),
-        (64, 128, 4, 4, 3),
-        (128, 256, 2, 8, 3),
-        (32, 256, 8, 4, 3),
+        (64, 128, 1, 4, 3, 0),
+        (128, 128, 1, 4, 3, 0),
+        (64, 128, 4, 4, 3, 0),
+        (128, 256, 2, 8, 3, 0),
+        (32, 256, 8, 4, 3, 0),
+        (16, 128, 4, 2, 4, 1),
+        (16, 128, 2, 2, 4, 2),
+        (32, 256, 0, 4, 1, 1),
+        (8, 512, 0, 2, 1, 1),
     ],
-    4: [(64, 64, 1, 4, 3), (64, 128, 2, 4, 3), (32, 128, 4, 4, 3), (64, 64, 4, 4, 3)],
+    4: [(64, 64, 1, 4, 3, 0), (64, 128, 2, 4, 3, 0), (32, 128, 4, 4, 3, 0), (64, 64, 4, 4, 3, 0)],
     # BLOCK_M = 16 goes through tl.dot (mma needs M >= 16)
-    16: [(64, 64, 1, 4, 3), (64, 128, 2, 4, 3), (128, 64, 4, 4, 3), (32, 128, 8, 4, 3)],
-}
+    16: [(64, 64, 1, 4, 3, 0), (64, 128, 2, 4, 3, 0), (128, 64, 4, 4, 3, 0),
+         (32, 128, 8, 4, 3, 0)],
+}  # fmt: skip
 # GEMM: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); 128x128x64 spills 104 bytes, kept
 # because its BLOCK_K = 64 halves the scale/zero loads per FLOP of the 128x128x32 tile.
 _GEMM_TILES = {
@@ -136,9 +177,12 @@ def gemv_configs(bucket: int) -> list[Any]:
     """Autotune candidates (`Config`) of the split-K GEMV for an M bucket (1..16)."""
     tiles = _GEMV_TILES[1 if bucket <= 1 else 4 if bucket <= 4 else 16]
     return [
-        _triton_config({"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s}, warps, stages)
-        for n, k, s, warps, stages in tiles
-    ]
+        _triton_config(
+            {"BLOCK_N": n, "BLOCK_K": k, "SPLIT_K": s, **({"UNPACK": u} if u else {})},
+            warps, stages,
+        )
+        for n, k, s, warps, stages, u in tiles
+    ]  # fmt: skip
 
 
 def gemm_configs(bucket: int) -> list[Any]:

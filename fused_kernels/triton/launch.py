@@ -102,7 +102,10 @@ def launch(
             tuned()[grid](*args, **constexprs)
         else:
             grid = (triton.cdiv(n, config.block_n), config.split_k)
-            kernel[grid](*args, num_warps=config.num_warps, **config.meta("gemv"), **constexprs)
+            kernel[grid](
+                *args, num_warps=config.num_warps, num_stages=config.num_stages,
+                **config.meta("gemv"), **constexprs,
+            )  # fmt: skip
         return
     if config is None:
         grid = lambda meta: (  # noqa: E731

@@ -42,10 +42,12 @@ from quantkit.fused_kernels.triton.configs import (
     BlockConfig,
     clamp_block_k,
     gemm_configs,
+    gemv_block_m,
     gemv_configs,
     interpreter_config,
     m_bucket,
     max_block_k,
+    words_blocks,
 )
 
 
@@ -115,17 +117,116 @@ def _w4a16_gemm_kernel(
 
 
 @triton.jit
+def _gemv_words_step(
+    acc, x_ptr, w_ptr, s_ptr, zp_ptr, offs_m, offs_n, k0, k_end, M, N, GROUP_SIZE,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sg, stride_zn, stride_zg,
+    HAS_ZP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, RESHAPE: tl.constexpr,
+):  # fmt: skip
+    """One K step of the GEMV for 1..8 rows, reading W as it is stored: a [BLOCK_N, BLOCK_K / 8]
+    tile of whole int32 words (contiguous along K, so wide loads, each word read once), split
+    into its 8 nibbles in registers ([BLOCK_N, words, 8]; with RESHAPE, flattened to
+    [BLOCK_N, BLOCK_K]). acc [BLOCK_M, BLOCK_N] += x[:, step] @ dequant(W)[:, step].T."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    offs_e = tl.arange(0, 8)
+    mask_n = offs_n < N
+    words = tl.load(
+        w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :] * stride_wk,
+        mask=mask_n[:, None] & (offs_w[None, :] * 8 < k_end),
+        other=0,
+    )
+    g = k0 // GROUP_SIZE
+    s = tl.load(s_ptr + offs_n * stride_sn + g * stride_sg, mask=mask_n, other=0.0).to(tl.float32)
+    if HAS_ZP:
+        zw = tl.load(zp_ptr + (offs_n // 8) * stride_zn + g * stride_zg, mask=mask_n, other=0)
+        z = (zw >> ((offs_n % 8) * 4)) & 0xF
+    else:
+        z = tl.full(offs_n.shape, 8, tl.int32)
+    u = (words[:, :, None] >> (offs_e * 4)[None, None, :]) & 0xF  # [BLOCK_N, words, 8]
+    offs_k = offs_w[:, None] * 8 + offs_e[None, :]  # [words, 8]
+    if RESHAPE:
+        w = (tl.reshape(u, (offs_n.shape[0], BLOCK_K)) - z[:, None]).to(tl.float32) * s[:, None]
+        offs_k = tl.reshape(offs_k, (BLOCK_K,))
+    else:
+        w = (u - z[:, None, None]).to(tl.float32) * s[:, None, None]
+    for r in tl.static_range(BLOCK_M):
+        x = tl.load(
+            x_ptr + r * stride_xm + offs_k * stride_xk,
+            mask=(offs_k < k_end) & (offs_k * 0 + r < M),
+            other=0.0,
+        ).to(tl.float32)
+        if RESHAPE:
+            part = tl.sum(w * x[None, :], axis=1)
+        else:
+            part = tl.sum(tl.sum(w * x[None, :, :], axis=2), axis=1)
+        acc += tl.where(offs_m[:, None] == r, part[None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def _gemv_groups_step(
+    acc, x_ptr, w_ptr, s_ptr, zp_ptr, offs_m, offs_n, k0, k_end, M, N, GROUP_SIZE,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sg, stride_zn, stride_zg,
+    HAS_ZP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    STEP_GROUPS: tl.constexpr,
+):  # fmt: skip
+    """`_gemv_words_step` for a step of STEP_GROUPS whole groups (BLOCK_K = STEP_GROUPS * G): the
+    words as [BLOCK_N, groups, words per group, 8] nibbles, one scale and zero point per row and
+    group, each group's sum scaled once. Long steps put more bytes in flight per program."""
+    WORDS: tl.constexpr = BLOCK_K // STEP_GROUPS // 8  # words of a group
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    offs_e = tl.arange(0, 8)
+    mask_n = offs_n < N
+    words = tl.load(
+        w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :] * stride_wk,
+        mask=mask_n[:, None] & (offs_w[None, :] * 8 < k_end),
+        other=0,
+    )
+    words = tl.reshape(words, (offs_n.shape[0], STEP_GROUPS, WORDS))
+    u = (words[:, :, :, None] >> (offs_e * 4)[None, None, None, :]) & 0xF
+    g = k0 // GROUP_SIZE + tl.arange(0, STEP_GROUPS)
+    mask_g = mask_n[:, None] & (g[None, :] * GROUP_SIZE < k_end)
+    s = tl.load(
+        s_ptr + offs_n[:, None] * stride_sn + g[None, :] * stride_sg, mask=mask_g, other=0.0
+    )
+    if HAS_ZP:
+        zw = tl.load(
+            zp_ptr + (offs_n // 8)[:, None] * stride_zn + g[None, :] * stride_zg, mask=mask_g,
+            other=0,
+        )  # fmt: skip
+        z = (zw >> ((offs_n % 8) * 4)[:, None]) & 0xF
+    else:
+        z = tl.full((offs_n.shape[0], STEP_GROUPS), 8, tl.int32)
+    q = (u - z[:, :, None, None]).to(tl.float32)  # [BLOCK_N, groups, words, 8]
+    offs_k = tl.reshape(k0 + tl.arange(0, BLOCK_K), (STEP_GROUPS, WORDS, 8))
+    for r in tl.static_range(BLOCK_M):
+        x = tl.load(
+            x_ptr + r * stride_xm + offs_k * stride_xk,
+            mask=(offs_k < k_end) & (offs_k * 0 + r < M),
+            other=0.0,
+        ).to(tl.float32)
+        per_group = tl.sum(tl.sum(q * x[None, :, :, :], axis=3), axis=2)  # [BLOCK_N, groups]
+        part = tl.sum(per_group * s.to(tl.float32), axis=1)
+        acc += tl.where(offs_m[:, None] == r, part[None, :], 0.0)
+    return acc
+
+
+@triton.jit
 def _w4a16_gemv_kernel(
     x_ptr, w_ptr, s_ptr, zp_ptr, y_ptr, M, N, K, GROUP_SIZE,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sg, stride_zn, stride_zg,
     stride_ym, stride_yn,
     HAS_ZP: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    UNPACK: tl.constexpr = 0, STEP_GROUPS: tl.constexpr = 1,
 ):  # fmt: skip
     """Split-K GEMV: program (pid_n, pid_k) -> partial y[:M, BLOCK_N] over its K range.
 
-    SPLIT_K == 1 stores y (in y's dtype); otherwise y is an fp32 buffer the launcher zeroed
-    and the partial sums are atomically added.
+    UNPACK (1..8 rows only; 16 rows always take 0): 0 dequantizes a [BLOCK_K, BLOCK_N] tile
+    gathered nibble by nibble (each word addressed 8 times), 1 and 2 read whole words
+    (`_gemv_words_step`; with STEP_GROUPS > 1 a step spans that many groups,
+    `_gemv_groups_step`). Autotune picks among them per shape. SPLIT_K == 1 stores y (in y's
+    dtype); otherwise y is an fp32 buffer the launcher zeroed and the partial sums are
+    atomically added.
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -137,23 +238,36 @@ def _w4a16_gemv_kernel(
     k_end = min(k_begin + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
-            mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_end),
-            other=0.0,
-        )
-        w = _dequant_tile(
-            w_ptr, s_ptr, zp_ptr, offs_k, offs_n, k0, K, N, GROUP_SIZE,
-            stride_wn, stride_wk, stride_sn, stride_sg, stride_zn, stride_zg, HAS_ZP,
-        )  # fmt: skip
-        if BLOCK_M >= 16:
-            # tl.dot needs M >= 16 on tensor cores; padding rows cost nothing here: the step
-            # is bound by reading the weight tile, not by the math.
-            acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
+        if BLOCK_M < 16 and UNPACK > 0 and STEP_GROUPS > 1:
+            acc = _gemv_groups_step(
+                acc, x_ptr, w_ptr, s_ptr, zp_ptr, offs_m, offs_n, k0, k_end, M, N, GROUP_SIZE,
+                stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sg, stride_zn,
+                stride_zg, HAS_ZP, BLOCK_M, BLOCK_K, STEP_GROUPS,
+            )  # fmt: skip
+        elif BLOCK_M < 16 and UNPACK > 0:
+            acc = _gemv_words_step(
+                acc, x_ptr, w_ptr, s_ptr, zp_ptr, offs_m, offs_n, k0, k_end, M, N, GROUP_SIZE,
+                stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sg, stride_zn,
+                stride_zg, HAS_ZP, BLOCK_M, BLOCK_K, UNPACK == 2,
+            )  # fmt: skip
         else:
-            # x [BM, BK, 1] * w [1, BK, BN] summed over K: plain FMAs for 1..8 rows.
-            acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk,
+                mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_end),
+                other=0.0,
+            )
+            w = _dequant_tile(
+                w_ptr, s_ptr, zp_ptr, offs_k, offs_n, k0, K, N, GROUP_SIZE,
+                stride_wn, stride_wk, stride_sn, stride_sg, stride_zn, stride_zg, HAS_ZP,
+            )  # fmt: skip
+            if BLOCK_M >= 16:
+                # tl.dot needs M >= 16 on tensor cores; padding rows cost nothing here: the
+                # step is bound by reading the weight tile, not by the math.
+                acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
+            else:
+                # x [BM, BK, 1] * w [1, BK, BN] summed over K: plain FMAs for 1..8 rows.
+                acc += tl.sum(x.to(tl.float32)[:, :, None] * w[None, :, :], axis=1)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if SPLIT_K == 1:
@@ -258,11 +372,15 @@ def w4a16_linear_triton(
     if m == 0:
         return x.new_empty(*lead, n)
     zp_t, *strides = _weight_args(weight_packed, weight_scale, weight_zero_point)
-    common = dict(HAS_ZP=weight_zero_point is not None, DOT_PRECISION="ieee")
+    common: dict = dict(HAS_ZP=weight_zero_point is not None, DOT_PRECISION="ieee")
     if config is None and is_interpreted():
         config = interpreter_config(kind, m, group_size=group_size, in_features=k)
     tuned = functools.partial(_autotuned, kind, m_bucket(m))
     if kind == "gemv":
+        if config is not None and config.unpack and gemv_block_m(m) < 16:
+            block_k, step_groups = words_blocks(config.block_k, group_size, k)
+            config = dataclasses.replace(config, block_k=block_k)
+            common.update(STEP_GROUPS=step_groups)
         block_m, y = triton_launch.gemv_buffer(m, n, x.device, config)
         args = (
             x2, weight_packed, weight_scale, zp_t, y, m, n, k, group_size,
