@@ -28,6 +28,7 @@ import torch
 
 from quantkit.errors import SchemeError
 from quantkit.format.scheme import QuantScheme
+from quantkit.fused_kernels import opaque
 from quantkit.fused_kernels.checks import check_int4_operands, check_prepared_input
 from quantkit.fused_kernels.kernel_registry import choose_kernel
 from quantkit.fused_kernels.packed_weights import PackedFp8, PackedInt4, PackedWeights
@@ -58,10 +59,14 @@ class PreparedLinear:
     act_dynamic: bool
     run: Callable[[torch.Tensor], torch.Tensor] = field(repr=False)
     in_features: int = field(init=False)
+    handle: int = field(init=False, repr=False)  # its number for `opaque` (Triton only)
 
     def __post_init__(self) -> None:
         # A field, not a property: __call__ reads it on every decode call.
         object.__setattr__(self, "in_features", self.weights.in_features)
+        object.__setattr__(
+            self, "handle", opaque.register(self) if self.backend == "triton" else -1
+        )
 
     @property
     def out_features(self) -> int:
@@ -74,6 +79,8 @@ class PreparedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         check_prepared_input(x, in_features=self.in_features, backend=self.backend)
+        if self.handle >= 0 and torch.compiler.is_compiling():
+            return opaque.prepared_linear(x, self.handle)  # Dynamo cannot trace Triton's launch
         return self.run(x)
 
 

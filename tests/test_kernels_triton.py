@@ -296,6 +296,37 @@ def test_dispatch_runs_triton_under_interpreter(tk, monkeypatch) -> None:
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
 
 
+@interpreted
+def test_compiled_step_keeps_a_triton_linear_as_one_opaque_op(tk, monkeypatch) -> None:
+    """torch.compile over a prepared Triton linear: one `quantkit::prepared_linear` node in a
+    full graph (Dynamo cannot trace Triton's launch; on an H200 `generate --compile` failed
+    that way), the same numbers as the eager call, and eager calls stay direct."""
+    from quantkit.format.scheme import QuantScheme
+    from quantkit.fused_kernels.prepared_linear import prepare_int4
+
+    monkeypatch.setenv("QUANTKIT_BACKEND", "triton")
+    layer = make_layer(64, 128, 32, False)
+    tensors = (layer["weight_packed"], layer["weight_scale"], layer["weight_zero_point"])
+    prepared = prepare_int4(*tensors, scheme=QuantScheme("int4", group_size=32), in_features=128)
+    assert prepared.backend == "triton" and prepared.handle >= 0
+    seen: list[str] = []
+
+    def record(gm: torch.fx.GraphModule, _inputs: list) -> object:
+        seen.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(prepared(x)) * 2
+
+    x = torch.randn(3, 128)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, backend=record, fullgraph=True)
+    y = compiled(x)
+    assert "quantkit.prepared_linear.default" in seen
+    torch.testing.assert_close(y, step(x), rtol=0, atol=0)
+    assert y.shape == (3, 64) and y.dtype == x.dtype
+
+
 _COMPILE_SCRIPT = textwrap.dedent(
     """
     import os

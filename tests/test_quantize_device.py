@@ -119,3 +119,21 @@ def test_every_algorithm_on_the_gpu_is_as_good_as_on_the_cpu(
 
 def _logits(ckpt: Path, ids: torch.Tensor) -> torch.Tensor:
     return load_model(ckpt, dtype=torch.float32, tokenizer=False).model(ids)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_compiled_decode_on_the_gpu_gives_the_eager_tokens(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """`generate --compile` on CUDA: CUDA graphs over the Triton INT4 linears (kept opaque to
+    Dynamo, `fused_kernels.opaque`), the same greedy tokens as the eager loop."""
+    from quantkit.runtime.generate import generate
+    from quantkit.runtime.sampling import SamplingParams
+
+    ckpt = _quantize(tiny_model_dir, tmp_path / "q", "rtn", QuantScheme("int4", 32), "cpu")
+    model = load_model(ckpt, device="cuda", tokenizer=False).model
+    params = SamplingParams(max_new_tokens=12)
+    eager = generate(model, [[5, 6, 7, 8, 9]], params)
+    compiled = generate(model, [[5, 6, 7, 8, 9]], params, compile=True)
+    assert compiled.tokens == eager.tokens
