@@ -349,6 +349,34 @@ def test_a_walk_stuck_in_a_value_it_cannot_finish_is_no_way_not_a_path_to_follow
     assert not complete and len(path) < 300, path
 
 
+# The email of JSONSchemaStore's "Freifunk Community API 0.5.2" schema: a pattern beside the
+# format (llguidance takes both), a dot and two letters after the `@`.
+EMAIL_PATTERN = "^[A-Za-z0-9_\\-\\.]+@[A-Za-z0-9_\\-\\.]+\\.[A-Za-z]{2,}$"
+
+
+@pytest.mark.parametrize("pattern", [None, EMAIL_PATTERN])
+def test_a_walk_going_round_in_an_email_finds_its_way_out(pattern: str | None) -> None:
+    """An email's local part goes round on any of its bytes, and only an `@` leads on, which
+    no preferred byte is; after it the domain goes round too, ended only by a `.` (and, with
+    the pattern, two letters). The walk searches for the way out of the lexeme it goes round
+    in (`closing._Exit`), and finds a short complete path; it walked a byte more at each turn
+    (`0000a0000t0000f…`) and ran past the limit, and the row followed that path to the token
+    limit (JSONSchemaBench, JsonSchemaStore 0.5.2)."""
+    vocab = vocab_of([*PIECES, "@"])  # PIECES keep their ids
+    email = {"type": "string", "format": "email"} | ({"pattern": pattern} if pattern else {})
+    schema = {"type": "object", "properties": {"e": email}, "required": ["e"],
+              "additionalProperties": False}  # fmt: skip
+    row = llg(schema, vocab).new_row()
+    for char in '{"e":"0000':
+        assert row.advance(_id(char)), char
+    path, complete = row.closing_path(limit=60)
+    assert complete and len(path) < 20, path
+    assert validate_json('{"e":"0000' + path.decode(), schema) is None, path
+    processor = GrammarLogitsProcessor(llg(schema, vocab), max_new_tokens=48)
+    text, ended = greedy(processor, vocab, ["00", "0"], steps=48)
+    assert ended and validate_json(text, schema) is None, text
+
+
 def test_the_best_allowed_tokens_are_a_stable_sort_of_the_allowed_ones() -> None:
     """`best_first` takes arg-maxes, then selects before it sorts; it must give what a stable
     sort of every allowed score gives: the same tokens in the same order, ties to the lower id,

@@ -14,6 +14,14 @@ A walk that went round takes last, at each choice, the bytes that followed the s
 (else 8, else 4) before, in the row's text or its own, unless they close something: a
 recursion the preferences would follow for ever (a spec whose "spec" is a spec again, or a
 leaf) is left at the branch it took each time round, and a list at the `,` that continued it.
+Inside one lexeme (a string whose pattern or format no preferred byte ends: an email's local
+part goes round on any of its bytes, and only an `@` leads on), a walk that went round
+searches for the way out before each byte it takes (`_Exit`): the fewest bytes, one of each
+class (the digits, the letters, any other byte alone), after which a closing byte it could not
+take is allowed (the domain's `.aa"`), else a byte that leaves the lexeme's state for good (the
+`@`). Taking one more byte last at each turn of the loop instead (`0000a0000t0000f…`), the
+walk of JSONSchemaBench's "JsonSchemaStore 0.5.2" email ran past its limit, and the row
+followed it to the token limit.
 The path it returns is a complete document's tail, not always the shortest one (a greedy choice
 can open a string whose pattern needs ten bytes where a number needed one), and its length in
 bytes bounds the tokens it needs from above.
@@ -23,7 +31,7 @@ the last path's length, and inside `budget.WINDOW` tokens of it allows only the 
 follow the path (`along`): each writes at least one of its bytes, so the document closes in
 time. Measured on the embedded model's vocabulary: a walk takes 50-150 us for the tails of
 ordinary schemas. It gives up at `limit` bytes, or when it goes round in a loop (an email
-address: `}` is allowed inside one for ever, and only an `@` would lead on) and still goes
+address in a vocabulary without an `@`: `}` is allowed inside one for ever) and still goes
 round `_GRACE` bytes after trying to close at every byte (a repeat the grammar asks for, seven
 booleans of a `minItems: 7` array, ends within that), and the row is then left unsteered until
 its next walk.
@@ -32,6 +40,7 @@ its next walk.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from quantkit.grammar.llguidance.runaway import MAX_PERIOD, REPEAT_BYTES, repeats
@@ -60,6 +69,16 @@ _ORDERS = 1024
 _CLOSERS = b'"}]);\n'
 # The bytes tried first, in order (see the module docstring); every other byte comes after.
 _PREFERRED = b'"}]);\n,0:a1tfn{[-.e '
+# A walk that went round, inside one lexeme (none of its last this many bytes a `"`, `,` or
+# `:`), looks for the lexeme's way out (`_Exit`) before each byte it takes: up to this many
+# bytes before a closing byte not allowed where it looks, trying at most `_EXIT_TRIES` bytes,
+# `_EXIT_SEARCHES` times a walk. The steps it tries neither open nor end a value.
+_IN_LEXEME = 8
+_OUTSIDE = frozenset(b'",:')
+_NOT_STEPS = _LEXEME_ENDS | frozenset(_CLOSERS) | frozenset(b"{[")
+_EXIT_DEPTH = 3
+_EXIT_TRIES = 512
+_EXIT_SEARCHES = 8
 
 
 class ClosingWalk:
@@ -124,6 +143,7 @@ class ClosingWalk:
         if finishing and self._repeating(seen_text):  # the row's own text goes round already
             avoid = set(seen_text[-_RECENT:])
         seen = 0  # finishing: where the walk was last seen going round
+        exits = _Exits()
         while len(out) < limit:
             if walker.is_accepting():
                 return bytes(out), True
@@ -150,6 +170,16 @@ class ClosingWalk:
             # out. A `,` is not kept: it goes round once more.
             before = self._followers(seen_text) - _KEEP if recall else set()
             order = self._order(frozenset(avoid), frozenset(before))
+            # Inside one lexeme: its way out, if one is near (`_Exit`).
+            if finishing and _OUTSIDE.isdisjoint(seen_text[-_IN_LEXEME:]):
+                way = exits.find(walker, self, order)[: limit - len(out)]
+                taken = self._take(walker, check, way)
+                out += taken
+                seen_text += taken
+                if not _LEXEME_ENDS.isdisjoint(taken):
+                    avoid = set()
+                if taken:
+                    continue
             for token in order:
                 if walker.validate_tokens([token]) and (
                     check is None or check(self.token_bytes[token])
@@ -182,6 +212,18 @@ class ClosingWalk:
             # first token.
             return bytes(out[: limit - 1]), False
         return bytes(out), bool(walker.is_accepting())
+
+    def _take(self, walker: Any, check: Callable[[bytes], bool] | None,
+              tokens: list[int]) -> bytes:  # fmt: skip
+        """Consume `tokens` while each is allowed (and passes `check`); their bytes."""
+        taken = bytearray()
+        for token in tokens:
+            data = self.token_bytes[token]
+            if not walker.validate_tokens([token]) or (check is not None and not check(data)):
+                break
+            walker.consume_token(token)
+            taken += data
+        return bytes(taken)
 
     @staticmethod
     def _stuck(text: bytearray) -> bool:
@@ -266,3 +308,127 @@ class ClosingWalk:
             if token is not None:
                 found.append(token)
         return found
+
+
+def _byte_class(byte: int) -> int:
+    """The class an exit search tries one byte of: the digits, the lower-case and the
+    upper-case letters are a class each (a pattern's loop takes them alike); any other byte
+    is a class of its own (the `@` of an email, the `.` of its domain)."""
+    for first, last in (b"09", b"az", b"AZ"):
+        if first <= byte <= last:
+            return first
+    return byte
+
+
+@dataclass
+class _Exits:
+    """A walk's exit searches: how many it made, and the loops it found no way out of (by
+    `_Exit.key`), which it does not search again."""
+
+    searches: int = 0
+    failed: set[tuple[frozenset[int], tuple[int, ...]]] = field(default_factory=set)
+
+    def find(self, walker: Any, walk: ClosingWalk, order: list[int]) -> list[int]:
+        """The tokens of the way out of the lexeme `walker` goes round in; [] if none is near."""
+        if self.searches >= _EXIT_SEARCHES:
+            return []
+        search = _Exit(walker, walk, order)
+        if search.key in self.failed:
+            return []
+        self.searches += 1
+        found = search.closing() or search.leaving()
+        if found is None:
+            self.failed.add(search.key)
+        return found or []
+
+
+class _Exit:
+    """The way out of a lexeme a walk goes round in, searched from `walker`'s state (and left
+    as it was): `steps`, one allowed byte of each class (`_byte_class`, the first in the walk's
+    order; printable ASCII, `_NOT_STEPS` aside), `shut`, the closing bytes not allowed there.
+
+    `closing`: the shortest path of steps, up to `_EXIT_DEPTH`, after which a shut closing byte
+    is allowed, and that byte (an email's domain, from `a@b0000`: `.aa"` where the pattern
+    wants two letters after the dot). `leaving`: else a step after which the allowed steps and
+    closing bytes differ from here, and still differ after each step more (the `@` of the
+    local part; not its `.`, after which the next byte is the local part again)."""
+
+    def __init__(self, walker: Any, walk: ClosingWalk, order: list[int]) -> None:
+        self.walker, self.tries = walker, 0
+        steps: dict[int, int] = {}
+        for token in order:
+            byte = walk.token_bytes[token][0]
+            kind = _byte_class(byte)
+            if 0x20 <= byte < 0x7F and byte not in _NOT_STEPS and kind not in steps:
+                if walker.validate_tokens([token]):
+                    steps[kind] = token
+        self.steps = list(steps.values())
+        self.shut = [t for t in walk.closers if not walker.validate_tokens([t])]
+        self.key = (frozenset(steps), tuple(self.shut))  # the same loop met again
+
+    def closing(self) -> list[int] | None:
+        """Steps and a closing byte (tokens), fewest steps first; None if none within reach."""
+        if not self.shut:
+            return None
+        for depth in range(1, _EXIT_DEPTH + 1):
+            found = self._closing(depth)
+            if found is not None or self.tries >= _EXIT_TRIES:
+                return found
+        return None
+
+    def _closing(self, depth: int) -> list[int] | None:
+        for token in self._allowed_steps():
+            self.walker.consume_token(token)
+            try:
+                if depth > 1:
+                    found = self._closing(depth - 1)
+                    if found is not None:
+                        return [token, *found]
+                else:
+                    closer = next((c for c in self.shut if self.walker.validate_tokens([c])), None)
+                    if closer is not None:
+                        return [token, closer]
+            finally:
+                self.walker.rollback(1)
+        return None
+
+    def _allowed_steps(self) -> list[int]:
+        """The steps allowed here (each counted as a try; none past `_EXIT_TRIES`)."""
+        found = []
+        for token in self.steps:
+            if self.tries >= _EXIT_TRIES:
+                break
+            if self.walker.validate_tokens([token]):
+                self.tries += 1
+                found.append(token)
+        return found
+
+    def leaving(self) -> list[int] | None:
+        """A step (as a one-token list) that leaves this state for good; None if none does."""
+        self.tries = 0
+        home = self._signature()
+        for token in self._allowed_steps():
+            self.walker.consume_token(token)
+            try:
+                if self._signature() != home and self._stays_away(home):
+                    return [token]
+            finally:
+                self.walker.rollback(1)
+        return None
+
+    def _stays_away(self, home: tuple[bool, ...]) -> bool:
+        """Whether something is allowed here and no step leads back to `home`'s signature."""
+        onward = any(self.walker.validate_tokens([t]) for t in self.shut)
+        for token in self._allowed_steps():
+            onward = True
+            self.walker.consume_token(token)
+            try:
+                if self._signature() == home:
+                    return False
+            finally:
+                self.walker.rollback(1)
+        return onward
+
+    def _signature(self) -> tuple[bool, ...]:
+        """Which steps and shut closing bytes are allowed here."""
+        return tuple(bool(self.walker.validate_tokens([t])) for t in self.steps + self.shut)
