@@ -84,6 +84,29 @@ def test_a_string_caught_in_a_loop_is_closed(vocab) -> None:
     assert text.startswith('{"name":"BEF_BEF_BEF_') and len(text) < 80, text
 
 
+def test_a_sentence_said_again_in_a_string_is_closed(vocab) -> None:
+    """A model writing one 52-byte sentence over and over inside a string (no piece of 32 bytes
+    or less repeats): the string is closed once the sentence has been written twice."""
+    sentence = [*"abcdefghijklmnopqrstuvwxyz0123456789abcdefghijklmnop"]
+    schema = {"type": "object", "properties": {"d": {"type": "string"}}, "required": ["d"]}
+    processor = GrammarLogitsProcessor(llg(schema, vocab))
+    script = ["{", '"', "d", '"', ":", '"', *sentence * 10]
+    ids, out = torch.zeros((1, 1), dtype=torch.long), []
+    for step in range(len(script) + 8):
+        scores = -torch.arange(vocab.size) * 1e-3  # past its script: the lowest allowed id
+        if step < len(script):
+            scores[_id(script[step])] = 100.0
+        token = int(processor(ids, scores[None].clone()).argmax())
+        if token in EOS:
+            break
+        out.append(token)
+        ids = torch.cat([ids, torch.tensor([[token]])], 1)
+    text = b"".join(vocab.token_bytes[t] for t in out).decode()
+    assert validate_json(text, schema) is None, text
+    value = json.loads(text)["d"]
+    assert value.startswith("".join(sentence * 2)) and len(value) < 3 * len(sentence), text
+
+
 def test_nesting_stops_deepening_and_a_required_depth_is_still_reached(vocab) -> None:
     text, ended = greedy(GrammarLogitsProcessor(llg({}, vocab)), vocab, ['{"a":', "1", "}"],
                          steps=200)  # fmt: skip

@@ -12,7 +12,10 @@ schema that truly asks for a long number or deep nesting still gets it):
 - a number (outside strings, the bytes `0-9 . e E + -` at the end of the text) of `MAX_NUMBER`
   bytes: tokens that begin with one of those bytes;
 - a string whose last `REPEAT_BYTES` or more bytes are one piece of at most `MAX_PERIOD` bytes
-  written three or more times over: every token but those beginning with the closing quote;
+  written three or more times over, or whose last `LONG_TOTAL` or more bytes are one piece of
+  at most `LONG_PERIOD` bytes written twice or more (a sentence said again, word for word: the
+  embedded model's "This is a JSON response to a request ... to the client.\n\n" over and over
+  in an MCP schema's description): every token but those beginning with the closing quote;
 - `MAX_DEPTH` containers open: tokens that open another (first byte past spaces `{` or `[`);
 - a complete text that ends in the same piece twice (a tool call made a second time, word
   for word): every token, so that only the EOS is left;
@@ -35,6 +38,8 @@ from quantkit.grammar.vocabulary import TokenVocabulary
 
 __all__ = [
     "MAX_DEPTH",
+    "LONG_PERIOD",
+    "LONG_TOTAL",
     "MAX_NUMBER",
     "REPEAT_BYTES",
     "RunawayTokens",
@@ -47,6 +52,9 @@ MAX_NUMBER = 16  # bytes: past int64's 19 digits nothing real is written in JSON
 MAX_DEPTH = 12
 REPEAT_BYTES = 24
 MAX_PERIOD = 32
+# A longer piece (a sentence) written twice: 96 bytes in all, the piece up to 256 bytes.
+LONG_TOTAL = 96
+LONG_PERIOD = 256
 # A complete text whose end is one piece written twice (a tool call made again), the piece
 # AGAIN_LEAST to AGAIN_LONGEST bytes: it ends there.
 AGAIN_LEAST = 16
@@ -145,6 +153,15 @@ def _items_repeat(state: DistinctItems) -> bool:
     return repeats(tail, least=4, total=ITEMS_TOTAL, longest=ITEMS_PERIOD)
 
 
+def _said_again(state: DistinctItems) -> bool:
+    """Inside a string: whether its text ends in one piece of at most LONG_PERIOD bytes written
+    twice or more, LONG_TOTAL bytes in all."""
+    start = max(state.string_start + 1, len(state.text) - 2 * LONG_PERIOD)
+    body = state.text[start:]
+    return len(body) >= LONG_TOTAL and repeats(
+        body, least=2, total=LONG_TOTAL, longest=LONG_PERIOD)  # fmt: skip
+
+
 def _string_item_again(state: DistinctItems) -> bool:
     """Inside a string item of an array: whether its text so far is the whole of the item
     before it, and the array's items repeat (so closing this string ends one more repeat)."""
@@ -172,7 +189,9 @@ def curb(
         if state.escaped:
             return None
         start = max(state.string_start + 1, len(state.text) - REPEAT_BYTES * 3 - MAX_PERIOD)
-        if len(state.text) - start >= REPEAT_BYTES and repeats(state.text[start:]):
+        if (len(state.text) - start >= REPEAT_BYTES and repeats(state.text[start:])) or (
+            _said_again(state)
+        ):
             rule, kept = "string", words & tokens.quote
         elif _string_item_again(state):  # the same item again: end it, then the array
             rule, kept = "items", words & tokens.last_quote
