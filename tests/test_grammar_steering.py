@@ -273,6 +273,20 @@ def test_a_key_that_could_only_end_as_a_written_one_is_not_begun(vocab) -> None:
     assert json.loads(text).keys() == {"ab", "cd"}, text
 
 
+def test_a_new_key_is_found_below_many_cornered_ones(vocab) -> None:
+    """Nine written one-letter keys are the model's nine best tokens at the tenth key, each a
+    corner: the screen goes on past them to the new name (a held-out Vega-Lite output wrote
+    `"y"`, `"color"`, `"shape"` again when its eight best tokens were corners, and only those
+    eight were screened)."""
+    schema = {"type": "object", "patternProperties": {"^[a-j]$": {"type": "integer"}},
+              "additionalProperties": False}  # fmt: skip
+    processor = GrammarLogitsProcessor(llg(schema, vocab), max_new_tokens=120)
+    wishes = ['"', *"abcdefghi", ":", ",", "1", "j", "}"]
+    text, ended = greedy(processor, vocab, wishes, steps=120)
+    assert ended and no_repeated_keys(text) and validate_json(text, schema) is None, text
+    assert json.loads(text).keys() == set("abcdefghij"), text
+
+
 def test_a_value_that_would_close_into_a_cornered_key_is_not_closed_so(vocab) -> None:
     """`{"ab":"","cd":"` then `","`: one token closes the value and opens a key of an object
     whose every name is written (the corner entered from inside a string value, as a held-out
