@@ -117,6 +117,16 @@ _WINDOWS = {"window": PERPLEXITY_WINDOW, "batch_size": PERPLEXITY_BATCH}
     "(output).",
 )
 @click.option(
+    "--refine",
+    type=int,
+    default=GptqConfig.refine,
+    show_default=True,
+    help="GPTQ, INT4 only: passes of coordinate descent after GPTQ's rounding, over the codes "
+    "then the group scales, each lowering the layer's output error on the calibration inputs "
+    "(awq+gptq with 4 passes: 67.6% of the RTN perplexity gap closed on SmolLM2-135M, 64.7% "
+    "without; quantizing takes longer).",
+)
+@click.option(
     "--eval-tokens",
     type=int,
     default=8192,
@@ -156,6 +166,7 @@ def quantize_cmd(
     damp: float,
     act_order: bool,
     clip: str,
+    refine: int,
     eval_tokens: int,
     device: str,
     output: Path | None,
@@ -170,6 +181,8 @@ def quantize_cmd(
     )  # fmt: skip
     if damp < 0:
         raise SchemeError(f"--damp: expected a fraction >= 0, got {damp}")
+    if refine < 0:
+        raise SchemeError(f"--refine: expected a number of passes >= 0, got {refine}")
     where = parse_device(device)
     recipe = Recipe(
         model,
@@ -177,7 +190,7 @@ def quantize_cmd(
         algorithm,
         Calibration(calib, calib_samples, calib_seq_len, seed),
         awq=AwqConfig(search_tokens=search_tokens, seed=seed),
-        gptq=GptqConfig(damp=damp, act_order=act_order, clip=clip),
+        gptq=GptqConfig(damp=damp, act_order=act_order, clip=clip, refine=refine),
         quantize_head=quantize_head,
     )
     out = (

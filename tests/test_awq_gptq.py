@@ -43,7 +43,7 @@ def test_cli_awq_gptq_round_trip(
     out = tmp_path / "awq-gptq"
     args = ["quantize", str(tiny_model_dir), "--method", "awq+gptq", "--group-size", "32"]
     calib = ["--calib", str(calib_txt), "--calib-samples", "4", "--calib-seq-len", "64"]
-    opts = ["--clip", "output", "--search-tokens", "128", "--eval-tokens", "600"]
+    opts = ["--clip", "output", "--search-tokens", "128", "--eval-tokens", "600", "--refine", "1"]
     code, stdout, err = run(capsys, *args, *calib, *opts, "-o", str(out))
     assert code == 0, err
     assert "awq+gptq int4 g32 asymmetric" in stdout and "layer-output MSE vs RTN" in stdout
@@ -51,6 +51,7 @@ def test_cli_awq_gptq_round_trip(
     assert meta["algorithm"] == "awq+gptq" and meta["scheme"]["kind"] == "int4"
     report = meta["report"]
     assert len(report["awq_layer_mse_reduction"]) == 2 and report["gptq"]["clip"] == "output"
+    assert report["gptq"]["refine"] == 1
     assert abs(report["perplexity"]["quantized"] / report["perplexity"]["reference"] - 1) < 0.2
     assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == (
         "pack-quantized"
@@ -70,6 +71,9 @@ def test_cli_awq_gptq_round_trip(
         (["--method", "gptq", "--search-tokens", "64"], ["AWQ-only", "awq or awq+gptq"]),
         (["--bits", "8", "--method", "gptq", "--clip", "mse"], ["--clip", "INT4-only"]),
         (["--bits", "8", "--method", "awq+gptq"], ["method awq+gptq", "int4 only"]),
+        (["--method", "awq", "--refine", "2"], ["--refine", "GPTQ-only"]),
+        (["--bits", "8", "--method", "gptq", "--refine", "2"], ["--refine", "INT4-only"]),
+        (["--method", "awq+gptq", "--refine", "-1"], ["--refine", "passes >= 0, got -1"]),
     ],
 )
 def test_cli_option_errors(

@@ -19,7 +19,7 @@ from quantkit.quantize.algorithms import ALGORITHMS, algorithm_for
 GROUPED_ONLY = ("group_size", "symmetric")
 CALIBRATION = ("calib", "calib_samples", "calib_seq_len")
 AWQ_ONLY = ("search_tokens",)
-GPTQ_ONLY = ("damp", "act_order", "clip")
+GPTQ_ONLY = ("damp", "act_order", "clip", "refine")
 
 
 def _flags(given: Collection[str], names: tuple[str, ...]) -> list[str]:
@@ -95,8 +95,9 @@ def choose_scheme(
             raise SchemeError(
                 f"{', '.join(wrong)}: {part.upper()}-only option(s), expected --method {able}"
             )
-    if "clip" in given and scheme.kind != "int4":
-        raise SchemeError(f"--clip: INT4-only option, not valid with --bits {bits}")
+    for name in ("clip", "refine"):
+        if name in given and scheme.kind != "int4":
+            raise SchemeError(f"--{name}: INT4-only option, not valid with {scheme.describe()}")
     if not algorithm.calibrated and (wrong := _flags(given, CALIBRATION)):
         raise SchemeError(
             f"{', '.join(wrong)}: calibration option(s), but --method {algorithm.name} "

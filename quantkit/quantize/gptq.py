@@ -62,6 +62,7 @@ from quantkit.quantize.layer_walk import (
     run_walk,
 )
 from quantkit.quantize.moe import expert_token_counts, moe_input_groups
+from quantkit.quantize.refine import refine_int4
 
 # (columns [N, m] of the weight, their original column indices [m]) -> the dequantized values
 # the checkpoint will hold for them [N, m]. The indices let a group-wise (INT4) rounding pick its
@@ -86,6 +87,8 @@ class GptqConfig:
     # (`clip_search`: none = RTN's scales, mse = the weights' error, output = the group's output
     # error under H); the codes are then GPTQ-rounded on the clipped scales.
     clip: str = "none"
+    # INT4: passes of coordinate descent on the codes after GPTQ (`refine`), 0 = none.
+    refine: int = 0
 
     def __post_init__(self) -> None:
         if self.clip not in CLIP_MODES:
@@ -284,6 +287,11 @@ def gptq_weight(
         block_size=cfg.block_size,
         act_order=cfg.act_order,
     )
+    if cfg.refine and isinstance(rounder, Int4Rounder):
+        q, rounder.scale = refine_int4(
+            w, q, h, scale=rounder.scale, zero=rounder.zero, group_size=rounder.group,
+            passes=cfg.refine, scale_dtype=scale_dtype,
+        )  # fmt: skip
     return q, rounder
 
 
