@@ -13,7 +13,7 @@ import pytest
 from quantkit.errors import GrammarError
 from quantkit.grammar import compiler
 from quantkit.grammar.compiler import compile_grammar
-from quantkit.grammar.constraints import schema_grammar
+from quantkit.grammar.constraints import schema_grammar, validate_json
 from quantkit.grammar.llguidance.negation import negation
 from quantkit.grammar.llguidance.schema import (
     llguidance_schema,
@@ -189,6 +189,45 @@ def test_format_byte_is_base64_exactly(ascii_vocab: TokenVocabulary) -> None:
         assert walk(compiled, text), text
     for text in ("TWF", "TW=u", "TQ=", "hello world", "TWFu===="):
         assert not walk(compiled, text), text
+
+
+def test_a_date_never_has_year_0000(ascii_vocab: TokenVocabulary) -> None:
+    """llguidance's `date` takes year 0000, which jsonschema's checker rejects (a steered walk
+    wrote `0000-01-01`), and February 29 of any year: every real date of 0001-9999 is a
+    pattern beside the format, with a note for the year."""
+    schema = {"type": "object", "properties": {"d": {"type": "string", "format": "date"}},
+              "required": ["d"], "additionalProperties": False}  # fmt: skip
+    compiled = llg(schema, ascii_vocab)
+    notes = llguidance_schema(schema)[1]
+    assert notes == ["#/properties/d: format date: year 0000 is not produced (Python's date "
+                     "type and jsonschema's checker reject it)"]  # fmt: skip
+    for text in ("2024-02-29", "2000-02-29", "0004-02-29", "0001-01-01", "0999-12-31"):
+        assert walk(compiled, {"d": text}), text
+        assert validate_json(json.dumps({"d": text}), schema) is None, text
+    for text in ("0000-01-01", "2023-02-29", "1900-02-29", "2024-13-01", "2024-04-31"):
+        assert not walk(compiled, {"d": text}), text
+    mine = {"type": "string", "format": "date", "pattern": "^2"}  # a pattern of its own: kept
+    assert llguidance_schema(mine)[0] == mine
+
+
+def test_the_date_pattern_is_pythons_calendar() -> None:
+    """Every year 0000-9999, the days that differ between calendars: the pattern matches
+    exactly the dates Python's date type (jsonschema's checker) takes."""
+    import datetime
+    import re
+
+    from quantkit.grammar.llguidance.schema import _DATE_YEAR
+
+    pattern = re.compile(_DATE_YEAR)
+    for year in range(10000):
+        for month, day in ((2, 29), (2, 28), (2, 30), (4, 31), (12, 31), (1, 1)):
+            text = f"{year:04d}-{month:02d}-{day:02d}"
+            try:
+                datetime.date.fromisoformat(text)
+                real = True
+            except ValueError:
+                real = False
+            assert bool(pattern.match(text)) == real, text
 
 
 def test_format_regex_is_narrowed_to_literal_text_with_a_note(

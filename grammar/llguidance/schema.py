@@ -321,6 +321,16 @@ _FORMAT_PATTERNS = {"byte": (_BASE64, None), "regex": (_LITERAL_REGEX, "regexes 
                     "special characters (literal text) are produced")}  # fmt: skip
 
 
+# llguidance's `date` takes year 0000 (RFC 3339 does, Python's date and so jsonschema's checker
+# do not; a steered walk through a date wrote `0000-01-01`) and February 29 of any year (RFC
+# 3339 does not). Every real date of the years 0001-9999, as a pattern beside the format.
+_YEAR = "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_MONTH_DAY = ("(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]"
+              "[0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))")  # fmt: skip
+_LEAP = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_DATE_YEAR = f"^(?:{_YEAR}-{_MONTH_DAY}|{_LEAP}-02-29)$"
+_YEAR_NOTE = "year 0000 is not produced (Python's date type and jsonschema's checker reject it)"
+
 # The formats llguidance implements, and every format a JSON Schema draft (3 to 2020-12)
 # defines; any other is an annotation (see the module docstring).
 _LLG_FORMATS = frozenset({"date-time", "time", "date", "duration", "email", "hostname", "ipv4",
@@ -342,6 +352,9 @@ def formats_written(schema: Any) -> tuple[Any, list[str]]:
         if isinstance(fmt, str) and fmt not in _DEFINED_FORMATS and fmt not in _FORMAT_PATTERNS:
             notes.append(f"{where}: format {fmt!r} is not enforced (an annotation, as in 2020-12)")
             return {k: v for k, v in out.items() if k != "format"}
+        if fmt == "date" and "pattern" not in out:  # format and pattern: llguidance takes both
+            notes.append(f"{where}: format date: {_YEAR_NOTE}")
+            return out | {"pattern": _DATE_YEAR}
         written = _FORMAT_PATTERNS.get(out.get("format")) if "pattern" not in out else None
         if written is None:
             return out
