@@ -11,7 +11,8 @@ cost the others), inside an overall deadline, and prints one table at the end:
 3. `awq`, `gptq`: `quantkit quantize --device cuda` of it, per-layer time and peak memory;
 4. `generate`, `compiled`: greedy decode of the AWQ checkpoint on the GPU (Triton kernels), tok/s
    and MBU, eager and with `--compile`;
-5. `kernels`: the W4A16 / FP8 kernel benchmark at the 8B shapes against dense bf16.
+5. `kernels`: the W4A16 / FP8 kernel benchmark at the 8B shapes against dense bf16;
+6. `sweep`: every W4A16 GEMV candidate alone (`kernels.gemv_sweep`, CUDA-graph replay).
 
 Every stage's output goes to --log; the table says what each stage measured. Nothing here is
 needed on a CPU machine: the test suite runs the same code paths on the CPU.
@@ -86,6 +87,11 @@ def _stages(work: Path, args: argparse.Namespace) -> tuple[Stage, list[Stage]]:
              "1,16,512", "--impls", "int4,fp8,dense-bf16", "--budget", "0.2"],
             args.kernels_limit, "kernels",
         ),
+        Stage(
+            "sweep",
+            [PY, "-m", "quantkit.evals.kernels.gemv_sweep", "--m", "1,4"],
+            args.kernels_limit * 3, "sweep",
+        ),
     ]  # fmt: skip
     return synth, after
 
@@ -120,7 +126,9 @@ def _parse_quantize(out: str) -> dict[str, str]:
 def _parse_generate(out: str) -> dict[str, str]:
     got: dict[str, str] = {}
     for line in out.splitlines():
-        for key in ("decode", "roofline", "backend", "device", "error"):
+        # TPOT's p50 is the warm step: the mean (decode) counts the first step, which compiles
+        # and autotunes the kernels in that process.
+        for key in ("TPOT", "decode", "roofline", "backend", "device", "error"):
             if line.strip().startswith(key):
                 got[key] = line.strip()
     return got
@@ -131,11 +139,17 @@ def _parse_kernels(out: str) -> dict[str, str]:
     return {f"row{i}": r for i, r in enumerate(rows[-24:])}
 
 
+def _parse_sweep(out: str) -> dict[str, str]:
+    rows = [ln for ln in out.splitlines() if "autotuned" in ln or "dense bf16" in ln]
+    return {f"row{i}": " ".join(r.split()) for i, r in enumerate(rows)}
+
+
 _PARSERS = {
     "pytest": _parse_pytest,
     "quantize": _parse_quantize,
     "generate": _parse_generate,
     "kernels": _parse_kernels,
+    "sweep": _parse_sweep,
 }
 
 

@@ -258,6 +258,30 @@ def test_every_gemv_unpacking_matches_reference(
 
 
 @interpreted
+def test_autotune_candidates_fit_the_layer() -> None:
+    """`clamp_block_k` on whole-word candidates: steps of whole groups where the group size is a
+    power of two (STEP_GROUPS), one group per step otherwise, SPLIT_K 0 -> one step a program."""
+    import triton
+
+    from quantkit.fused_kernels.triton.configs import clamp_block_k, gemv_configs
+
+    def fitted(group: int, k: int, block_k: int, split_k: int) -> dict:
+        cfg = triton.Config({"BLOCK_N": 16, "BLOCK_K": block_k, "SPLIT_K": split_k, "UNPACK": 1})
+        (out,) = clamp_block_k([cfg], {"GROUP_SIZE": group, "K": k})
+        return out.kwargs
+
+    assert fitted(128, 14336, 512, 0) == dict(
+        BLOCK_N=16, BLOCK_K=512, SPLIT_K=28, UNPACK=1, STEP_GROUPS=4
+    )
+    assert fitted(32, 4096, 128, 2)["STEP_GROUPS"] == 4
+    assert "STEP_GROUPS" not in fitted(4096, 4096, 512, 0)  # per channel: one group
+    assert fitted(96, 384, 128, 1) == dict(BLOCK_N=16, BLOCK_K=32, SPLIT_K=1, UNPACK=1)
+    for bucket in (1, 4, 16):  # every candidate fits some layer of the 8B shapes
+        for cfg in clamp_block_k(gemv_configs(bucket), {"GROUP_SIZE": 128, "K": 4096}):
+            assert cfg.kwargs["SPLIT_K"] >= 1 and cfg.kwargs["BLOCK_K"] >= 8
+
+
+@interpreted
 def test_triton_rejects_bad_inputs(tk) -> None:
     layer = make_layer(64, 128, 32, False)
     wp, scale, zp = layer["weight_packed"], layer["weight_scale"], layer["weight_zero_point"]
