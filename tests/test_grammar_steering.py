@@ -460,7 +460,15 @@ def test_repeats_answers_as_the_plain_definition() -> None:
         piece = bytes(gen.integers(97, 97 + int(gen.integers(1, 4)), int(gen.integers(1, 9))))
         noise = bytes(gen.integers(97, 100, int(gen.integers(0, 20))))
         data = (noise + piece * int(gen.integers(0, 30)))[-int(gen.integers(0, 120)) :]
-        for least, total, longest in ((3, 24, 32), (2, 96, 128), (4, 40, 40)):
+        for least, total, longest in ((3, 24, 32), (2, 96, 128), (4, 40, 40), (2, 96, 256),
+                                      (1, 8, 16)):  # fmt: skip
+            got = repeats(bytearray(data), least=least, total=total, longest=longest)
+            assert got == plain(data, least, total, longest), (case, data)
+    for case in range(500):  # long pieces: the sentence rule's periods of up to 256 bytes
+        piece = bytes(gen.integers(97, 100, int(gen.integers(1, 200))))
+        noise = bytes(gen.integers(97, 100, int(gen.integers(0, 300))))
+        data = (noise + piece * int(gen.integers(0, 5)))[-int(gen.integers(0, 700)) :]
+        for least, total, longest in ((2, 96, 256), (3, 24, 32)):
             got = repeats(bytearray(data), least=least, total=total, longest=longest)
             assert got == plain(data, least, total, longest), (case, data)
 

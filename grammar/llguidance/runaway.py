@@ -101,15 +101,27 @@ class RunawayTokens:
 def repeats(data: bytes | bytearray, *, least: int = 3, total: int = REPEAT_BYTES,
             longest: int = MAX_PERIOD) -> bool:  # fmt: skip
     """Whether `data` ends in one piece of at most `longest` bytes written over and over: at
-    least `least` times, and `total` bytes in all."""
+    least `least` times, and `total` bytes in all.
+
+    Periods are tried shortest first, up to the first whose span the data cannot hold. Only a
+    period whose byte a period before the last equals the last byte can repeat, so those are
+    found by searching the data for the last byte (`rfind`) rather than by trying every period
+    (the runaway rule asks on every step inside a string, the walks at every byte)."""
     size = len(data)
-    for period, span, times in _periods(least, total, longest):
-        if span > size:
-            return False
-        if times > 1 and data[size - 1] != data[size - 1 - period]:
-            continue  # the last byte is not the one a period before it: no repeat this long
+    periods = _periods(least, total, longest)
+    bound = _first_too_long(least, total, longest, size)  # periods below it fit the data
+    if bound <= 1:
+        return False
+    if least <= 1 and max(total, 1) < bound:  # a period of `total` bytes or more is written
+        return True  # once, which any data ending in it does
+    last = data[size - 1]
+    at = data.rfind(last, max(0, size - bound), size - 1)
+    while at >= 0:  # ascending periods: the nearest earlier copy of the last byte first
+        period = size - 1 - at
+        _, span, times = periods[period - 1]
         if data[size - span :] == data[size - period :] * times:
             return True
+        at = data.rfind(last, max(0, size - bound), at)
     return False
 
 
@@ -122,6 +134,16 @@ def _periods(least: int, total: int, longest: int) -> tuple[tuple[int, int, int]
         times = max(least, -(-total // period))
         found.append((period, times * period, times))
     return tuple(found)
+
+
+@functools.lru_cache(maxsize=4096)  # per setting and data size
+def _first_too_long(least: int, total: int, longest: int, size: int) -> int:
+    """The shortest period (of `_periods`, in their order) whose span exceeds `size` bytes;
+    longest + 1 if every one fits."""
+    for period, span, _ in _periods(least, total, longest):
+        if span > size:
+            return period
+    return longest + 1
 
 
 def ends_twice(data: bytes | bytearray) -> bool:
