@@ -87,7 +87,8 @@ class GptqConfig:
     # (`clip_search`: none = RTN's scales, mse = the weights' error, output = the group's output
     # error under H); the codes are then GPTQ-rounded on the clipped scales.
     clip: str = "none"
-    # INT4: passes of coordinate descent on the codes after GPTQ (`refine`), 0 = none.
+    # INT4: passes of coordinate descent on the codes, then the group scales, after GPTQ
+    # (`refine`), 0 = none.
     refine: int = 0
 
     def __post_init__(self) -> None:

@@ -64,11 +64,12 @@ def _scales_pass(
         a = codes[:, cols] - z[:, cols]  # Q[:, cols] = a * s
         h_gg = h[cols, cols]
         denom = ((a @ h_gg) * a).sum(1)
-        want = scale[:, grp] + torch.where(denom > 0, (a * g[:, cols]).sum(1) / denom, 0.0)
+        along = (a * g[:, cols]).sum(1)  # a . g
+        want = scale[:, grp] + torch.where(denom > 0, along / denom, 0.0)
         new = want.to(dtype).to(h.dtype)  # as the checkpoint stores it
         delta = new - scale[:, grp]
         # The error's change for a scale step delta: -2 delta (a . g) + delta^2 a^T H a.
-        change = -2.0 * delta * (a * g[:, cols]).sum(1) + delta * delta * denom
+        change = -2.0 * delta * along + delta * delta * denom
         delta = torch.where((change < 0) & (new > 0), delta, torch.zeros_like(delta))
         if bool(delta.any()):
             scale[:, grp] += delta
