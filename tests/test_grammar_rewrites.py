@@ -216,9 +216,9 @@ def test_the_date_pattern_is_pythons_calendar() -> None:
     import datetime
     import re
 
-    from quantkit.grammar.llguidance.schema import _DATE_YEAR
+    from quantkit.grammar.llguidance.schema import _DATE_PATTERN
 
-    pattern = re.compile(_DATE_YEAR)
+    pattern = re.compile(_DATE_PATTERN)
     for year in range(10000):
         for month, day in ((2, 29), (2, 28), (2, 30), (4, 31), (12, 31), (1, 1)):
             text = f"{year:04d}-{month:02d}-{day:02d}"

@@ -328,7 +328,7 @@ _YEAR = "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
 _MONTH_DAY = ("(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]"
               "[0-9]|30)|02-(?:0[1-9]|1[0-9]|2[0-8]))")  # fmt: skip
 _LEAP = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
-_DATE_YEAR = f"^(?:{_YEAR}-{_MONTH_DAY}|{_LEAP}-02-29)$"
+_DATE_PATTERN = f"^(?:{_YEAR}-{_MONTH_DAY}|{_LEAP}-02-29)$"
 _YEAR_NOTE = "year 0000 is not produced (Python's date type and jsonschema's checker reject it)"
 
 # The formats llguidance implements, and every format a JSON Schema draft (3 to 2020-12)
@@ -354,7 +354,7 @@ def formats_written(schema: Any) -> tuple[Any, list[str]]:
             return {k: v for k, v in out.items() if k != "format"}
         if fmt == "date" and "pattern" not in out:  # format and pattern: llguidance takes both
             notes.append(f"{where}: format date: {_YEAR_NOTE}")
-            return out | {"pattern": _DATE_YEAR}
+            return out | {"pattern": _DATE_PATTERN}
         written = _FORMAT_PATTERNS.get(out.get("format")) if "pattern" not in out else None
         if written is None:
             return out
