@@ -204,14 +204,16 @@ _COMPILE_SCRIPT = textwrap.dedent(
                        options=options)
 
     w = dict(w_ptr="*fp8e4nv", s_ptr="*bf16", xs_ptr="*fp32")
-    for arch in (89, 90):  # W8A8: fp8 operands in tl.dot (mma on sm_89, wgmma on sm_90)
+    # W8A8: fp8 operands in tl.dot (mma on sm_89, wgmma on sm_90), each way of promoting its sums
+    for arch, promote in ((89, 32), (90, 32), (90, 0), (90, -1)):
         compile(T._fp8_gemm_kernel, dict(w, x_ptr="*fp8e4nv", b_ptr="*bf16", y_ptr="*bf16"),
                 dict(HAS_XS=True, HAS_BIAS=True, FP8_DOT=True, DOT_PRECISION="ieee",
-                     BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
+                     BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, PROMOTE_K=promote),
                 arch=arch, num_warps=8, num_stages=3)
     compile(T._fp8_gemm_kernel, dict(w, x_ptr="*bf16", b_ptr="*bf16", y_ptr="*bf16"),
             dict(HAS_XS=False, HAS_BIAS=False, FP8_DOT=False, DOT_PRECISION="ieee",
-                 BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8), num_warps=4, num_stages=4)
+                 BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, PROMOTE_K=32), num_warps=4,
+            num_stages=4)
     for block_m, x in ((1, "*bf16"), (16, "*fp8e4nv")):
         compile(T._fp8_gemv_kernel, dict(w, x_ptr=x, y_ptr="*fp32"),
                 dict(HAS_XS=x != "*bf16", COMPUTE=tl.float16 if block_m == 16 else tl.bfloat16,
@@ -273,7 +275,10 @@ _GPU_SCRIPT = textwrap.dedent(
                 ref = xr @ wd.T
                 mag = (xr.abs() @ wd.abs().T).max()
                 err = ((y - ref).abs().max() / mag).item()
-                assert err < tol, (m, n, k, act, dt, err)
+                # W8A8 GEMM (M > 16): the fp8 MMA adds with fewer bits than fp32 (sm_90); its
+                # sums move to fp32 once a K step: 6e-6..6e-5 on an H200, 3e-4..7e-4 if never.
+                bound = max(tol, 1e-4) if act and m > 16 else tol
+                assert err < bound, (m, n, k, act, dt, err)
     print("gpu sweep ok", "w8a8" if True in acts else "w8a16 only")
     """
 )

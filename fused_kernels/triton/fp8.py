@@ -43,6 +43,13 @@ from quantkit.fused_kernels.triton import launch as triton_launch
 from quantkit.fused_kernels.triton.configs import BlockConfig, gemv_block_m, m_bucket
 
 _EPS = 1e-10  # quantkit.format.packing's smallest scale
+# W8A8 GEMM: K products summed in the fp8 MMA's accumulator before each move to fp32 (see
+# `_fp8_gemm_kernel`); 0: once a K step. `python -m quantkit.evals.kernels.fp8_accumulation` on
+# an H200 (bf16; error max |y - ref| / max |x| @ |w|.T against fp64 on 4 shapes), M x N x K:
+#   never (Triton's sm_90 default): 3.3e-4..6.7e-4; 2048x4096x14336 323 us, 512x14336x4096 271 us
+#   once a K step (0):              8.7e-6..5.8e-5; 339 us, 273 us
+#   every MMA (32):                 3.3e-6..1.6e-5; 413 us, 290 us
+_PROMOTE_K = 0
 
 
 @triton.jit
@@ -86,12 +93,15 @@ def _fp8_gemm_kernel(
     stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_ym, stride_yn,
     HAS_XS: tl.constexpr, HAS_BIAS: tl.constexpr, FP8_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PROMOTE_K: tl.constexpr = 0,
 ):  # fmt: skip
     """Tiled GEMM: program -> y[BLOCK_M, BLOCK_N] = (x @ w8.T) * [sx] * sw (+ bias).
 
     FP8_DOT: x is fp8 too and tl.dot multiplies the fp8 tiles (tensor cores on sm_89+);
-    otherwise the fp8 tile is upcast to x's dtype first (W8A16)."""
+    otherwise the fp8 tile is upcast to x's dtype first (W8A16). Hopper's fp8 MMA adds into its
+    accumulator with fewer bits than fp32; PROMOTE_K > 0 moves the sum into a true fp32
+    accumulator every PROMOTE_K products along K (32: after every MMA instruction), 0 once a
+    K step (BLOCK_K), -1 never (Triton's default on sm_90: the whole K sum imprecise)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -115,8 +125,12 @@ def _fp8_gemm_kernel(
             mask=(offs_k[:, None] < K) & (offs_n[None, :] < N),
             other=0.0,
         )
-        if FP8_DOT:
+        if FP8_DOT and PROMOTE_K < 0:
             acc = tl.dot(x, w, acc)
+        elif FP8_DOT and PROMOTE_K == 0:
+            acc = tl.dot(x, w, acc, max_num_imprecise_acc=BLOCK_K)
+        elif FP8_DOT:
+            acc = tl.dot(x, w, acc, max_num_imprecise_acc=PROMOTE_K)
         else:
             acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
     mask_n = offs_n < N
@@ -327,6 +341,7 @@ def fp8_linear_triton(
     triton_launch.launch(
         "gemm", _fp8_gemm_kernel, functools.partial(_autotuned, "gemm", m_bucket(m)), args,
         m=m, n=n,
-        config=config, HAS_BIAS=bias is not None, FP8_DOT=act_dynamic, **common,
+        config=config, HAS_BIAS=bias is not None, FP8_DOT=act_dynamic, PROMOTE_K=_PROMOTE_K,
+        **common,
     )  # fmt: skip
     return y.reshape(*lead, n)
