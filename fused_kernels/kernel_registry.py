@@ -6,7 +6,9 @@ it can). Its kernel file is imported only once it is tried: choosing never impor
 run (Triton on CPU tensors without the interpreter). Today's entries, per kind in this order:
 
 - `triton`: the fused Triton kernels (`triton.w4a16`, `triton.fp8`), for CUDA tensors, or CPU
-  tensors under `TRITON_INTERPRET=1` (tests; fp16/fp32 only). FP8 W8A8 needs fp8 tensor cores
+  tensors under `TRITON_INTERPRET=1` (tests; fp16/fp32 only). A prepared INT4 layer is a
+  `triton.w4a16_columns.TritonInt4Layer`: one activation row through a GEMV on a column copy
+  of its words, every other shape through `triton.w4a16`. FP8 W8A8 needs fp8 tensor cores
   (sm_89+); without them a W8A8 layer runs as W8A16 and warns once (`prepared_linear`).
 - `cpu`: the compiled C GEMVs + dequantize/MKL prefill (`cpu.w4a16`, `cpu.fp8`); built with gcc
   on first use and cached under $QUANTKIT_HOME. FP8 W8A8 runs with the GPU kernel's numerics.
@@ -213,8 +215,8 @@ def vnni_blocker(available: str) -> Blocker:
 # --------------------------------------------------------------------------- the registry
 
 KERNELS: tuple[Kernel, ...] = (
-    Kernel("triton-int4", "triton", ("int4",), "triton.w4a16", "w4a16_linear_triton",
-           devices=("cuda",), blocker=triton_blocker),
+    Kernel("triton-int4", "triton", ("int4",), "triton.w4a16_columns", "w4a16_linear_triton",
+           layer="TritonInt4Layer", devices=("cuda",), blocker=triton_blocker),
     Kernel("triton-fp8", "triton", ("fp8",), "triton.fp8", "fp8_linear_triton",
            devices=("cuda",), blocker=triton_blocker, w8a8="fp8_dot_supported"),
     Kernel("triton-nvfp4", "triton", ("nvfp4",), "triton.fp4", "fp4_linear_triton",

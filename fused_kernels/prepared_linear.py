@@ -98,7 +98,8 @@ def prepare_linear(
     backend: str | None = None,
 ) -> PreparedLinear:
     """Check one layer's weights, choose its kernel (`backend` overrides, as QUANTKIT_BACKEND
-    does) and bind them, once. No repack: every kernel reads the checkpoint layout as stored."""
+    does) and bind them, once. The kernels read the checkpoint layout as stored; the Triton INT4
+    layer also keeps a copy by column for one-row calls (`triton.w4a16_columns`)."""
     if scheme.kind != weights.kind:
         raise SchemeError(
             f"scheme: expected kind {weights.kind} for {type(weights).__name__}, "

@@ -257,6 +257,81 @@ def test_every_gemv_unpacking_matches_reference(
     torch.testing.assert_close(y, ref, **tolerances(x, w))
 
 
+@pytest.fixture(scope="module")
+def tc(tk):
+    """quantkit.fused_kernels.triton.w4a16_columns, imported in interpreter mode."""
+    return importlib.import_module("quantkit.fused_kernels.triton.w4a16_columns")
+
+
+@interpreted
+@pytest.mark.parametrize(
+    "n,k,group,symmetric,tile",
+    [(77, 200, -1, False, (64, 4, 2)), (96, 384, 64, False, (32, 8, 3)),
+     (40, 256, 32, True, (64, 4, 1)), (50, 352, 32, False, (16, 2, 5)),
+     (24, 1536, 128, True, (32, 16, 4)), (13, 64, 32, False, (16, 1, 3))],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_column_gemv_matches_reference(
+    tc, n: int, k: int, group: int, symmetric: bool, tile: tuple, dtype: torch.dtype
+) -> None:
+    """One row through the column copy, with tails in N (77, 13 columns), splits that do not
+    divide the steps (5 splits of 11 steps), one-word steps, a per-channel group and a bias;
+    and the interpreter's default tile."""
+    import triton
+
+    layer = make_layer(n, k, group, symmetric)
+    weights = packed(layer, k, layer["group"])
+    cols = tc.repack_columns(weights)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(3)).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    block_n, block_w, split = tile
+    config = triton.Config(
+        {"BLOCK_N": block_n, "BLOCK_W": block_w, "SPLIT_K": split, "WAVES": 0}, num_warps=4
+    )
+    w = dequantize_packed_int4(*weights.tensors, in_features=k, group_size=layer["group"])
+    ref = w4a16_linear_reference(x.float(), weights, bias=bias.float()).to(dtype)
+    for y in (tc.columns_gemv(x, cols, bias=bias, config=config), tc.columns_gemv(x[0], cols,
+              bias=bias)):  # fmt: skip
+        assert y.dtype == dtype
+        torch.testing.assert_close(y.reshape(1, n), ref, **tolerances(x, w))
+
+
+@interpreted
+def test_the_column_copy_holds_the_checkpoints_codes(tc) -> None:
+    """The copy is the same codes, scales and zero points, by column: words transposed, each
+    zero-point nibble where its column is (N = 77: the last zero-point word half used)."""
+    layer = make_layer(77, 128, 32, False)
+    cols = tc.repack_columns(packed(layer, 128, 32))
+    assert torch.equal(cols.words.T, layer["weight_packed"])
+    assert torch.equal(cols.scale.T, layer["weight_scale"])
+    assert torch.equal(cols.zero.T.to(torch.int32), layer["zero"] + 8)
+    assert unpack_int4(cols.words.T.contiguous(), 128).equal(layer["codes"].to(torch.int8))
+
+
+@interpreted
+def test_the_triton_layer_sends_one_row_to_the_column_copy(tc, monkeypatch) -> None:
+    """`TritonInt4Layer`: one row (any leading shape) takes the column GEMV, several rows the
+    checkpoint's kernels; a group that is not a multiple of 8 (per-channel K = 100) has no
+    column copy and every shape takes the checkpoint's kernels. Every result equals the
+    reference."""
+    calls = []
+    real = tc.columns_gemv
+    monkeypatch.setattr(tc, "columns_gemv", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    for k, group in ((128, 32), (100, -1)):
+        layer = make_layer(40, k, group, False)
+        weights = packed(layer, k, layer["group"])
+        bound = tc.TritonInt4Layer(weights)
+        assert (bound.columns is None) == (group == -1)
+        w = dequantize_packed_int4(*weights.tensors, in_features=k, group_size=layer["group"])
+        for shape in ((1, k), (k,), (1, 1, k), (3, k)):
+            x = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
+            want = w4a16_linear_reference(x.reshape(-1, k), weights).reshape(*shape[:-1], 40)
+            torch.testing.assert_close(bound(x), want, **tolerances(x.reshape(-1, k), w))
+    assert len(calls) == 3  # the three one-row shapes of the K = 128 layer
+    with pytest.raises(ValueError, match="multiple of 8"):
+        tc.repack_columns(packed(make_layer(40, 100, -1, False), 100, 100))
+
+
 @interpreted
 def test_autotune_candidates_fit_the_layer() -> None:
     """`clamp_block_k` on whole-word candidates: steps of whole groups where the group size is a
@@ -376,6 +451,12 @@ _COMPILE_SCRIPT = textwrap.dedent(
     compile(T._w4a16_gemm_kernel, dict(acts, b_ptr="*bf16", y_ptr="*bf16"),
             dict(HAS_ZP=False, HAS_BIAS=True, DOT_PRECISION="ieee", BLOCK_M=64, BLOCK_N=128,
                  BLOCK_K=32, GROUP_M=8), num_warps=4, num_stages=4)
+    import quantkit.fused_kernels.triton.w4a16_columns as C
+    for has_zp, split in ((True, 16), (False, 1)):
+        compile(C._w4a16_columns_kernel,
+                dict(x_ptr="*bf16", w_ptr="*i32", s_ptr="*bf16", z_ptr="*fp32", y_ptr="*fp32"),
+                dict(HAS_ZP=has_zp, BLOCK_N=256, BLOCK_W=8, SPLIT_K=split, WAVES=4),
+                num_warps=4, num_stages=4)
     print("compiled for sm_90")
     """
 )
@@ -403,6 +484,7 @@ _GPU_SCRIPT = textwrap.dedent(
     from quantkit.format.packing import dequantize_packed_int4
     from quantkit.fused_kernels.packed_weights import PackedInt4
     from quantkit.fused_kernels.triton.w4a16 import is_interpreted, w4a16_linear_triton
+    from quantkit.fused_kernels.triton.w4a16_columns import TritonInt4Layer
     from quantkit.format.packing import int4_qparams, int4_quantize, pack_int4, pack_zero_points
 
     assert not is_interpreted()
@@ -411,7 +493,9 @@ _GPU_SCRIPT = textwrap.dedent(
     tols = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
     for m, n, k, g, sym in [(1, 4096, 4096, 128, False), (7, 200, 384, 64, True),
                             (16, 576, 1536, 32, False), (300, 1536, 576, 64, False),
-                            (33, 77, 200, -1, False), (2048, 4096, 4096, 128, False)]:
+                            (33, 77, 200, -1, False), (2048, 4096, 4096, 128, False),
+                            (1, 77, 200, -1, True), (1, 14336, 4096, 128, False),
+                            (1, 4096, 14336, 32, True)]:
         gs = k if g == -1 else g
         w = torch.randn(n, k)
         s, z = int4_qparams(w, group_size=gs, symmetric=sym)
@@ -420,11 +504,14 @@ _GPU_SCRIPT = textwrap.dedent(
         wd = dequantize_packed_int4(*t, in_features=k, group_size=gs)
         for dt, tol in tols.items():
             x = torch.randn(m, k, device="cuda").to(dt)
-            y = w4a16_linear_triton(x, PackedInt4(*t, k, g)).float()
+            ys = [w4a16_linear_triton(x, PackedInt4(*t, k, g)).float()]
+            if m == 1:  # the triton layer's own path for one row: the column GEMV
+                ys.append(TritonInt4Layer(PackedInt4(*t, k, g))(x).float())
             ref = x.double() @ wd.double().T
             mag = (x.double().abs() @ wd.double().abs().T).max()
-            err = ((y.double() - ref).abs().max() / mag).item()
-            assert err < tol, (m, n, k, g, sym, dt, err)
+            for path, y in enumerate(ys):
+                err = ((y.double() - ref).abs().max() / mag).item()
+                assert err < tol, (m, n, k, g, sym, dt, path, err)
     print("gpu sweep ok")
     """
 )

@@ -1,7 +1,8 @@
 """Every W4A16 GEMV candidate, timed alone: `python -m quantkit.evals.kernels.gemv_sweep`.
 
 Autotune keeps only its winner; this prints each candidate of `configs.gemv_configs` (and the
-autotuned pick, and dense bf16 `torch.matmul`) at the Llama-3-8B layer shapes, so a change to
+autotuned pick, the one-row column GEMV's tiles and pick (`w4a16_columns`, at M=1), and dense
+bf16 `torch.matmul`) at the Llama-3-8B layer shapes, so a change to
 the kernel or its candidates is judged on every tile. Two times per row:
 
 - `eager`: a Python call per layer, as an eager decode makes them (launch overhead included);
@@ -92,6 +93,27 @@ def _configs(bucket: int, m: int, group: int, k: int) -> list[tuple[str, BlockCo
     return out
 
 
+def _column_rows(packs: list[PackedInt4], x: torch.Tensor) -> list[tuple[str, Callable]]:
+    """The triton layer's one-row path (`w4a16_columns`): each candidate tile with its SPLIT_K
+    as autotune would size it, and the autotuned pick."""
+    import triton
+
+    from quantkit.fused_kernels.triton import w4a16_columns as wc
+
+    cols = [wc.ColumnWords(p) for p in packs]
+    named = dict(N=cols[0].out_features, K=cols[0].in_features, GROUP_SIZE=cols[0].group_size,
+                 WORDS=cols[0].words.shape[0], x_ptr=x)  # fmt: skip
+    rows = []
+    for cfg in wc._fit(wc._configs(), named):
+        kw = cfg.kwargs
+        label = (f"cols n{kw['BLOCK_N']} w{kw['BLOCK_W']} s{kw['SPLIT_K']} w{cfg.num_warps} "
+                 f"st{cfg.num_stages}")  # fmt: skip
+        one = triton.Config(dict(kw), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        rows.append((label, lambda c, one=one: wc.columns_gemv(x, cols[c], config=one)))
+    rows.append(("cols autotuned", lambda c: wc.columns_gemv(x, cols[c])))
+    return rows
+
+
 def _row(label: str, fn: Callable[[int], object], calls: int, nbytes: int, check) -> str:
     """One printed row: eager and graph microseconds per call, GB/s in the graph, error."""
     try:
@@ -102,7 +124,9 @@ def _row(label: str, fn: Callable[[int], object], calls: int, nbytes: int, check
         return f"{label:<28} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 
-def _sweep_shape(name: str, n: int, k: int, ms: list[int], group: int, sweep_mb: float) -> None:
+def _sweep_shape(
+    name: str, n: int, k: int, ms: list[int], group: int, sweep_mb: float, tiles: bool
+) -> None:
     from quantkit.fused_kernels.triton.w4a16 import w4a16_linear_triton
 
     dev = torch.device("cuda")
@@ -124,8 +148,10 @@ def _sweep_shape(name: str, n: int, k: int, ms: list[int], group: int, sweep_mb:
             return w4a16_linear_triton(x, packs[c], path="gemv", config=cfg, check=False)
 
         rows = [(label, functools.partial(int4, cfg=cfg)) for label, cfg in
-                _configs(m_bucket(m), m, group, k)]  # fmt: skip
+                _configs(m_bucket(m), m, group, k) if tiles]  # fmt: skip
         rows.append(("autotuned", int4))
+        if m == 1:
+            rows += _column_rows(packs, x)
         for label, fn in rows:
             print(f"{name:<30} {m:>2} {_row(label, fn, copies, per, check)}", flush=True)
         fn = lambda c, x=x: x @ dense[c].T  # noqa: E731
@@ -138,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--m", default="1,4", help="row counts (<= 16)")
     p.add_argument("--group", type=int, default=128)
     p.add_argument("--sweep-mb", type=float, default=256.0)
+    p.add_argument(
+        "--picks-only", action="store_true", help="time the autotuned picks and column tiles only"
+    )
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gemv_sweep: expected a CUDA GPU, got none")
@@ -147,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'shape':<30} {'M':>2} {'impl':<28} {'eager us':>9} {'graph us':>9} "
           f"{'graph GB/s':>10} {'err':>8}")  # fmt: skip
     for name, n, k, _ in SHAPE_SETS[args.shapes]:
-        _sweep_shape(name, n, k, [int(m) for m in args.m.split(",")], args.group, args.sweep_mb)
+        ms = [int(m) for m in args.m.split(",")]
+        _sweep_shape(name, n, k, ms, args.group, args.sweep_mb, not args.picks_only)
         torch.cuda.empty_cache()
     return 0
 
