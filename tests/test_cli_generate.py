@@ -174,7 +174,7 @@ def test_embedded_checkpoint_is_made_once(tmp_path: Path, monkeypatch) -> None:
     lines: list[str] = []
     first = embedded.ensure_embedded_int4(home=tmp_path, log=lines.append)
     again = embedded.ensure_embedded_int4(home=tmp_path, log=lines.append)
-    assert first == again == tmp_path / "checkpoints" / "smollm2-135m-awq-int4"
+    assert first == again == tmp_path / "checkpoints" / "smollm2-135m-awq+gptq-int4"
     assert made == [first] and len(lines) == 2 and "first use: quantizing" in lines[0]
 
 

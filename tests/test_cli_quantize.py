@@ -161,6 +161,8 @@ def test_interrupt_leaves_nothing(
         capsys,
         "quantize",
         str(tiny_model_dir),
+        "--method",
+        "awq",
         "--calib",
         str(calib_txt),
         "--calib-samples",

@@ -233,7 +233,7 @@ def test_registered_and_reachable_by_format_only() -> None:
     scheme, algorithm = choose_scheme(
         bits=4, method=None, fmt=None, activations="none", group_size="auto", symmetric=False
     )
-    assert (scheme.kind, algorithm) == ("int4", "awq")
+    assert (scheme.kind, algorithm) == ("int4", "awq+gptq")
     for fmt, group in (("nvfp4", 16), ("mxfp4", 32)):
         scheme, algorithm = choose_scheme(
             bits=4, method=None, fmt=fmt, activations="none", group_size="auto", symmetric=False

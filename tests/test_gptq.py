@@ -224,7 +224,7 @@ def test_gptq_is_an_algorithm_not_a_format() -> None:
     kinds = ("int4", "fp8", "int8", "nvfp4", "mxfp4")
     assert algorithm_for("gptq", QuantScheme("int4")).kinds == kinds
     assert algorithm_for(None, QuantScheme("fp8")).name == "gptq"
-    assert algorithm_for(None, QuantScheme("int4")).name == "awq"
+    assert algorithm_for(None, QuantScheme("int4")).name == "awq+gptq"
     with pytest.raises(
         SchemeError, match="method awq: produces int4 only; for fp8 expected one of rtn, gptq"
     ):

@@ -23,7 +23,7 @@ def _layer(n: int = 24, k: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch
 def test_refined_codes_lower_the_output_error_to_a_local_minimum(symmetric: bool) -> None:
     w, h = _layer()
     scheme = QuantScheme("int4", group_size=32, symmetric=symmetric)
-    q, rounder = gptq_weight(w, h, scheme=scheme)
+    q, rounder = gptq_weight(w, h, scheme=scheme, cfg=GptqConfig(refine=0))
     refined, scale = refine_int4(
         w, q, h, scale=rounder.scale, zero=rounder.zero, group_size=32, passes=50
     )
@@ -47,7 +47,7 @@ def test_refined_codes_lower_the_output_error_to_a_local_minimum(symmetric: bool
 def test_no_pass_changes_nothing_and_the_config_runs_it() -> None:
     w, h = _layer(seed=1)
     scheme = QuantScheme("int4", group_size=32)
-    q, rounder = gptq_weight(w, h, scheme=scheme)
+    q, rounder = gptq_weight(w, h, scheme=scheme, cfg=GptqConfig(refine=0))
     same, scale = refine_int4(
         w, q, h, scale=rounder.scale, zero=rounder.zero, group_size=32, passes=0
     )
@@ -166,7 +166,7 @@ def test_refine_matches_the_per_column_passes(scale_dtype: torch.dtype) -> None:
     w64, h64 = _realistic_layer(40, 224, seed=3)
     w, h = w64.float(), h64.float()
     scheme = QuantScheme("int4", group_size=32)
-    q, rounder = gptq_weight(w, h, scheme=scheme, scale_dtype=scale_dtype)
+    q, rounder = gptq_weight(w, h, scheme=scheme, scale_dtype=scale_dtype, cfg=GptqConfig(refine=0))
     refined, scale = refine_int4(
         w, q, h, scale=rounder.scale, zero=rounder.zero, group_size=32, passes=4,
         scale_dtype=scale_dtype,

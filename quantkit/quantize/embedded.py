@@ -2,9 +2,10 @@
 
 `quantkit generate` without a MODEL runs SmolLM2-135M-Instruct as INT4, so a fresh install
 needs a checkpoint nobody asked to make. It is produced exactly as `quantkit quantize
-smollm2-135m` would (AWQ, group size auto, the bundled calibration text, seed 0), minus the
-perplexity evaluation, and written to `$QUANTKIT_HOME/checkpoints/smollm2-135m-awq-int4`. That
-takes a few minutes on a small CPU, once; later calls find the directory and return at once.
+smollm2-135m` would (the INT4 default: AWQ then GPTQ with 4 refine passes, group size auto,
+the bundled calibration text, seed 0), minus the perplexity evaluation, and written to
+`$QUANTKIT_HOME/checkpoints/smollm2-135m-awq+gptq-int4`. That takes about 11 minutes on 2 CPU
+cores, once; later calls find the directory and return at once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from quantkit.cache_manifest import is_whole, whole_or_warned, write_manifest
 from quantkit.paths import file_lock, quantkit_home
 from quantkit.sources.resolve import DEFAULT_MODEL
 
-EMBEDDED_INT4_NAME = f"{DEFAULT_MODEL}-awq-int4"
+EMBEDDED_INT4_NAME = f"{DEFAULT_MODEL}-awq+gptq-int4"
 
 
 def embedded_int4_dir(*, home: Path | None = None) -> Path:
@@ -47,8 +48,8 @@ def ensure_embedded_int4(
     with file_lock(target.parent / f"{target.name}.lock"):
         if not (target / "config.json").is_file():
             log(
-                f"first use: quantizing {DEFAULT_MODEL} to INT4 with AWQ (as `quantkit "
-                f"quantize {DEFAULT_MODEL}`), once; cached at {target}"
+                f"first use: quantizing {DEFAULT_MODEL} to INT4 with AWQ and GPTQ (as "
+                f"`quantkit quantize {DEFAULT_MODEL}`), once; cached at {target}"
             )
         elif whole_or_warned(target, what="checkpoint cache", redo="quantizing again"):
             return target  # made, perhaps by another process meanwhile
@@ -65,12 +66,13 @@ def _quantize_embedded(target: Path, *, home: Path | None, progress: bool) -> No
     from tqdm.auto import tqdm
 
     from quantkit.format.scheme import QuantScheme
+    from quantkit.quantize.algorithms import DEFAULT_ALGORITHM
     from quantkit.quantize.recipe import Hooks, Recipe, quantize_and_save
 
-    bar = tqdm(desc="AWQ layers", unit="layer", disable=not progress)
+    bar = tqdm(desc="AWQ+GPTQ layers", unit="layer", disable=not progress)
     try:
         quantize_and_save(
-            Recipe(DEFAULT_MODEL, QuantScheme("int4"), "awq"),
+            Recipe(DEFAULT_MODEL, QuantScheme("int4"), DEFAULT_ALGORITHM["int4"]),
             target,
             force=True,
             home=home,

@@ -88,8 +88,9 @@ class GptqConfig:
     # error under H); the codes are then GPTQ-rounded on the clipped scales.
     clip: str = "none"
     # INT4: passes of coordinate descent on the codes, then the group scales, after GPTQ
-    # (`refine`), 0 = none.
-    refine: int = 0
+    # (`refine`), 0 = none. 4 by default: on SmolLM2-135M awq+gptq closes 68.6% of the RTN
+    # perplexity gap with it, 62.5% without, for 16% more quantize time (README).
+    refine: int = 4
 
     def __post_init__(self) -> None:
         if self.clip not in CLIP_MODES:

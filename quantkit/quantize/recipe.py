@@ -61,7 +61,7 @@ class Calibration:
 class Recipe:
     model: str  # a local HF directory, a .gguf file or the embedded default's name
     scheme: QuantScheme
-    algorithm: str | None = None  # None: the format's default (awq for int4, gptq for fp8)
+    algorithm: str | None = None  # None: the format's default (`algorithms.DEFAULT_ALGORITHM`)
     calibration: Calibration = field(default_factory=Calibration)
     awq: AwqConfig = field(default_factory=AwqConfig)
     gptq: GptqConfig = field(default_factory=GptqConfig)
