@@ -15,7 +15,10 @@ requires):
 3. with a token budget, rows close to running out are steered to finish in time (`budget`);
 4. set the disallowed logits to -inf: one C pass over the bits and the logits on CPU, numpy or
    torch elsewhere; single-threaded, no OpenMP threads competing with the model's (see
-   `_apply_mask`).
+   `_apply_mask`). On CPU (float32) the result goes into one buffer the processor keeps, so the
+   tensor a call returns is overwritten by the next call: use it before calling again;
+5. JSON rows whose model's best allowed token would corner a key (`llguidance.key_corners`) are
+   screened on the masked logits: each such token is cleared in the bits and set to -inf.
 
 The time of every call is kept in `mask_times_s` (see `mask_stats`).
 
@@ -64,8 +67,11 @@ def _bit(token: int) -> np.int32:
     return np.uint32(1 << (token & 31)).view(np.int32)
 
 
-def _apply_mask(logits: torch.Tensor, bits: np.ndarray) -> torch.Tensor:
-    """logits with the tokens whose bit is clear set to -inf (a new tensor).
+def _apply_mask(
+    logits: torch.Tensor, bits: np.ndarray, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """logits with the tokens whose bit is clear set to -inf (a new tensor, or `out` on the C
+    path).
 
     On CPU with float32 logits one C pass (`fused_kernels.cpu.logit_mask`) reads the bits and
     the logits once and writes the result: after the decode step has streamed the weights
@@ -77,7 +83,7 @@ def _apply_mask(logits: torch.Tensor, bits: np.ndarray) -> torch.Tensor:
     """
     vocab = logits.shape[1]
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and _c_mask():
-        return mask_logits(logits, bits)
+        return mask_logits(logits, bits, out=out)
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, count=vocab, bitorder="little")
     allowed = allowed.view(np.bool_)
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
@@ -146,6 +152,7 @@ class GrammarLogitsProcessor:
         self.steered: set[int] = set()
         self._width: int | None = None
         self._bits: np.ndarray | None = None
+        self._out: torch.Tensor | None = None  # the masked logits, reused step to step
 
     @property
     def token_count(self) -> int:
@@ -229,8 +236,6 @@ class GrammarLogitsProcessor:
                 self._steer(row, line, guide, plan)
             elif self.max_new_tokens is not None and hasattr(guide, "closing_path"):
                 self._steer_walk(row, line, guide)
-            if hasattr(guide, "screen"):  # keys that could only end as a repeat
-                guide.screen(line, logits[row])
             if guide.is_finished():
                 for token in self._eos:
                     line[token >> 5] |= _bit(token)
@@ -340,9 +345,32 @@ class GrammarLogitsProcessor:
             self._extra = 0
         self._width = width
         bits = self._fill(logits)
-        out = _apply_mask(logits, bits)
+        out = _apply_mask(logits, bits, self._buffer(logits))
+        self._screen(out, bits)
         self.mask_times_s.append(time.perf_counter() - started)
         return out
+
+    def _buffer(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The reused output of the C mask pass (CPU float32 logits), or None."""
+        if logits.device.type != "cpu" or logits.dtype != torch.float32:
+            return None
+        out = self._out
+        if out is None or out.shape != logits.shape:
+            out = self._out = torch.empty(logits.shape, dtype=torch.float32)
+        return out
+
+    def _screen(self, out: torch.Tensor, bits: np.ndarray) -> None:
+        """Keys that could only end as a repeat: each JSON row's screen on its masked logits
+        (`llguidance.key_corners`), after the mask, so that its arg-maxes see allowed tokens
+        only; what it clears is -inf in `out` too."""
+        for row, guide in enumerate(self._guides):
+            if guide is None or self._done[row] or not hasattr(guide, "screen"):
+                continue
+            view = out.device.type == "cpu" and out.dtype in (torch.float32, torch.float64)
+            scores = out[row].numpy() if view else out[row].float().cpu().numpy()
+            cleared = guide.screen(bits[row], scores)
+            if cleared and not view:
+                out[row, cleared] = float("-inf")
 
     def mask_stats(self) -> dict[str, float]:
         """Mean and p99 of the per-step mask time, in microseconds, over `calls` steps."""

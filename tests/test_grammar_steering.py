@@ -6,7 +6,6 @@ stuck in a loop would."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import re
 from typing import Any
@@ -412,34 +411,6 @@ def test_a_walk_going_round_in_an_email_finds_its_way_out(pattern: str | None) -
     processor = GrammarLogitsProcessor(llg(schema, vocab), max_new_tokens=48)
     text, ended = greedy(processor, vocab, ["00", "0"], steps=48)
     assert ended and validate_json(text, schema) is None, text
-
-
-def test_the_best_allowed_tokens_are_a_stable_sort_of_the_allowed_ones() -> None:
-    """`best_first` takes arg-maxes, then selects before it sorts; it must give what a stable
-    sort of every allowed score gives: the same tokens in the same order, ties to the lower id,
-    -inf included, on both of its paths (few and many tokens allowed among the best 64)."""
-    from quantkit.grammar.llguidance.key_corners import best_first
-
-    gen = np.random.default_rng(0)
-    for case in range(200):
-        vocab = int(gen.integers(1, 2000))  # below and above the 64 logits looked at first
-        scores = gen.integers(-3, 4, vocab).astype(np.float32)  # many ties
-        scores[gen.random(vocab) < 0.1] = -np.inf
-        allowed = gen.random(vocab) < gen.random()
-        line = np.zeros((vocab + 31) // 32, dtype=np.int32)
-        for t in np.flatnonzero(allowed):
-            line.view(np.uint32)[t >> 5] |= np.uint32(1 << (t & 31))
-        ids = np.flatnonzero(allowed)
-        want = ids[np.argsort(-scores[ids], kind="stable")][:8].tolist()
-        got = list(itertools.islice(best_first(line, torch.from_numpy(scores), 8), 8))
-        assert got == want, case
-        # The screen clears each token it rejects in `line` before it asks for the next: the
-        # order stays that of the mask it began with.
-        cleared = []
-        for token in best_first(line, torch.from_numpy(scores), 8):
-            cleared.append(token)
-            line.view(np.uint32)[token >> 5] &= ~np.uint32(1 << (token & 31))
-        assert cleared == want, case
 
 
 def test_repeats_answers_as_the_plain_definition() -> None:

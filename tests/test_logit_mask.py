@@ -63,6 +63,21 @@ def test_the_processor_path_is_the_same_with_and_without_c(monkeypatch) -> None:
     assert torch.equal(processor_mod._apply_mask(logits, bits), with_c)
 
 
+@needs_c
+def test_c_pass_writes_into_a_given_buffer() -> None:
+    """`out` given: the same values, written there (the processor reuses one buffer a step)."""
+    logits = torch.randn(2, 300)
+    bits = _bits(2, 300, seed=5)
+    out = torch.full((2, 300), 7.0)
+    got = mask_logits(logits, bits, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got, _expected(logits, bits))
+    with pytest.raises(ValueError, match="expected out float32"):
+        mask_logits(logits, bits, out=torch.zeros(2, 299))
+    with pytest.raises(ValueError, match="apart from logits"):
+        mask_logits(logits, bits, out=logits)
+
+
 def test_bad_shapes_are_one_line() -> None:
     with pytest.raises(ValueError, match="expected float32"):
         mask_logits(torch.zeros(2, 64, dtype=torch.float64), np.zeros((2, 2), np.int32))

@@ -422,11 +422,13 @@ class DistinctRow:
                 words[token >> 5] &= ~np.uint32(1 << (token & 31))
                 self.cleared += 1
 
-    def screen(self, line: np.ndarray, logits: Any) -> None:
+    def screen(self, line: np.ndarray, scores: np.ndarray) -> list[int]:
         """Clear the model's best tokens that would lead a key into a corner (only a key its
-        object has could end it): `key_corners.KeyCorners.screen`, when this row has one."""
-        if self.corners is not None:
-            self.corners.screen(self.state, self.row.matcher, line, logits)
+        object has could end it), in `line` and in `scores` (the step's logits masked by
+        `line`): `key_corners.KeyCorners.screen`, when this row has one; the tokens cleared."""
+        if self.corners is None:
+            return []
+        return self.corners.screen(self.state, self.row.matcher, line, scores)
 
     def closing_path(self, *, limit: int) -> tuple[bytes, bool]:
         """See `LlgRow.closing_path`; the walk writes no repeated key or item either (it

@@ -7,30 +7,28 @@ key check (`distinct_items.DistinctRow`) then has to let the repeat through or s
 end, and a greedy model goes round the same key again and again (`"lineNumber":2` forty times
 in one held-out output).
 
-`KeyCorners.screen` keeps the row out of that corner. Given the row's mask and the model's
-logits for this step, it takes the allowed tokens best first (at most `TOP` of them); a token
-that would leave the key's text a prefix of a key already written is tried on a copy of the
-matcher: if from there every continuation the grammar allows leads back to a written key
-(a search over single bytes along the written keys' names, at most `NODES` masks), the token
-is cleared and the next is tried; the first token that is safe ends the screen. So the token
-a greedy decoder takes is never a corner; under sampling, the tokens below the top `TOP`
-are not screened. Where no open object has a written key a screen costs nothing; elsewhere
-outside a key, the arg-max that finds the model's best allowed token (tens of microseconds,
-`best_first`); inside one, one mask per name character.
+`KeyCorners.screen` keeps the row out of that corner. Given the row's mask and this step's
+logits already masked by it (disallowed tokens -inf), it takes the allowed tokens best first
+by arg-max (at most `TOP` of them); a token that would leave the key's text a prefix of a key
+already written is tried on a copy of the matcher: if from there every continuation the
+grammar allows leads back to a written key (a search over single bytes along the written
+keys' names, at most `NODES` masks), the token is cleared (its bit, and its score set to -inf)
+and the next arg-max is taken; the first token that is safe ends the screen. So the token a
+greedy decoder takes is never a corner; under sampling, the tokens below the top `TOP` are
+not screened. Where no open object has a written key a screen costs nothing; elsewhere one
+arg-max over the masked logits (~15 us for 49k); inside a key, one mask per name character.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
-import torch
 
 from quantkit.grammar.llguidance.distinct_items import DistinctItems
 from quantkit.grammar.vocabulary import byte_tokens
 
-__all__ = ["KeyCorners", "NODES", "TOP", "best_first"]
+__all__ = ["KeyCorners", "NODES", "TOP"]
 
 # Enough for every written name of a large object to be among the model's best: with 8, a
 # held-out Vega-Lite output whose 8 best tokens were all corners took the 9th, a corner too,
@@ -38,7 +36,6 @@ __all__ = ["KeyCorners", "NODES", "TOP", "best_first"]
 # only where the model's favourites are corners.
 TOP = 64
 NODES = 64
-_RAW = 64  # the model's best logits looked at first (`best_first`)
 _QUOTE = ord('"')
 
 
@@ -60,14 +57,18 @@ class KeyCorners:
         return found
 
     def screen(self, state: DistinctItems, matcher: Any, line: np.ndarray,
-               logits: torch.Tensor) -> int:  # fmt: skip
-        """Clear the best tokens of `line` that lead into a corner (see the module docstring);
-        how many were cleared."""
+               scores: np.ndarray) -> list[int]:  # fmt: skip
+        """Clear the best tokens of `line` that lead into a corner (see the module docstring),
+        and set their `scores` (this step's logits masked by `line`: -inf where not allowed)
+        to -inf; the tokens cleared. Ties go to the lower id (the first arg-max)."""
+        cleared: list[int] = []
         if not state.keys or not any(not f.array and f.keys for f in state.stack):
-            return 0  # no open object has written keys: no corner to enter
+            return cleared  # no open object has written keys: no corner to enter
         words = line.view(np.uint32)
-        cleared = 0
-        for token in best_first(line, logits, TOP):
+        for _ in range(min(TOP, scores.size)):
+            token = int(scores.argmax())
+            if scores[token] == -np.inf:
+                return cleared  # nothing allowed is left with a finite score
             # Where the token leaves the text: inside a key, or after a `,` before one. A
             # token can close a string value and begin a key at once (`","`), so it is fed
             # to a probe of the text state rather than read by its first byte.
@@ -89,7 +90,8 @@ class KeyCorners:
             if int(np.bitwise_count(words).sum()) <= 1:
                 return cleared  # never the last token: a dead end is worse than a repeat
             words[token >> 5] &= ~np.uint32(1 << (token & 31))
-            cleared += 1
+            scores[token] = -np.inf
+            cleared.append(token)
         return cleared
 
     def _dead(self, matcher: Any, name: bytes, written: set[bytes], seen: list[int]) -> bool:
@@ -132,40 +134,3 @@ class KeyCorners:
                                                             seen):  # fmt: skip
                 return False
         return True
-
-
-def best_first(line: np.ndarray, logits: torch.Tensor, top: int) -> Iterator[int]:
-    """The `top` allowed tokens of a mask `line` (int32 bitmask words) by logit, best first, ties
-    to the lower id (as a stable sort of every allowed score orders them), made one at a time as
-    they are asked for: the screen usually stops at the first. The model's best tokens come from
-    repeated arg-maxes over the logits (~15 us each for a 49k vocabulary), the allowed ones
-    passed on; after `_RAW` of them (few tokens allowed: inside a key) the rest come from every
-    allowed score, selected before sorting (a full sort of ~50k scores took milliseconds a
-    step)."""
-    # The mask as it is now: the screen clears tokens in `line` between the ones it asks for,
-    # and the order below is that of the mask it began with.
-    words = line.view(np.uint32).copy()
-    base = logits.detach().float().cpu().numpy()
-    scores = base.copy()  # the arg-maxes strike out what they took
-    given = 0
-    for _ in range(min(_RAW, scores.size)):
-        token = int(scores.argmax())  # the first of equal maxima: the lower id
-        if scores[token] == -np.inf or given == top:
-            break  # what is left scores -inf (allowed -inf tokens keep their id order below)
-        if (int(words[token >> 5]) >> (token & 31)) & 1:
-            given += 1
-            yield token
-        scores[token] = -np.inf
-    if given == top:
-        return
-    allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[: logits.shape[-1]]
-    allowed = allowed.astype(bool)
-    count = int(allowed.sum())
-    if count <= given:
-        return
-    k = min(top, count)
-    full = np.where(allowed, base, -np.inf)
-    cut = full[np.argpartition(-full, k - 1)[:k]].min()  # the k-th best allowed score
-    tied = np.flatnonzero(allowed & (full >= cut))  # ascending ids: a stable sort keeps ties so
-    order = tied[np.argsort(-full[tied], kind="stable")][:k]
-    yield from order[given:].tolist()
