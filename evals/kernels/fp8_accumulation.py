@@ -9,10 +9,17 @@ error, ref in float64 on the CPU from the same fp8 codes and scales; time by `do
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(
+        prog="python -m quantkit.evals.kernels.fp8_accumulation",
+        description="W8A8 fp8 GEMM error and time for each way of promoting the MMA's sums "
+        "(needs a CUDA GPU with fp8 tensor cores).",
+    ).parse_args(argv)
     import triton
 
     import quantkit.fused_kernels.triton.fp8 as fp8
