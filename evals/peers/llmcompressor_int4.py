@@ -1,0 +1,160 @@
+"""Benchmark: llm-compressor's INT4 (W4A16) against quantkit's on the same calibration windows
+and the same held-out tokens.
+
+    python -m quantkit.evals.peers.llmcompressor_int4 --peer-python PEER/bin/python
+        [--recipes gptq awq+gptq] [--ckpt CKPT ...] [--samples 128] [--seed 0]
+        [--group-size 64] [--eval-tokens 16384] [--baseline F] [--work DIR] [--json F]
+
+llm-compressor is a peer, never a dependency: it runs in its own environment (made once with
+`python -m venv PEER && PEER/bin/pip install llmcompressor==0.14.0.1 torch==2.13.0`), given by
+--peer-python. quantkit draws the calibration windows (`calibration_samples`, as `quantize` and
+the INT4 study do: 128 x 512 tokens of the calibration split, --seed), and the peer's `oneshot`
+quantizes the embedded model's dense weights with them: asymmetric INT4, one group of
+--group-size a scale, every Linear but the lm_head, by GPTQModifier (`gptq`) or AWQModifier
+then GPTQModifier (`awq+gptq`). Each result, and every --ckpt (a quantkit checkpoint), is
+scored by quantkit's perplexity on the INT4 study's held-out tokens (window 512), beside the
+reference and round-to-nearest (or those of --baseline, an `int4_recipes` JSON measured on the
+same tokens), as the share of the RTN gap closed. quantkit reads llm-compressor's checkpoints
+as transformers + compressed-tensors do (logits equal to 1e-4 on SmolLM2-135M). A benchmark,
+not a test: tens of minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+RECIPES = ("gptq", "awq+gptq")
+
+# Run by the peer's Python: argv = windows.npy, model dir, recipe, group size, output dir.
+_PEER_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np, torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+
+    windows, model_dir, recipe, group, out = sys.argv[1:6]
+    ids = np.load(windows)
+    mask = np.ones_like(ids).tolist()
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask})
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    scheme = {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+              "symmetric": False, "strategy": "group", "group_size": int(group)}}}
+    steps = []
+    if recipe == "awq+gptq":
+        from llmcompressor.modifiers.awq import AWQModifier
+        steps.append(AWQModifier(ignore=["lm_head"], config_groups=scheme))
+    steps.append(GPTQModifier(ignore=["lm_head"], config_groups=scheme))
+    began = time.time()
+    oneshot(model=model, dataset=data, recipe=steps, max_seq_length=ids.shape[1],
+            num_calibration_samples=ids.shape[0])
+    print("peer quantize s", round(time.time() - began), flush=True)
+    model.save_pretrained(out, save_compressed=True)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
+    """
+)
+
+
+def _peer(python: str, windows: Path, model_dir: Path, recipe: str, group: int, out: Path) -> float:
+    """Quantize with the peer in its own process; its wall time in seconds."""
+    began = time.perf_counter()
+    proc = subprocess.run(
+        [python, "-c", _PEER_SCRIPT, str(windows), str(model_dir), recipe, str(group), str(out)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise SystemExit(f"llmcompressor_int4: the peer's {recipe} failed: {tail[0]}")
+    return time.perf_counter() - began
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m quantkit.evals.peers.llmcompressor_int4",
+        description="llm-compressor's INT4 against quantkit's, same windows, same tokens.",
+    )
+    p.add_argument("--peer-python", required=True, help="the Python of llm-compressor's venv")
+    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
+    p.add_argument("--ckpt", nargs="*", default=[], help="quantkit checkpoints to score beside")
+    p.add_argument("--samples", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--eval-tokens", type=int, default=16384)
+    p.add_argument("--baseline", type=Path, help="an int4_recipes JSON (reference, rtn)")
+    p.add_argument("--work", type=Path, help="where the peer's checkpoints go (default: temp)")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+
+    import numpy as np
+    import torch
+
+    from quantkit.evals.common import print_and_save
+    from quantkit.evals.studies.heldout import held_out, ppl, reference_ppl
+    from quantkit.format.scheme import QuantScheme
+    from quantkit.models.decoder import build_model
+    from quantkit.quantize.calibration import calibration_samples, wiki_split
+    from quantkit.quantize.pipeline import quantize_model
+    from quantkit.runtime.loader import load_model
+
+    data = held_out("smollm2-135m", args.eval_tokens)
+    results: dict[str, Any] = {"eval_tokens": data.tokens.numel(), "window": 512,
+                               "group_size": args.group_size, "seed": args.seed}  # fmt: skip
+    if args.baseline is not None:
+        old = json.loads(args.baseline.read_text())
+        if (
+            old.get("eval_tokens") != data.tokens.numel()
+            or old.get("group_size") != args.group_size
+        ):
+            raise SystemExit(f"--baseline {args.baseline}: measured on other tokens or groups")
+        results["reference"], results["rtn"] = old["reference"], old["rtn"]
+    else:
+        results["reference"] = reference_ppl(data)
+        rtn = quantize_model(data.model_dir, scheme=QuantScheme("int4", args.group_size))
+        results["rtn"] = ppl(build_model(rtn.config, rtn.dense_state()), data.tokens)
+    gap = results["rtn"] - results["reference"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        windows = work / "windows.npy"
+        ids = calibration_samples(
+            wiki_split().calibration, data.tokenizer, n_samples=args.samples,
+            seq_len=args.seq_len, seed=args.seed,
+        )  # fmt: skip
+        np.save(windows, ids.numpy())
+        scored = [(f"llm-compressor {r}", r) for r in args.recipes]
+        scored += [(f"quantkit {c}", c) for c in args.ckpt]
+        for label, what in scored:
+            seconds = None
+            path = Path(what)
+            if label.startswith("llm-compressor"):
+                path = work / what.replace("+", "_")
+                seconds = _peer(args.peer_python, windows, data.model_dir, what, args.group_size,
+                                path)  # fmt: skip
+            model = load_model(path, dtype=torch.float32, tokenizer=False).model
+            value = ppl(model, data.tokens)
+            rows.append({"what": label, "ppl": value, "gap_closed": (results["rtn"] - value) / gap,
+                         "quantize_s": seconds})  # fmt: skip
+            print(f"{label}: ppl {value:.3f}, {rows[-1]['gap_closed']:.1%} of the RTN gap",
+                  flush=True)  # fmt: skip
+    results["rows"] = rows
+    lines = [f"reference {results['reference']:.3f}, rtn {results['rtn']:.3f} "
+             f"({results['eval_tokens']} held-out tokens, window 512)"]  # fmt: skip
+    lines += [f"{r['what']:<44} {r['ppl']:8.3f} {r['gap_closed']:7.1%}" for r in rows]
+    print_and_save(results, "\n".join(lines), args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
