@@ -44,6 +44,8 @@ _PEER_SCRIPT = textwrap.dedent(
     from llmcompressor.modifiers.quantization import GPTQModifier
 
     windows, model_dir, recipe, group, out = sys.argv[1:6]
+    if not torch.cuda.is_available():  # its AWQ pins a cache (CUDA only): a no-op on a CPU
+        torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
     ids = np.load(windows)
     mask = np.ones_like(ids).tolist()
     data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": mask})
