@@ -1,7 +1,7 @@
 """Benchmark: llm-compressor's INT4 (W4A16) against quantkit's on the same calibration windows
 and the same held-out tokens.
 
-    python -m quantkit.evals.peers.llmcompressor_int4 --peer-python PEER/bin/python
+    python -m quantkit.evals.studies.int4_llmcompressor --peer-python PEER/bin/python
         [--recipes gptq awq+gptq] [--ckpt CKPT ...] [--samples 128] [--seed 0]
         [--group-size 64] [--eval-tokens 16384] [--baseline F] [--work DIR] [--json F]
 
@@ -76,13 +76,13 @@ def _peer(python: str, windows: Path, model_dir: Path, recipe: str, group: int, 
     )  # fmt: skip
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise SystemExit(f"llmcompressor_int4: the peer's {recipe} failed: {tail[0]}")
+        raise SystemExit(f"int4_llmcompressor: the peer's {recipe} failed: {tail[0]}")
     return time.perf_counter() - began
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m quantkit.evals.peers.llmcompressor_int4",
+        prog="python -m quantkit.evals.studies.int4_llmcompressor",
         description="llm-compressor's INT4 against quantkit's, same windows, same tokens.",
     )
     p.add_argument("--peer-python", required=True, help="the Python of llm-compressor's venv")
