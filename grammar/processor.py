@@ -363,10 +363,10 @@ class GrammarLogitsProcessor:
         """Keys that could only end as a repeat: each JSON row's screen on its masked logits
         (`llguidance.key_corners`), after the mask, so that its arg-maxes see allowed tokens
         only; what it clears is -inf in `out` too."""
+        view = out.device.type == "cpu" and out.dtype in (torch.float32, torch.float64)
         for row, guide in enumerate(self._guides):
             if guide is None or self._done[row] or not hasattr(guide, "screen"):
                 continue
-            view = out.device.type == "cpu" and out.dtype in (torch.float32, torch.float64)
             scores = out[row].numpy() if view else out[row].float().cpu().numpy()
             cleared = guide.screen(bits[row], scores)
             if cleared and not view:

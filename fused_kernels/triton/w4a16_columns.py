@@ -28,8 +28,10 @@ import triton
 import triton.language as tl
 
 from quantkit.errors import KernelUnavailableError
+from quantkit.format.packing import INT4_MIN, unpack_zero_points
 from quantkit.fused_kernels.checks import resolve_group_size
 from quantkit.fused_kernels.packed_weights import PackedInt4
+from quantkit.fused_kernels.triton import launch as triton_launch
 from quantkit.fused_kernels.triton.w4a16 import is_interpreted, w4a16_linear_triton
 
 __all__ = ["ColumnWords", "TritonInt4Layer", "columns_gemv", "is_interpreted", "repack_columns",
@@ -151,10 +153,8 @@ class ColumnWords:
         self.words = packed.t().contiguous()
         self.scale = scale.t().contiguous()
         self.zero = None
-        if zero is not None:
-            shifts = torch.arange(0, 32, 4, device=zero.device, dtype=torch.int32)
-            nibbles = (zero[:, None, :] >> shifts[None, :, None]) & 0xF  # [N/8, 8, K/G]
-            nibbles = nibbles.reshape(-1, zero.shape[1])[: self.out_features]
+        if zero is not None:  # the stored nibbles (zero point - INT4_MIN), as the kernel reads
+            nibbles = unpack_zero_points(zero, self.out_features) - INT4_MIN
             self.zero = nibbles.t().float().contiguous()
 
     @staticmethod
@@ -186,7 +186,7 @@ def columns_gemv(
     if x.numel() != k:
         raise ValueError(f"x: the column GEMV takes one row of {k}, got shape {tuple(x.shape)}")
     x1 = x.reshape(k)
-    y = torch.zeros(n, dtype=torch.float32, device=x.device)
+    y = torch.zeros(1, n, dtype=torch.float32, device=x.device)  # a buffer for any SPLIT_K
     has_zp = cols.zero is not None
     z = cols.zero if has_zp else cols.scale  # never read when HAS_ZP is False
     args = (
@@ -206,9 +206,7 @@ def columns_gemv(
         _w4a16_columns_kernel[(triton.cdiv(n, kw["BLOCK_N"]), kw["SPLIT_K"])](
             *args, HAS_ZP=has_zp, num_warps=config.num_warps, num_stages=config.num_stages, **kw
         )
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    return triton_launch.gemv_result(y, x, bias, x.shape[:-1])
 
 
 class TritonInt4Layer:
