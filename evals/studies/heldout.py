@@ -3,6 +3,7 @@ perplexity (the dense model, windows of 512), the baseline every variant is comp
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,17 @@ def held_out(model: str, eval_tokens: int) -> HeldOut:
 
 def ppl(model: Any, tokens: torch.Tensor) -> float:
     return perplexity(model, tokens, window=WINDOW, progress=True).ppl
+
+
+def earlier_baseline(path: Path | None, want: dict[str, Any]) -> dict[str, Any] | None:
+    """An earlier run's JSON (its reference and RTN perplexities), when it was measured on what
+    `want` says (the same model, tokens, window and group); None without a path."""
+    if path is None:
+        return None
+    old = json.loads(path.read_text())
+    if any(old.get(k) != v for k, v in want.items()):
+        raise SystemExit(f"--baseline {path}: measured on {[old.get(k) for k in want]}")
+    return old
 
 
 def reference_ppl(held: HeldOut) -> float:

@@ -22,7 +22,6 @@ not a test: tens of minutes on 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from quantkit.evals.common import print_and_save
-    from quantkit.evals.studies.heldout import held_out, ppl, reference_ppl
+    from quantkit.evals.studies.heldout import earlier_baseline, held_out, ppl, reference_ppl
     from quantkit.format.scheme import QuantScheme
     from quantkit.models.decoder import build_model
     from quantkit.quantize.calibration import calibration_samples, wiki_split
@@ -112,13 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     data = held_out("smollm2-135m", args.eval_tokens)
     results: dict[str, Any] = {"eval_tokens": data.tokens.numel(), "window": 512,
                                "group_size": args.group_size, "seed": args.seed}  # fmt: skip
-    if args.baseline is not None:
-        old = json.loads(args.baseline.read_text())
-        if (
-            old.get("eval_tokens") != data.tokens.numel()
-            or old.get("group_size") != args.group_size
-        ):
-            raise SystemExit(f"--baseline {args.baseline}: measured on other tokens or groups")
+    want = {"eval_tokens": data.tokens.numel(), "window": 512, "group_size": args.group_size}
+    old = earlier_baseline(args.baseline, want)
+    if old is not None:
         results["reference"], results["rtn"] = old["reference"], old["rtn"]
     else:
         results["reference"] = reference_ppl(data)

@@ -18,7 +18,6 @@ measuring them again (minutes each on a 2-core CPU). A benchmark, not a test.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.evals.common import print_and_save
-from quantkit.evals.studies.heldout import held_out, reference_ppl
+from quantkit.evals.studies.heldout import earlier_baseline, held_out, reference_ppl
 from quantkit.evals.studies.heldout import ppl as _ppl
 from quantkit.format.scheme import QuantScheme
 from quantkit.models.decoder import build_model
@@ -110,16 +109,6 @@ def _default(section: str, field: str) -> Any:
     return defaults.get(field)
 
 
-def _baseline(path: Path | None, want: dict[str, Any]) -> dict[str, Any] | None:
-    """An earlier run's reference and RTN perplexities, when measured on the same tokens."""
-    if path is None:
-        return None
-    old = json.loads(path.read_text())
-    if any(old.get(k) != v for k, v in want.items()):
-        raise SystemExit(f"--baseline {path}: measured on {[old.get(k) for k in want]}")
-    return old
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     variants = [parse_variant(v) for v in args.variants]  # bad specs fail before any work
     data = held_out(args.model, args.eval_tokens)
@@ -129,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"model": args.model, "eval_tokens": held.numel(), "window": 512}
     rtn = quantize_model(model_dir, scheme=scheme)
     results["group_size"], results["symmetric"] = rtn.scheme.group_size, args.symmetric
-    old = _baseline(args.baseline, dict(results))
+    old = earlier_baseline(args.baseline, dict(results))
     if old is not None:
         results["reference"], results["rtn"] = old["reference"], old["rtn"]
     else:
