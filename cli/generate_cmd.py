@@ -314,7 +314,11 @@ def generate_cmd(
     eos = eos_token_ids(tokenizer=loaded.tokenizer, config=loaded.config, model_dir=loaded.path)
     processors: list[Any] = []
     if grammar is not None:
-        processors = [grammar.processor(loaded, eos_ids=eos, max_new_tokens=max_new_tokens)]
+        processors = [
+            grammar.processor(
+                loaded, eos_ids=eos, max_new_tokens=max_new_tokens, greedy=params.greedy
+            )
+        ]
     thinking = reasoning_gate(loaded, ids, processors, eos=eos, chat=chat,
                               max_new_tokens=max_new_tokens, budget=reasoning_budget)  # fmt: skip
     if thinking is not None:

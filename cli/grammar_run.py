@@ -167,10 +167,17 @@ class GrammarRun:
         raise GenerationError(f"--prompt: expected a prompt with {self.grammar.label}, got none")
 
     def processor(
-        self, loaded: Any, *, eos_ids: set[int], max_new_tokens: int | None = None
+        self,
+        loaded: Any,
+        *,
+        eos_ids: set[int],
+        max_new_tokens: int | None = None,
+        greedy: bool = False,
     ) -> GrammarLogitsProcessor:
         """Compile (or load) the index for the loaded model's tokenizer; a new processor, which
-        steers the output to completion within max_new_tokens when given (see `budget`)."""
+        steers the output to completion within max_new_tokens when given (see `budget`), and
+        leaves a greedy step unmasked where the grammar allows its best token (`greedy`: the
+        tokens are sampled by arg-max)."""
         vocab = TokenVocabulary.from_tokenizer(
             loaded.tokenizer, eos_token_ids=eos_ids, vocab_size=loaded.config.get("vocab_size")
         )
@@ -186,7 +193,9 @@ class GrammarRun:
                     self.log(f"warning: {self.compiled.engine} narrows the schema: {note}")
                 else:  # llguidance's warnings about a grammar (it narrows none)
                     self.log(f"warning: {note}")
-        self.processor_ = GrammarLogitsProcessor(self.compiled, max_new_tokens=max_new_tokens)
+        self.processor_ = GrammarLogitsProcessor(
+            self.compiled, max_new_tokens=max_new_tokens, greedy=greedy
+        )
         return self.processor_
 
     def check(self, text: str, finish_reason: str) -> str | None:
@@ -230,6 +239,8 @@ class GrammarRun:
             "mask_mean_us": stats["mean_us"],
             "mask_p99_us": stats["p99_us"],
             "mask_share": share,
+            "mask_skipped_steps": self.processor_.unmasked,
+            "mask_steps": stats["calls"],
             "budget_steered": bool(self.processor_.steered),
             "output_valid": problem is None,
             "output_problem": problem,
@@ -260,8 +271,13 @@ class GrammarRun:
         share_text = "" if share is None else f" = {share:.2%} of the decode step"
         lines.append(
             f"mask       mean {summary['mask_mean_us']:.0f} us, p99 "
-            f"{summary['mask_p99_us']:.0f} us per token{share_text}"
+            f"{summary['mask_p99_us']:.0f} us per token{share_text} (advances included)"
         )
+        if summary["mask_skipped_steps"]:
+            lines.append(
+                f"unmasked   {summary['mask_skipped_steps']} of {summary['mask_steps']} steps: "
+                f"greedy, and the grammar allowed the model's best token"
+            )
         if summary["budget_steered"]:
             lines.append("budget     steered to finish within --max-new-tokens (byte by byte)")
         notes = summary["grammar_notes"]

@@ -36,7 +36,7 @@ def generate_batch(
 
     def run(ff: bool) -> tuple[Any, GrammarLogitsProcessor]:
         processor = GrammarLogitsProcessor(
-            [compiled for _, _, compiled in rows], max_new_tokens=max_new
+            [compiled for _, _, compiled in rows], max_new_tokens=max_new, greedy=params.greedy
         )
         out = generate(
             loaded.model, prompts, params, processors=[processor], eos_ids=eos,

@@ -371,12 +371,15 @@ class DistinctRow:
     engine = "llguidance"
 
     def __init__(self, row: Any, ending: EndingTokens, *, items: bool = True,
-                 keys: bool = False, after_fill: Callable[..., Any]
-                 | None = None) -> None:  # fmt: skip
+                 keys: bool = False, after_fill: Callable[..., Any] | None = None,
+                 narrows: Callable[..., Any] | None = None) -> None:  # fmt: skip
         self.row, self.ending = row, ending
         # Called with the text's state and the mask's words at the end of every `fill`
         # (`runaway.curb`: steering out of a runaway number, string or nesting).
         self.after_fill = after_fill
+        # Called with the text's state (and finished=): not None where `after_fill` may narrow
+        # the mask here (`runaway.rule`); `allows` leaves those states to the mask.
+        self.narrows = narrows
         self.corners: Any = None  # `key_corners.KeyCorners`, set by the engine for JSON rows
         self.curbs: dict[str, int] = {}  # what `after_fill` reported doing, and how often
         self.state = DistinctItems(
@@ -411,6 +414,29 @@ class DistinctRow:
             rule = self.after_fill(state, words, finished=self.row.is_finished())
             if rule:
                 self.curbs[rule] = self.curbs.get(rule, 0) + 1
+
+    def allows(self, token: int) -> bool:
+        """True only if `fill` would leave `token` allowed here, told for this one token
+        without computing the mask: the grammar takes it, it ends no repeated key or item,
+        and no runaway rule narrows this state. False also where that is not cheap to tell
+        (a rule applies, the key-corner screen would have to search): the caller fills the
+        mask then. Sets what `fill` sets (`cleared`, `lenient`), as `fill` would."""
+        state = self.state
+        if not self.row.allows(token):
+            return False
+        if state.keys and token in state.repeating():
+            return False
+        data = self.ending.token_bytes.get(token, b"")
+        if (state.keys or state.items) and state.first_repeat([data]) is not None:
+            return False
+        if self.after_fill is not None and (
+            self.narrows is None or self.narrows(state, finished=self.row.is_finished()) is not None
+        ):
+            return False
+        if self.corners is not None and not self.corners.clear_of(state, token):
+            return False
+        self.cleared, self.lenient = 0, False
+        return True
 
     def _clear_repeated_items(self, words: np.ndarray) -> None:
         state = self.state

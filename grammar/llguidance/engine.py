@@ -44,6 +44,7 @@ from quantkit.grammar.llguidance.distinct_items import DistinctRow, EndingTokens
 from quantkit.grammar.llguidance.key_corners import KeyCorners
 from quantkit.grammar.llguidance.order import Orders, any_order
 from quantkit.grammar.llguidance.runaway import RunawayTokens, curb
+from quantkit.grammar.llguidance.runaway import rule as runaway_rule
 from quantkit.grammar.llguidance.schema import (
     llguidance_schema,
     one_of_exclusive,
@@ -169,9 +170,12 @@ class LlgIndex:
         row = LlgRow(self.template.deep_copy(), self.walk, first_walks=self.first_walks)
         if self.distinct is None:
             return row
-        steer = None if self.runaway is None else partial(curb, tokens=self.runaway)
+        steer = narrows = None
+        if self.runaway is not None:
+            steer = partial(curb, tokens=self.runaway)
+            narrows = partial(runaway_rule, tokens=self.runaway)
         distinct = DistinctRow(row, self.distinct, items=self.items, keys=self.keys,
-                               after_fill=steer)  # fmt: skip
+                               after_fill=steer, narrows=narrows)  # fmt: skip
         distinct.corners = self.corners
         return distinct
 
@@ -213,6 +217,12 @@ class LlgRow:
 
     def fill(self, line: np.ndarray) -> None:
         self.matcher.unsafe_compute_mask_ptr(line.ctypes.data, line.nbytes)
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar takes `token` here (its bit in `fill`'s mask; not asked of an EOS,
+        which the processor allows by completion), without the mask: the matcher tries it and
+        is left as it was."""
+        return bool(self.matcher.validate_tokens([int(token)]) == 1)
 
     def is_finished(self) -> bool:
         return bool(self.matcher.is_accepting())

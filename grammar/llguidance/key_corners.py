@@ -62,23 +62,17 @@ class KeyCorners:
         and set their `scores` (this step's logits masked by `line`: -inf where not allowed)
         to -inf; the tokens cleared. Ties go to the lower id (the first arg-max)."""
         cleared: list[int] = []
-        if not state.keys or not any(not f.array and f.keys for f in state.stack):
+        if not _has_written_keys(state):
             return cleared  # no open object has written keys: no corner to enter
         words = line.view(np.uint32)
         for _ in range(min(TOP, scores.size)):
             token = int(scores.argmax())
             if scores[token] == -np.inf:
                 return cleared  # nothing allowed is left with a finite score
-            # Where the token leaves the text: inside a key, or after a `,` before one. A
-            # token can close a string value and begin a key at once (`","`), so it is fed
-            # to a probe of the text state rather than read by its first byte.
-            where = state.key_after(self.token_bytes.get(token, b""))
-            if where is None:
-                return cleared  # leaves no key of an object with written keys: safe
-            keys, name, quote = where
-            written = {k[1:-1] for k in keys}
-            if not any(w.startswith(name) for w in written):
-                return cleared  # leaves written keys' names: safe
+            near = self._near(state, token)
+            if near is None:
+                return cleared  # safe
+            name, written, quote = near
             copy = matcher.deep_copy()
             if not copy.consume_token(token):
                 return cleared
@@ -93,6 +87,27 @@ class KeyCorners:
             scores[token] = -np.inf
             cleared.append(token)
         return cleared
+
+    def clear_of(self, state: DistinctItems, token: int) -> bool:
+        """Whether `screen` would take `token`, its first arg-max, as safe without searching
+        (no open object has written keys, or the token leaves none of their names); False
+        where it would have to search."""
+        return not _has_written_keys(state) or self._near(state, token) is None
+
+    def _near(self, state: DistinctItems, token: int) -> tuple[bytes, set[bytes], bool] | None:
+        """Where `token` leaves a key whose text so far begins a written key's name: (that
+        text, the written names, whether its opening quote is still to come); None when it
+        leaves no such key (safe). A token can close a string value and begin a key at once
+        (`","`), so it is fed to a probe of the text state rather than read by its first
+        byte."""
+        where = state.key_after(self.token_bytes.get(token, b""))
+        if where is None:
+            return None  # leaves no key of an object with written keys
+        keys, name, quote = where
+        written = {k[1:-1] for k in keys}
+        if not any(w.startswith(name) for w in written):
+            return None  # leaves written keys' names
+        return name, written, quote
 
     def _dead(self, matcher: Any, name: bytes, written: set[bytes], seen: list[int]) -> bool:
         """Whether every continuation of the key `name` the grammar allows ends as a written
@@ -134,3 +149,8 @@ class KeyCorners:
                                                             seen):  # fmt: skip
                 return False
         return True
+
+
+def _has_written_keys(state: DistinctItems) -> bool:
+    """Whether the text state checks keys and an open object has written some."""
+    return bool(state.keys) and any(not f.array and f.keys for f in state.stack)

@@ -46,6 +46,7 @@ __all__ = [
     "curb",
     "ends_twice",
     "repeats",
+    "rule",
 ]
 
 MAX_NUMBER = 16  # bytes: past int64's 19 digits nothing real is written in JSON anyway
@@ -89,6 +90,7 @@ class RunawayTokens:
                     self.last_quote[at] |= bit
             if data[0] == ord("]"):
                 self.close_array[at] |= bit
+        self.not_number, self.not_opens = ~self.number, ~self.opens
 
     @classmethod
     def of(cls, vocabulary: TokenVocabulary) -> RunawayTokens:
@@ -202,10 +204,28 @@ def curb(
     """Take a runaway's tokens out of `words` (a row's mask) where something else is left;
     the rule applied ("string", "number", "items", "depth", "again"), or None. finished: the
     grammar is complete here (then "again" may take every token out: the row ends)."""
+    found = rule(state, tokens, finished=finished)
+    if found is None:
+        return None
+    name, keep = found
+    if keep is None:
+        words[:] = 0
+        return name
+    kept = words & keep
+    if not kept.any():
+        return None
+    words[:] = kept
+    return name
+
+
+def rule(
+    state: DistinctItems, tokens: RunawayTokens, *, finished: bool = False
+) -> tuple[str, np.ndarray | None] | None:
+    """The runaway rule that applies to the row's text here and the tokens it keeps (a mask
+    line; None: none, the row ends), or None where no rule applies (see `curb`)."""
     if finished and not state.stack and not state.in_string:
         if ends_twice(state.text[-2 * AGAIN_LONGEST - 8 :]):
-            words[:] = 0
-            return "again"
+            return "again", None
         return None
     if state.in_string:
         if state.escaped:
@@ -214,20 +234,14 @@ def curb(
         if (len(state.text) - start >= REPEAT_BYTES and repeats(state.text[start:])) or (
             _said_again(state)
         ):
-            rule, kept = "string", words & tokens.quote
-        elif _string_item_again(state):  # the same item again: end it, then the array
-            rule, kept = "items", words & tokens.last_quote
-        else:
-            return None
-    elif _number_tail(state.text) >= MAX_NUMBER:
-        rule, kept = "number", words & ~tokens.number
-    elif state.text[-1:] != b"," and _items_repeat(state):
-        rule, kept = "items", words & tokens.close_array
-    elif len(state.stack) >= MAX_DEPTH:
-        rule, kept = "depth", words & ~tokens.opens
-    else:
+            return "string", tokens.quote
+        if _string_item_again(state):  # the same item again: end it, then the array
+            return "items", tokens.last_quote
         return None
-    if not kept.any():
-        return None
-    words[:] = kept
-    return rule
+    if _number_tail(state.text) >= MAX_NUMBER:
+        return "number", tokens.not_number
+    if state.text[-1:] != b"," and _items_repeat(state):
+        return "items", tokens.close_array
+    if len(state.stack) >= MAX_DEPTH:
+        return "depth", tokens.not_opens
+    return None

@@ -294,10 +294,13 @@ async def _choices(
                 grammar = None
                 if prepared.tools is not None:
                     grammar = await asyncio.to_thread(
-                        grammars.tool_processor, prepared.tools, max_tokens=limit
-                    )
+                        grammars.tool_processor, prepared.tools, max_tokens=limit,
+                        greedy=prepared.params.greedy,
+                    )  # fmt: skip
                 elif body.response_format is not None or body.structured_outputs is not None:
-                    grammar = await asyncio.to_thread(grammars.processor, body, max_tokens=limit)
+                    grammar = await asyncio.to_thread(
+                        grammars.processor, body, max_tokens=limit, greedy=prepared.params.greedy
+                    )
                 if prepared.reasoning is not None:  # thinking first, then the grammar
                     vocabulary = await asyncio.to_thread(grammars.vocabulary)
                     grammar = ReasoningGate(

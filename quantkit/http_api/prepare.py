@@ -278,9 +278,13 @@ class GrammarCache:
                 )
             return self._vocab
 
-    def tool_processor(self, plan: ToolPlan, *, max_tokens: int) -> GrammarLogitsProcessor | None:
+    def tool_processor(
+        self, plan: ToolPlan, *, max_tokens: int, greedy: bool = False
+    ) -> GrammarLogitsProcessor | None:
         """The processor of the tool calls `plan` allows (None for tool choice none); a 400
-        naming `tools` if the grammar cannot be built. Blocking: call it from a worker thread."""
+        naming `tools` if the grammar cannot be built. greedy: the request samples by arg-max
+        (the processor then skips the mask where the best token is allowed). Blocking: call it
+        from a worker thread."""
         grammar = plan.grammar()
         if grammar is None:
             return None
@@ -288,14 +292,18 @@ class GrammarCache:
             compiled = compile_grammar(grammar, self.vocabulary(), timeout_s=self.timeout_s)
         except GrammarError as e:
             raise ServerError(f"tools: {e}", param="tools") from None
-        return GrammarLogitsProcessor(compiled, max_new_tokens=max_tokens)
+        return GrammarLogitsProcessor(compiled, max_new_tokens=max_tokens, greedy=greedy)
 
     def processor(
-        self, body: CompletionRequest | ChatCompletionRequest, *, max_tokens: int
+        self,
+        body: CompletionRequest | ChatCompletionRequest,
+        *,
+        max_tokens: int,
+        greedy: bool = False,
     ) -> GrammarLogitsProcessor | None:
         """The processor `response_format` or `structured_outputs` asks for (None: free text);
-        a 400 naming the field for what cannot be built. Blocking: call it from a worker
-        thread."""
+        a 400 naming the field for what cannot be built; greedy as in `tool_processor`.
+        Blocking: call it from a worker thread."""
         asked = request_grammar(body, timeout_s=self.timeout_s)
         if asked is None:
             return None
@@ -304,7 +312,7 @@ class GrammarCache:
             compiled = compile_grammar(grammar, self.vocabulary(), timeout_s=self.timeout_s)
         except GrammarError as e:
             raise ServerError(f"{param}: {e}", param=param) from None
-        return GrammarLogitsProcessor(compiled, max_new_tokens=max_tokens)
+        return GrammarLogitsProcessor(compiled, max_new_tokens=max_tokens, greedy=greedy)
 
 
 def prepare(
