@@ -171,6 +171,7 @@ class GrammarLogitsProcessor:
         self._bits: np.ndarray | None = None
         self._out: torch.Tensor | None = None  # the masked logits, reused step to step
         self._between_s = 0.0  # time in `forced_tokens` since the last call
+        self._walked: dict[int, tuple[str, bytes]] = {}  # steering planned by `_best_allowed`
 
     @property
     def token_count(self) -> int:
@@ -313,30 +314,11 @@ class GrammarLogitsProcessor:
         the window allow only the tokens that follow the walk's path (EOS alone once the
         document is complete). Left alone when no such token is allowed (a distinct-items
         check took it out)."""
-        assert self.max_new_tokens is not None
-        left = self.max_new_tokens - self._counts[row]  # tokens left, this step's included
-        if left - (1 + WINDOW) <= _FINISH_GUARD and guide.is_finished():
-            # Complete, and near the end: what could follow (another tool call, another
-            # statement) would have to be closed again in the tokens left; end it here. Checked
-            # every step: a row is complete for a step at a time, between walks.
-            self.steered.add(row)
-            line.fill(0)
-            return
-        if left > self._check_at[row]:
-            return
-        limit = left + WINDOW + _PATH_SLACK
-        path, complete = guide.closing_path(limit=limit)
-        if not complete and len(path) < limit:  # no way found (a loop): try again later
-            self._check_at[row] = left - max(_RETRY, left // 8)
-            return
-        # Complete, or longer than what could fit (then followed as far as it goes: the
-        # closest to completion the tokens left can come).
-        spare = left - (len(path) + 1 + WINDOW)  # the EOS takes one of the tokens left
-        if spare > 0:
-            self._check_at[row] = left - max(1, spare // 2)
+        kind, path = self._walked.pop(row, None) or self._walk_plan(row, guide)
+        if kind == "none":
             return
         self.steered.add(row)
-        if not path:  # complete: only EOS (added by the caller)
+        if kind == "end":  # only EOS (added by the caller)
             line.fill(0)
             return
         keep = np.zeros_like(line)
@@ -346,6 +328,31 @@ class GrammarLogitsProcessor:
                 keep[word] |= bit
         if keep.any():
             line[:] = keep
+
+    def _walk_plan(self, row: int, guide: Any) -> tuple[str, bytes]:
+        """What budget steering does to `row` this step, walking when a walk is due: ("none",
+        b"") nothing, ("end", b"") only EOS, ("path", path) the tokens along `path`."""
+        assert self.max_new_tokens is not None
+        left = self.max_new_tokens - self._counts[row]  # tokens left, this step's included
+        if left - (1 + WINDOW) <= _FINISH_GUARD and guide.is_finished():
+            # Complete, and near the end: what could follow (another tool call, another
+            # statement) would have to be closed again in the tokens left; end it here. Checked
+            # every step: a row is complete for a step at a time, between walks.
+            return "end", b""
+        if left > self._check_at[row]:
+            return "none", b""
+        limit = left + WINDOW + _PATH_SLACK
+        path, complete = guide.closing_path(limit=limit)
+        if not complete and len(path) < limit:  # no way found (a loop): try again later
+            self._check_at[row] = left - max(_RETRY, left // 8)
+            return "none", b""
+        # Complete, or longer than what could fit (then followed as far as it goes: the
+        # closest to completion the tokens left can come).
+        spare = left - (len(path) + 1 + WINDOW)  # the EOS takes one of the tokens left
+        if spare > 0:
+            self._check_at[row] = left - max(1, spare // 2)
+            return "none", b""
+        return ("path", path) if path else ("end", b"")
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
@@ -389,19 +396,18 @@ class GrammarLogitsProcessor:
         """Whether every constrained row's arg-max (the first, as the sampler takes it) is a
         token the row's mask would allow, told token by token without the mask (the rows'
         `allows`). Not where the mask would be narrowed by more than the row knows: outlines
-        rows (their budget plans), the budget's window (`_steer_walk` would walk or steer),
-        an EOS (allowed by completion, and checked by the full mask)."""
+        rows (their budget plans), budget steering (the walk, when due, is made here and its
+        plan kept for the mask), an EOS (allowed by completion, and checked by the mask)."""
         rows = None
         for row, guide in enumerate(self._guides):
             if guide is None or self._done[row]:
                 continue
             if self._plans[row] is not None or not hasattr(guide, "allows"):
                 return False
-            if self.max_new_tokens is not None:
-                left = self.max_new_tokens - self._counts[row]
-                if left <= self._check_at[row] or (
-                    left - (1 + WINDOW) <= _FINISH_GUARD and guide.is_finished()
-                ):
+            if self.max_new_tokens is not None:  # llguidance rows: `_steer_walk`'s plan
+                plan = self._walk_plan(row, guide)
+                if plan[0] != "none":
+                    self._walked[row] = plan  # the mask's steering follows it, not walked again
                     return False
             if rows is None:
                 view = logits.device.type == "cpu" and logits.dtype in (

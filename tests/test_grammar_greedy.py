@@ -32,6 +32,8 @@ SCHEMAS: list[Any] = [
     {"type": "object", "properties": {"n": {"type": "number"}, "name": {"type": "string"}},
      "required": ["n", "name"]},
     {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}},
+    # `{"a":` is forced, and llguidance's mask keeps only the token that writes it whole.
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
 ]  # fmt: skip
 
 pytestmark = pytest.mark.usefixtures("grammar_home")
@@ -79,8 +81,8 @@ def test_greedy_steps_give_the_tokens_of_masking_every_step(vocab, index: int) -
 
 def test_allows_never_lets_through_what_the_mask_takes_out(vocab) -> None:
     """At every state of random documents: the grammar's own `allows` is the mask's bit (for
-    every token but the EOS), and the JSON row's (distinct keys and items, runaways, corners)
-    implies it."""
+    every token but the EOS; no token where bytes are forced), and the JSON row's (distinct
+    keys and items, runaways, corners) implies it."""
     checked = 0
     for index, schema in enumerate(SCHEMAS):
         compiled = llg(schema, vocab)
@@ -94,10 +96,14 @@ def test_allows_never_lets_through_what_the_mask_takes_out(vocab) -> None:
                 raw = np.zeros_like(line)
                 row.row.fill(raw)
                 grammar = np.unpackbits(raw.view(np.uint8), bitorder="little")[: vocab.size]
+                forced = bool(row.row.matcher.compute_ff_bytes())
                 for token in range(vocab.size):
                     if token in EOS:  # the processor's own decision (never asked)
                         continue
-                    assert row.row.allows(token) == bool(grammar[token]), token
+                    if forced:  # there the mask decides (see the test below)
+                        assert not row.row.allows(token)
+                    else:
+                        assert row.row.allows(token) == bool(grammar[token]), token
                     if row.allows(token):
                         assert bits[token], (token, vocab.token_bytes.get(token))
                         checked += 1
@@ -106,3 +112,37 @@ def test_allows_never_lets_through_what_the_mask_takes_out(vocab) -> None:
                     break
                 assert row.advance(int(rng.choice(allowed)))
     assert checked > 500
+
+
+@pytest.mark.slow
+def test_allows_on_the_embedded_vocabulary_where_the_mask_writes_forced_bytes_whole() -> None:
+    """With SmolLM2's vocabulary llguidance's mask keeps only `{"` where `{"` is forced, while
+    its matcher would take `{`: `allows` says no there (the mask decides), and at every state
+    of a document it never says yes to a token the mask leaves out."""
+    from quantkit.grammar.compiler import compile_grammar
+    from quantkit.grammar.constraints import schema_grammar
+    from quantkit.sources.resolve import DEFAULT_MODEL, resolve_model
+    from quantkit.sources.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(resolve_model(DEFAULT_MODEL, progress=False))
+    vocab = TokenVocabulary.from_tokenizer(tok, eos_token_ids={tok.eos_token_id})
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+              "age": {"type": "integer"}}, "required": ["name", "age"]}  # fmt: skip
+    row = compile_grammar(
+        schema_grammar(schema), vocab, engine="llguidance", timeout_s=30
+    ).new_row()
+    brace = tok.convert_tokens_to_ids("{")
+    assert row.row.matcher.validate_tokens([brace]) == 1  # the matcher takes it ...
+    checked = 0
+    for token in tok.encode('{"name":"Ada Lovelace","age":36}', add_special_tokens=False):
+        line = np.zeros((vocab.size + 31) // 32, dtype=np.int32)
+        row.fill(line)
+        bits = np.unpackbits(line.view(np.uint8), bitorder="little")[: vocab.size]
+        if checked == 0:
+            assert not bits[brace] and not row.allows(brace)  # ... the mask does not
+        for candidate in range(vocab.size):
+            if candidate != tok.eos_token_id and row.allows(candidate):
+                assert bits[candidate], (candidate, vocab.token_bytes.get(candidate))
+                checked += 1
+        assert row.advance(token)
+    assert checked > 10_000  # the string's states allow most of the vocabulary

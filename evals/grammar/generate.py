@@ -52,6 +52,7 @@ def generate_batch(
             result.tok_s_no_ff = _tok_s(plain.stats)
     for i, (result, item, _) in enumerate(rows):
         result.forced_tokens = processor.forced_count if len(rows) == 1 else 0
+        result.unmasked_steps = processor.unmasked if len(rows) == 1 else 0
         result.tok_s = _tok_s(out.stats)
         result.steered = i in processor.steered
         result.finish = out.finish_reasons[i]

@@ -418,9 +418,10 @@ class DistinctRow:
     def allows(self, token: int) -> bool:
         """True only if `fill` would leave `token` allowed here, told for this one token
         without computing the mask: the grammar takes it, it ends no repeated key or item,
-        and no runaway rule narrows this state. False also where that is not cheap to tell
-        (a rule applies, the key-corner screen would have to search): the caller fills the
-        mask then. Sets what `fill` sets (`cleared`, `lenient`), as `fill` would."""
+        no runaway rule narrows this state, and the key-corner screen would keep it as the
+        best token. False also where a rule applies at all (whether it would leave this token
+        is not told): the caller fills the mask then. Sets what `fill` sets (`cleared`,
+        `lenient`), as `fill` would."""
         state = self.state
         if not self.row.allows(token):
             return False
@@ -433,7 +434,7 @@ class DistinctRow:
             self.narrows is None or self.narrows(state, finished=self.row.is_finished()) is not None
         ):
             return False
-        if self.corners is not None and not self.corners.clear_of(state, token):
+        if self.corners is not None and not self.corners.clear_of(state, self.row.matcher, token):
             return False
         self.cleared, self.lenient = 0, False
         return True

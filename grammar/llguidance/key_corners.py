@@ -69,18 +69,8 @@ class KeyCorners:
             token = int(scores.argmax())
             if scores[token] == -np.inf:
                 return cleared  # nothing allowed is left with a finite score
-            near = self._near(state, token)
-            if near is None:
+            if not self._cornered(state, matcher, token):
                 return cleared  # safe
-            name, written, quote = near
-            copy = matcher.deep_copy()
-            if not copy.consume_token(token):
-                return cleared
-            opener = self.byte_token.get(_QUOTE)
-            if quote and (opener is None or not copy.consume_token(opener)):
-                return cleared
-            if not self._dead(copy, name, written, [0]):
-                return cleared
             if int(np.bitwise_count(words).sum()) <= 1:
                 return cleared  # never the last token: a dead end is worse than a repeat
             words[token >> 5] &= ~np.uint32(1 << (token & 31))
@@ -88,11 +78,26 @@ class KeyCorners:
             cleared.append(token)
         return cleared
 
-    def clear_of(self, state: DistinctItems, token: int) -> bool:
-        """Whether `screen` would take `token`, its first arg-max, as safe without searching
-        (no open object has written keys, or the token leaves none of their names); False
-        where it would have to search."""
-        return not _has_written_keys(state) or self._near(state, token) is None
+    def clear_of(self, state: DistinctItems, matcher: Any, token: int) -> bool:
+        """Whether `screen` would keep `token` were it the best allowed token: it leads into
+        no corner (told by the same search)."""
+        return not _has_written_keys(state) or not self._cornered(state, matcher, token)
+
+    def _cornered(self, state: DistinctItems, matcher: Any, token: int) -> bool:
+        """Whether `token` (allowed here) leads into a corner: it leaves a key whose text so
+        far begins a written key's name, and every way on from there that the grammar allows
+        ends as a written key (`_dead`, on a copy of `matcher`)."""
+        near = self._near(state, token)
+        if near is None:
+            return False
+        name, written, quote = near
+        copy = matcher.deep_copy()
+        if not copy.consume_token(token):
+            return False
+        opener = self.byte_token.get(_QUOTE)
+        if quote and (opener is None or not copy.consume_token(opener)):
+            return False
+        return self._dead(copy, name, written, [0])
 
     def _near(self, state: DistinctItems, token: int) -> tuple[bytes, set[bytes], bool] | None:
         """Where `token` leaves a key whose text so far begins a written key's name: (that
