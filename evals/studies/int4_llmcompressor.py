@@ -2,8 +2,9 @@
 and the same held-out tokens.
 
     python -m quantkit.evals.studies.int4_llmcompressor --peer-python PEER/bin/python
-        [--recipes gptq awq+gptq] [--ckpt CKPT ...] [--samples 128] [--seed 0]
-        [--group-size 64] [--eval-tokens 16384] [--baseline F] [--work DIR] [--json F]
+        [--recipes gptq awq+gptq] [--ckpt CKPT ...] [--peer-ckpt RECIPE=DIR ...]
+        [--samples 128] [--seed 0] [--group-size 64] [--eval-tokens 16384] [--baseline F]
+        [--work DIR] [--json F]
 
 llm-compressor is a peer, never a dependency: it runs in its own environment (made once with
 `python -m venv PEER && PEER/bin/pip install llmcompressor==0.14.0.1 torch==2.13.0`), given by
@@ -16,7 +17,13 @@ scored by quantkit's perplexity on the INT4 study's held-out tokens (window 512)
 reference and round-to-nearest (or those of --baseline, an `int4_recipes` JSON measured on the
 same tokens), as the share of the RTN gap closed. quantkit reads llm-compressor's checkpoints
 as transformers + compressed-tensors do (logits equal to 1e-4 on SmolLM2-135M). A benchmark,
-not a test: tens of minutes on 2 cores.
+not a test: tens of minutes on 2 cores for `gptq`, over an hour for `awq+gptq` (its grid
+search), which the peer's own progress shows as it goes.
+
+--peer-ckpt RECIPE=DIR scores a checkpoint the peer wrote earlier with this study's script and
+windows (`--work DIR` keeps them: DIR/awq_gptq for awq+gptq), say on a machine with a GPU,
+instead of running that recipe again; `--recipes` then names only the recipes still to run
+(none: `--recipes` alone).
 """
 
 from __future__ import annotations
@@ -67,16 +74,39 @@ _PEER_SCRIPT = textwrap.dedent(
 
 
 def _peer(python: str, windows: Path, model_dir: Path, recipe: str, group: int, out: Path) -> float:
-    """Quantize with the peer in its own process; its wall time in seconds."""
+    """Quantize with the peer in its own process, its progress on stderr as it goes; its wall
+    time in seconds."""
     began = time.perf_counter()
     proc = subprocess.run(
         [python, "-c", _PEER_SCRIPT, str(windows), str(model_dir), recipe, str(group), str(out)],
-        capture_output=True, text=True,
+        stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise SystemExit(f"int4_llmcompressor: the peer's {recipe} failed: {tail[0]}")
+        raise SystemExit(
+            f"int4_llmcompressor: the peer's {recipe} failed with exit code {proc.returncode} "
+            f"(its error above)"
+        )
     return time.perf_counter() - began
+
+
+def _peer_ckpts(given: list[str]) -> dict[str, Path]:
+    """--peer-ckpt RECIPE=DIR pairs, each a recipe of RECIPES and an existing directory."""
+    found: dict[str, Path] = {}
+    for item in given:
+        recipe, sep, where = item.partition("=")
+        path = Path(where)
+        if not sep or recipe not in RECIPES:
+            raise SystemExit(
+                f"int4_llmcompressor: expected --peer-ckpt RECIPE=DIR with RECIPE one of "
+                f"{', '.join(RECIPES)}, got {item!r}"
+            )
+        if not (path / "config.json").is_file():
+            raise SystemExit(
+                f"int4_llmcompressor: expected a checkpoint directory (config.json) for "
+                f"--peer-ckpt {recipe}, got {where}"
+            )
+        found[recipe] = path
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +115,14 @@ def main(argv: list[str] | None = None) -> int:
         description="llm-compressor's INT4 against quantkit's, same windows, same tokens.",
     )
     p.add_argument("--peer-python", required=True, help="the Python of llm-compressor's venv")
-    p.add_argument("--recipes", nargs="+", default=list(RECIPES), choices=RECIPES)
+    p.add_argument("--recipes", nargs="*", default=list(RECIPES), choices=RECIPES)
+    p.add_argument(
+        "--peer-ckpt",
+        nargs="*",
+        default=[],
+        metavar="RECIPE=DIR",
+        help="score a checkpoint the peer wrote earlier for RECIPE",
+    )
     p.add_argument("--ckpt", nargs="*", default=[], help="quantkit checkpoints to score beside")
     p.add_argument("--samples", type=int, default=128)
     p.add_argument("--seq-len", type=int, default=512)
@@ -96,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, help="where the peer's checkpoints go (default: temp)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    earlier = _peer_ckpts(args.peer_ckpt)
 
     import numpy as np
     import torch
@@ -130,12 +168,13 @@ def main(argv: list[str] | None = None) -> int:
             seq_len=args.seq_len, seed=args.seed,
         )  # fmt: skip
         np.save(windows, ids.numpy())
-        scored = [(f"llm-compressor {r}", r) for r in args.recipes]
+        scored = [(f"llm-compressor {r}", r) for r in args.recipes if r not in earlier]
+        scored += [(f"llm-compressor {r} (made earlier)", str(d)) for r, d in earlier.items()]
         scored += [(f"quantkit {c}", c) for c in args.ckpt]
         for label, what in scored:
             seconds = None
             path = Path(what)
-            if label.startswith("llm-compressor"):
+            if label.startswith("llm-compressor") and what in RECIPES:
                 path = work / what.replace("+", "_")
                 seconds = _peer(args.peer_python, windows, data.model_dir, what, args.group_size,
                                 path)  # fmt: skip
