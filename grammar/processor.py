@@ -104,6 +104,12 @@ def _apply_mask(
     return logits.masked_fill(allowed_t.logical_not(), float("-inf"))
 
 
+def _host_float(t: torch.Tensor) -> bool:
+    """Whether `t` reads as a numpy view (CPU float32 or float64): writes to it are writes to
+    `t`."""
+    return t.device.type == "cpu" and t.dtype in (torch.float32, torch.float64)
+
+
 @functools.cache
 def _c_mask() -> bool:
     """Whether the C mask pass loads here (checked once per process)."""
@@ -410,10 +416,7 @@ class GrammarLogitsProcessor:
                     self._walked[row] = plan  # the mask's steering follows it, not walked again
                     return False
             if rows is None:
-                view = logits.device.type == "cpu" and logits.dtype in (
-                    torch.float32,
-                    torch.float64,
-                )
+                view = _host_float(logits)
                 rows = logits.detach().numpy() if view else logits.float().cpu().numpy()
             scores = rows[row]
             token = int(scores.argmax())
@@ -438,7 +441,7 @@ class GrammarLogitsProcessor:
         """Keys that could only end as a repeat: each JSON row's screen on its masked logits
         (`llguidance.key_corners`), after the mask, so that its arg-maxes see allowed tokens
         only; what it clears is -inf in `out` too."""
-        view = out.device.type == "cpu" and out.dtype in (torch.float32, torch.float64)
+        view = _host_float(out)
         for row, guide in enumerate(self._guides):
             if guide is None or self._done[row] or not hasattr(guide, "screen"):
                 continue

@@ -371,17 +371,13 @@ class DistinctRow:
     engine = "llguidance"
 
     def __init__(self, row: Any, ending: EndingTokens, *, items: bool = True,
-                 keys: bool = False, after_fill: Callable[..., Any] | None = None,
-                 narrows: Callable[..., Any] | None = None) -> None:  # fmt: skip
+                 keys: bool = False, runaway: Any = None) -> None:  # fmt: skip
         self.row, self.ending = row, ending
-        # Called with the text's state and the mask's words at the end of every `fill`
-        # (`runaway.curb`: steering out of a runaway number, string or nesting).
-        self.after_fill = after_fill
-        # Called with the text's state (and finished=): not None where `after_fill` may narrow
-        # the mask here (`runaway.rule`); `allows` leaves those states to the mask.
-        self.narrows = narrows
+        # Steering out of a runaway number, string or nesting (`runaway.RunawayTokens`): its
+        # `curb` at the end of every `fill`, its `rule` (whether `curb` would act) in `allows`.
+        self.runaway = runaway
         self.corners: Any = None  # `key_corners.KeyCorners`, set by the engine for JSON rows
-        self.curbs: dict[str, int] = {}  # what `after_fill` reported doing, and how often
+        self.curbs: dict[str, int] = {}  # what `runaway.curb` reported doing, and how often
         self.state = DistinctItems(
             items=items,
             keys=keys,
@@ -410,8 +406,8 @@ class DistinctRow:
             self._clear_repeated_keys(words)
         if state.items and state.in_array:
             self._clear_repeated_items(words)
-        if self.after_fill is not None:
-            rule = self.after_fill(state, words, finished=self.row.is_finished())
+        if self.runaway is not None:
+            rule = self.runaway.curb(state, words, finished=self.row.is_finished())
             if rule:
                 self.curbs[rule] = self.curbs.get(rule, 0) + 1
 
@@ -430,8 +426,8 @@ class DistinctRow:
         data = self.ending.token_bytes.get(token, b"")
         if (state.keys or state.items) and state.first_repeat([data]) is not None:
             return False
-        if self.after_fill is not None and (
-            self.narrows is None or self.narrows(state, finished=self.row.is_finished()) is not None
+        if self.runaway is not None and (
+            self.runaway.rule(state, finished=self.row.is_finished()) is not None
         ):
             return False
         if self.corners is not None and not self.corners.clear_of(state, self.row.matcher, token):

@@ -32,7 +32,6 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -43,8 +42,7 @@ from quantkit.grammar.llguidance.closing import ClosingWalk
 from quantkit.grammar.llguidance.distinct_items import DistinctRow, EndingTokens
 from quantkit.grammar.llguidance.key_corners import KeyCorners
 from quantkit.grammar.llguidance.order import Orders, any_order
-from quantkit.grammar.llguidance.runaway import RunawayTokens, curb
-from quantkit.grammar.llguidance.runaway import rule as runaway_rule
+from quantkit.grammar.llguidance.runaway import RunawayTokens
 from quantkit.grammar.llguidance.schema import (
     llguidance_schema,
     one_of_exclusive,
@@ -170,12 +168,8 @@ class LlgIndex:
         row = LlgRow(self.template.deep_copy(), self.walk, first_walks=self.first_walks)
         if self.distinct is None:
             return row
-        steer = narrows = None
-        if self.runaway is not None:
-            steer = partial(curb, tokens=self.runaway)
-            narrows = partial(runaway_rule, tokens=self.runaway)
         distinct = DistinctRow(row, self.distinct, items=self.items, keys=self.keys,
-                               after_fill=steer, narrows=narrows)  # fmt: skip
+                               runaway=self.runaway)  # fmt: skip
         distinct.corners = self.corners
         return distinct
 

@@ -92,6 +92,18 @@ class RunawayTokens:
                 self.close_array[at] |= bit
         self.not_number, self.not_opens = ~self.number, ~self.opens
 
+    def curb(
+        self, state: DistinctItems, words: np.ndarray, *, finished: bool = False
+    ) -> str | None:
+        """`curb` with these tokens: what a row's `fill` calls."""
+        return curb(state, words, self, finished=finished)
+
+    def rule(
+        self, state: DistinctItems, *, finished: bool = False
+    ) -> tuple[str, np.ndarray | None] | None:
+        """`rule` with these tokens: whether a row's `fill` would curb anything here."""
+        return rule(state, self, finished=finished)
+
     @classmethod
     def of(cls, vocabulary: TokenVocabulary) -> RunawayTokens:
         found = cls._cache.get(vocabulary.fingerprint)
