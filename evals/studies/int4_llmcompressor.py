@@ -74,13 +74,12 @@ _PEER_SCRIPT = textwrap.dedent(
 
 
 def _peer(python: str, windows: Path, model_dir: Path, recipe: str, group: int, out: Path) -> float:
-    """Quantize with the peer in its own process, its progress on stderr as it goes; its wall
-    time in seconds."""
+    """Quantize with the peer in its own process, its output (progress) shown as it goes; its
+    wall time in seconds."""
     began = time.perf_counter()
     proc = subprocess.run(
-        [python, "-c", _PEER_SCRIPT, str(windows), str(model_dir), recipe, str(group), str(out)],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [python, "-c", _PEER_SCRIPT, str(windows), str(model_dir), recipe, str(group), str(out)]
+    )
     if proc.returncode != 0:
         raise SystemExit(
             f"int4_llmcompressor: the peer's {recipe} failed with exit code {proc.returncode} "
@@ -168,16 +167,16 @@ def main(argv: list[str] | None = None) -> int:
             seq_len=args.seq_len, seed=args.seed,
         )  # fmt: skip
         np.save(windows, ids.numpy())
-        scored = [(f"llm-compressor {r}", r) for r in args.recipes if r not in earlier]
-        scored += [(f"llm-compressor {r} (made earlier)", str(d)) for r, d in earlier.items()]
-        scored += [(f"quantkit {c}", c) for c in args.ckpt]
-        for label, what in scored:
+        # (label, the recipe for the peer to run now or None, the checkpoint to score)
+        scored = [(f"llm-compressor {r}", r, work / r.replace("+", "_"))
+                  for r in args.recipes if r not in earlier]  # fmt: skip
+        scored += [(f"llm-compressor {r} (made earlier)", None, d) for r, d in earlier.items()]
+        scored += [(f"quantkit {c}", None, Path(c)) for c in args.ckpt]
+        for label, recipe, path in scored:
             seconds = None
-            path = Path(what)
-            if label.startswith("llm-compressor") and what in RECIPES:
-                path = work / what.replace("+", "_")
-                seconds = _peer(args.peer_python, windows, data.model_dir, what, args.group_size,
-                                path)  # fmt: skip
+            if recipe is not None:
+                seconds = _peer(args.peer_python, windows, data.model_dir, recipe,
+                                args.group_size, path)  # fmt: skip
             model = load_model(path, dtype=torch.float32, tokenizer=False).model
             value = ppl(model, data.tokens)
             rows.append({"what": label, "ppl": value, "gap_closed": (results["rtn"] - value) / gap,
