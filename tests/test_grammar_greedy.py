@@ -1,6 +1,6 @@
 """A greedy processor (`GrammarLogitsProcessor(greedy=True)`) leaves a step unmasked only where
-the full mask would have kept the best token: the rows' `allows` never lets through a token the
-mask takes out, and decoding gives the same tokens as masking every step."""
+the rows tell which token the full mask would have left as the best: their verdicts never
+contradict the mask, and decoding gives the same tokens as masking every step."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 
 from quantkit.grammar.constraints import validate_json
 from quantkit.grammar.processor import GrammarLogitsProcessor
+from quantkit.grammar.verdict import Verdict
 from quantkit.grammar.vocabulary import TokenVocabulary
 from tests.hand_vocab import EOS, vocab_of
 from tests.hand_vocab import llguidance as llg
@@ -45,16 +46,25 @@ def vocab() -> TokenVocabulary:
 
 
 def _decode(processor: GrammarLogitsProcessor, vocab: TokenVocabulary, seed: int,
-            *, steps: int) -> list[int]:  # fmt: skip
+            *, steps: int, kinds: dict[str, int] | None = None) -> list[int]:  # fmt: skip
     """Greedy decoding of a random 'model' (new scores each step, from `seed`), biased toward
-    structure so documents get somewhere."""
+    structure so documents get somewhere. kinds: counts the unmasked steps by what came
+    back: the logits as they were ("best"), with refused tokens at -inf ("probed"), or one
+    token left along a steering path ("along")."""
     rng = np.random.default_rng(seed)
     favourite = np.asarray([vocab.token_bytes.get(t, b"")[:1] in (b'"', b"a", b"0", b"1")
                             for t in range(vocab.size)])  # fmt: skip
     ids, out = torch.zeros((1, 1), dtype=torch.long), []
     for _ in range(steps):
         scores = torch.from_numpy(rng.normal(size=vocab.size) + 1.5 * favourite).float()
-        token = int(processor(ids, scores[None]).argmax())
+        before = processor.unmasked
+        given = scores[None]
+        result = processor(ids, given)
+        if kinds is not None and processor.unmasked > before:
+            finite = int(torch.isfinite(result).sum())
+            kind = "best" if result is given else "along" if finite == 1 else "probed"
+            kinds[kind] = kinds.get(kind, 0) + 1
+        token = int(result.argmax())
         out.append(token)
         if token in EOS:
             break
@@ -62,28 +72,56 @@ def _decode(processor: GrammarLogitsProcessor, vocab: TokenVocabulary, seed: int
     return out
 
 
+@pytest.fixture(scope="module")
+def decoded(vocab) -> list[dict[str, Any]]:
+    """Per schema, 12 seeds decoded by a processor that masks every step and by a greedy one
+    (budget 60 tokens, so rows are steered near the end): the tokens of each, and how the
+    greedy one's steps went."""
+    found = []
+    for schema in SCHEMAS:
+        compiled = llg(schema, vocab)
+        runs, unmasked, steps, kinds = [], 0, 0, {}
+        for seed in range(12):
+            full = GrammarLogitsProcessor(compiled, max_new_tokens=60)
+            lazy = GrammarLogitsProcessor(compiled, max_new_tokens=60, greedy=True)
+            tokens = _decode(full, vocab, seed, steps=60)
+            runs.append((tokens, _decode(lazy, vocab, seed, steps=60, kinds=kinds)))
+            unmasked += lazy.unmasked
+            steps += len(lazy.mask_times_s)
+        found.append({"runs": runs, "unmasked": unmasked, "steps": steps, "kinds": kinds})
+    return found
+
+
 @pytest.mark.parametrize("index", range(len(SCHEMAS)))
-def test_greedy_steps_give_the_tokens_of_masking_every_step(vocab, index: int) -> None:
-    compiled = llg(SCHEMAS[index], vocab)
-    unmasked = steps = 0
-    for seed in range(12):
-        full = GrammarLogitsProcessor(compiled, max_new_tokens=60)
-        lazy = GrammarLogitsProcessor(compiled, max_new_tokens=60, greedy=True)
-        tokens = _decode(full, vocab, seed, steps=60)
-        assert _decode(lazy, vocab, seed, steps=60) == tokens, seed
+def test_greedy_steps_give_the_tokens_of_masking_every_step(vocab, decoded, index: int) -> None:
+    result = decoded[index]
+    for seed, (tokens, greedy) in enumerate(result["runs"]):
+        assert greedy == tokens, seed
         if tokens[-1] in EOS:
             text = b"".join(vocab.token_bytes[t] for t in tokens[:-1]).decode()
             assert validate_json(text, SCHEMAS[index]) is None, text
-        unmasked += lazy.unmasked
-        steps += len(lazy.mask_times_s)
-    assert 0 < unmasked < steps  # both the unmasked and the masked path were taken
+    # both the unmasked and the masked path were taken
+    assert 0 < result["unmasked"] < result["steps"]
 
 
-def test_allows_never_lets_through_what_the_mask_takes_out(vocab) -> None:
-    """At every state of random documents: the grammar's own `allows` is the mask's bit (for
-    every token but the EOS; no token where bytes are forced), and the JSON row's (distinct
-    keys and items, runaways, corners) implies it."""
-    checked = 0
+def test_every_kind_of_unmasked_step_was_taken(decoded) -> None:
+    """The schemas above led the greedy processor down each of its ways without the mask:
+    the best token allowed, a pick past refused tokens, a pick along a steering path."""
+    kinds: dict[str, int] = {}
+    for result in decoded:
+        for kind, count in result["kinds"].items():
+            kinds[kind] = kinds.get(kind, 0) + count
+    assert kinds.get("best", 0) > 0 and kinds.get("probed", 0) > 0, kinds
+    assert kinds.get("along", 0) > 0, kinds
+
+
+def test_verdicts_never_contradict_the_mask(vocab) -> None:
+    """At every state of random documents: the grammar's own verdict is the mask's bit (for
+    every token but the EOS), `UNKNOWN` only where bytes are forced, and there `ALLOWED` only
+    for tokens that write them all; the JSON row's (distinct keys and items, runaways,
+    corners) never allows what its mask leaves out, nor refuses what it keeps (a repeated
+    key let through where nothing else is left aside)."""
+    told = {verdict: 0 for verdict in Verdict}
     for index, schema in enumerate(SCHEMAS):
         compiled = llg(schema, vocab)
         for seed in range(4):
@@ -92,33 +130,45 @@ def test_allows_never_lets_through_what_the_mask_takes_out(vocab) -> None:
             for _ in range(40):
                 line = np.zeros((vocab.size + 31) // 32, dtype=np.int32)
                 row.fill(line)
+                lenient = row.lenient
                 bits = np.unpackbits(line.view(np.uint8), bitorder="little")[: vocab.size]
                 raw = np.zeros_like(line)
                 row.row.fill(raw)
                 grammar = np.unpackbits(raw.view(np.uint8), bitorder="little")[: vocab.size]
-                forced = bool(row.row.matcher.compute_ff_bytes())
+                forced = bytes(row.row.matcher.compute_ff_bytes())
                 for token in range(vocab.size):
                     if token in EOS:  # the processor's own decision (never asked)
                         continue
-                    if forced:  # there the mask decides (see the test below)
-                        assert not row.row.allows(token)
+                    own = row.row.verdict(token)
+                    if own == Verdict.UNKNOWN:
+                        assert forced and grammar[token], token
+                    elif own == Verdict.ALLOWED:
+                        assert grammar[token], token
+                        assert vocab.token_bytes[token].startswith(forced), token
                     else:
-                        assert row.row.allows(token) == bool(grammar[token]), token
-                    if row.allows(token):
+                        assert not grammar[token], token
+                    if not forced:
+                        assert own == (Verdict.ALLOWED if grammar[token] else Verdict.REFUSED)
+                    verdict = row.verdict(token)
+                    told[verdict] += 1
+                    if verdict == Verdict.ALLOWED:
                         assert bits[token], (token, vocab.token_bytes.get(token))
-                        checked += 1
+                    elif verdict == Verdict.REFUSED:
+                        assert not bits[token] or lenient, (token, vocab.token_bytes.get(token))
+                row.lenient = lenient  # as `fill` left it (an allowed verdict resets it)
                 allowed = [t for t in np.flatnonzero(bits) if t not in EOS]
                 if not allowed or row.is_finished() and rng.random() < 0.2:
                     break
                 assert row.advance(int(rng.choice(allowed)))
-    assert checked > 500
+    assert told[Verdict.ALLOWED] > 500 and told[Verdict.REFUSED] > 500
+    assert told[Verdict.UNKNOWN] > 0
 
 
 @pytest.mark.slow
 def test_allows_on_the_embedded_vocabulary_where_the_mask_writes_forced_bytes_whole() -> None:
     """With SmolLM2's vocabulary llguidance's mask keeps only `{"` where `{"` is forced, while
-    its matcher would take `{`: `allows` says no there (the mask decides), and at every state
-    of a document it never says yes to a token the mask leaves out."""
+    its matcher would take `{`: the verdict there is `UNKNOWN` (the mask decides), and at every
+    state of a document it never allows a token the mask leaves out, nor refuses one it keeps."""
     from quantkit.grammar.compiler import compile_grammar
     from quantkit.grammar.constraints import schema_grammar
     from quantkit.sources.resolve import DEFAULT_MODEL, resolve_model
@@ -138,11 +188,16 @@ def test_allows_on_the_embedded_vocabulary_where_the_mask_writes_forced_bytes_wh
         line = np.zeros((vocab.size + 31) // 32, dtype=np.int32)
         row.fill(line)
         bits = np.unpackbits(line.view(np.uint8), bitorder="little")[: vocab.size]
-        if checked == 0:
-            assert not bits[brace] and not row.allows(brace)  # ... the mask does not
+        if checked == 0:  # ... the mask does not: not told for this token
+            assert not bits[brace] and row.verdict(brace) == Verdict.UNKNOWN
         for candidate in range(vocab.size):
-            if candidate != tok.eos_token_id and row.allows(candidate):
+            if candidate == tok.eos_token_id:
+                continue
+            verdict = row.verdict(candidate)
+            if verdict == Verdict.ALLOWED:
                 assert bits[candidate], (candidate, vocab.token_bytes.get(candidate))
                 checked += 1
+            elif verdict == Verdict.REFUSED:
+                assert not bits[candidate], (candidate, vocab.token_bytes.get(candidate))
         assert row.advance(token)
     assert checked > 10_000  # the string's states allow most of the vocabulary

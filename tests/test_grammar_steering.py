@@ -17,6 +17,7 @@ import torch
 from quantkit.grammar.compiler import compile_grammar
 from quantkit.grammar.constraints import lark_grammar, regex_grammar, validate_json
 from quantkit.grammar.llguidance.closing import ClosingWalk
+from quantkit.grammar.llguidance.engine import HEADROOM
 from quantkit.grammar.llguidance.runaway import MAX_DEPTH, MAX_NUMBER, repeats
 from quantkit.grammar.processor import GrammarLogitsProcessor
 from quantkit.grammar.strict import strict_schema
@@ -444,24 +445,63 @@ def test_repeats_answers_as_the_plain_definition() -> None:
             assert got == plain(data, least, total, longest), (case, data)
 
 
-def test_a_rows_first_walk_is_shared_by_the_rows_of_its_grammar(vocab, monkeypatch) -> None:
-    """Every row of a grammar begins in the same state, so its first finishing walk is made
-    once per token limit; a row that has advanced walks for itself."""
+def test_rows_take_the_compiles_first_walk_and_walk_again_only_off_its_path(
+    vocab, monkeypatch
+) -> None:
+    """Every row of a grammar begins in the same state, so the compile walks from it once
+    (`LlgIndex.start_walk`) and a row's first walk is that one, whatever its token limit
+    (its first `limit` bytes, not complete, where it is shorter); a row that has written
+    only the path's first bytes since its last walk takes the rest of that path; a row that
+    left the path walks for itself."""
     schema = {"type": "object", "properties": {"a": {"type": "array", "minItems": 2,
               "items": {"type": "integer"}}}, "required": ["a"]}  # fmt: skip
     compiled = llg(schema, vocab)
+    start, complete = compiled.index.start_walk
+    assert complete and json.loads(start.decode())["a"]  # a complete document
     calls: list[int] = []
     real = ClosingWalk.path
     monkeypatch.setattr(
         ClosingWalk, "path", lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1]
     )
-    # Limits no other test asks for: a grammar compiled once may serve several tests.
-    first = compiled.new_row().closing_path(limit=97)
-    assert first[1] and json.loads(first[0].decode())["a"]  # a complete document
-    made = len(calls)
-    second = compiled.new_row()
-    assert second.closing_path(limit=97) == first and len(calls) == made
-    assert second.closing_path(limit=61)[1] and len(calls) == made + 1  # its own walk
-    assert second.advance(_id('{"a":'))
-    path, complete = second.closing_path(limit=97)
-    assert len(calls) == made + 2 and complete and json.loads('{"a":' + path.decode())["a"]
+    row = compiled.new_row()
+    assert row.closing_path(limit=len(start) + 1) == (start, True)
+    assert row.closing_path(limit=len(start)) == (start, False)  # cut at the limit
+    assert row.closing_path(limit=4) == (start[:4], False) and not calls
+    along = compiled.new_row()
+    opener = _id('{"a":')
+    assert start.startswith(b'{"a":') and along.advance(opener)
+    assert along.closing_path(limit=97) == (start[len(b'{"a":') :], True) and not calls
+    off = compiled.new_row()
+    assert off.advance(opener) and off.advance(_id("[")) and off.advance(_id("1"))
+    assert not start.startswith(b'{"a":[1')
+    path, complete = off.closing_path(limit=97)
+    assert len(calls) == 1 and complete and json.loads('{"a":[1' + path.decode())["a"]
+    assert off.closing_path(limit=97) == (path, True) and len(calls) == 1  # kept
+
+
+def test_a_row_too_long_for_its_budget_follows_its_kept_walk(vocab, monkeypatch) -> None:
+    """A walk goes `HEADROOM` bytes past its limit: a row that follows the path it cuts at
+    the limit takes the rest for later steps (cut again at each step's limit) until the rest
+    is shorter than the limit; then it walks again."""
+    schema = {"type": "object", "properties": {"a": {"type": "array", "minItems": 40,
+              "items": {"type": "integer"}}}, "required": ["a"]}  # fmt: skip
+    row = llg(schema, vocab).new_row()
+    for piece in ('{"a":', "[", "1"):
+        assert row.advance(_id(piece))
+    calls: list[int] = []
+    real = ClosingWalk.path
+    monkeypatch.setattr(  # walks, not the walk's own second try (`finishing`)
+        ClosingWalk, "path",
+        lambda self, *a, **k: (k.get("finishing") or calls.append(1), real(self, *a, **k))[1],
+    )  # fmt: skip
+    path, complete = row.closing_path(limit=20)
+    assert not complete and len(path) == 20 and len(calls) == 1
+    whole = row.row.last_walk[0]
+    assert len(whole) == 20 + HEADROOM or row.row.last_walk[3]  # complete within the headroom
+    written = 0
+    while len(whole) - written > 21:
+        token = row.along(whole[written:])[-1]
+        assert row.advance(token)
+        written += len(vocab.token_bytes[token])
+        assert row.closing_path(limit=20) == (whole[written : written + 20], False)
+    assert len(calls) == 1

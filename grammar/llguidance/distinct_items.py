@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from quantkit.grammar.verdict import Verdict
 from quantkit.grammar.vocabulary import TokenVocabulary
 
 __all__ = [
@@ -374,7 +375,7 @@ class DistinctRow:
                  keys: bool = False, runaway: Any = None) -> None:  # fmt: skip
         self.row, self.ending = row, ending
         # Steering out of a runaway number, string or nesting (`runaway.RunawayTokens`): its
-        # `curb` at the end of every `fill`, its `rule` (whether `curb` would act) in `allows`.
+        # `curb` at the end of every `fill`, its `rule` (whether `curb` would act) in `verdict`.
         self.runaway = runaway
         self.corners: Any = None  # `key_corners.KeyCorners`, set by the engine for JSON rows
         self.curbs: dict[str, int] = {}  # what `runaway.curb` reported doing, and how often
@@ -411,29 +412,31 @@ class DistinctRow:
             if rule:
                 self.curbs[rule] = self.curbs.get(rule, 0) + 1
 
-    def allows(self, token: int) -> bool:
-        """True only if `fill` would leave `token` allowed here, told for this one token
-        without computing the mask: the grammar takes it, it ends no repeated key or item,
-        no runaway rule narrows this state, and the key-corner screen would keep it as the
-        best token. False also where a rule applies at all (whether it would leave this token
-        is not told): the caller fills the mask then. Sets what `fill` sets (`cleared`,
+    def verdict(self, token: int) -> Verdict:
+        """Whether `fill` would leave `token` allowed here, told for this one token without
+        computing the mask (`verdict.Verdict`): the grammar's own verdict; a token that ends a
+        repeated key is refused (`fill` clears it, unless that leaves nothing); `ALLOWED`
+        only where it ends no repeated key or item, no runaway rule narrows this state and
+        the key-corner screen would keep it as the best token, and `UNKNOWN` where one of
+        those applies otherwise. An `ALLOWED` token sets what `fill` sets (`cleared`,
         `lenient`), as `fill` would."""
+        found = self.row.verdict(token)
+        if found != Verdict.ALLOWED:
+            return found
         state = self.state
-        if not self.row.allows(token):
-            return False
         if state.keys and token in state.repeating():
-            return False
+            return Verdict.REFUSED
         data = self.ending.token_bytes.get(token, b"")
         if (state.keys or state.items) and state.first_repeat([data]) is not None:
-            return False
+            return Verdict.UNKNOWN
         if self.runaway is not None and (
             self.runaway.rule(state, finished=self.row.is_finished()) is not None
         ):
-            return False
+            return Verdict.UNKNOWN
         if self.corners is not None and not self.corners.clear_of(state, self.row.matcher, token):
-            return False
+            return Verdict.UNKNOWN
         self.cleared, self.lenient = 0, False
-        return True
+        return Verdict.ALLOWED
 
     def _clear_repeated_items(self, words: np.ndarray) -> None:
         state = self.state

@@ -28,6 +28,7 @@ fault; on 1 GiB llguidance checked a 150000-rule chain (27 s, 2-core AMD EPYC) a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -51,6 +52,7 @@ from quantkit.grammar.llguidance.schema import (
 )
 from quantkit.grammar.narrowing import ordered_objects
 from quantkit.grammar.native_threads import run_with_limit
+from quantkit.grammar.verdict import Verdict
 from quantkit.grammar.vocabulary import TokenVocabulary
 
 __all__ = [
@@ -62,6 +64,14 @@ __all__ = [
     "import_llguidance",
     "llg_tokenizer",
 ]
+
+# The compile's walk from the start state (`LlgIndex.start_walk`) stops at this many bytes
+# (and `HEADROOM` more): a row's first walk is this one where its token budget allows no more
+# (a 512-token budget walks up to 592 bytes).
+START_WALK = 1024
+# A walk goes this many bytes past the limit asked (`LlgRow.closing_path`), so that a row that
+# follows a path too long for its budget takes its rest for the next steps.
+HEADROOM = 256
 
 # See the module docstring: deep enough that llguidance's size limit comes before the stack's.
 BUILD_STACK_BYTES = 1 << 30
@@ -156,16 +166,23 @@ class LlgIndex:
     walk: ClosingWalk | None = field(default=None, compare=False, repr=False)
     runaway: RunawayTokens | None = field(default=None, compare=False, repr=False)
     corners: KeyCorners | None = field(default=None, compare=False, repr=False)
-    # The finishing walk from the start, by limit: every row begins in the same state, so a
-    # row's first walk is the same as the last row's (~7 ms on person.json; a server sends one
-    # schema many times). Filled by the rows.
+    # The finishing walk from the start, made by the compile (`compile_llguidance`) up to
+    # `START_WALK` bytes: (path, complete). Every row begins in the same state, so every row's
+    # first walk is this one (~3 ms on person.json, a third of a short document's grammar time
+    # when made in the first step). None where it found no way (a loop); then by limit, as
+    # rows walk: `first_walks`.
+    start_walk: tuple[bytes, bool] | None = None
     first_walks: dict[int, tuple[bytes, bool]] = field(
         default_factory=dict, compare=False, repr=False
     )
 
     def new_row(self) -> LlgRow | DistinctRow:
         assert self.walk is not None  # set by compile_llguidance
-        row = LlgRow(self.template.deep_copy(), self.walk, first_walks=self.first_walks)
+        start = None
+        if self.start_walk is not None:
+            start = (*self.start_walk, self.distinct is not None)
+        row = LlgRow(self.template.deep_copy(), self.walk, first_walks=self.first_walks,
+                     start_walk=start)  # fmt: skip
         if self.distinct is None:
             return row
         distinct = DistinctRow(row, self.distinct, items=self.items, keys=self.keys,
@@ -192,11 +209,20 @@ class LlgRow:
         walk: ClosingWalk,
         *,
         first_walks: dict[int, tuple[bytes, bool]] | None = None,
+        start_walk: tuple[bytes, bool, bool] | None = None,
     ) -> None:
         self.matcher, self.walk = matcher, walk
         self.text = bytearray()  # the row's last bytes (at least `_TAIL`): a walk's tail
+        self.written = 0  # bytes advanced by, in all
         # Walks from the start state, shared by the rows of one grammar; None once advanced.
         self.first_walks = first_walks
+        # The last walk kept: its path, `written` when it was made, whether it was made with
+        # a check of the row's own (`closing_path`'s allows) and whether it is complete
+        # (`_kept`). start_walk: the compile's walk from the start state (path, complete,
+        # checked), or None.
+        self.last_walk: tuple[bytes, int, bool, bool] | None = None
+        if start_walk is not None:
+            self.last_walk = (start_walk[0], 0, start_walk[2], start_walk[1])
         if matcher.is_error():
             raise GrammarError(f"llguidance: {matcher.get_error()}")
 
@@ -204,7 +230,9 @@ class LlgRow:
         if not self.matcher.consume_token(int(token)):
             return False
         self.first_walks = None  # no longer in the start state
-        self.text += self.walk.token_bytes.get(int(token), b"")
+        data = self.walk.token_bytes.get(int(token), b"")
+        self.text += data
+        self.written += len(data)
         if len(self.text) > 2 * _TAIL:
             del self.text[:-_TAIL]
         return True
@@ -212,16 +240,21 @@ class LlgRow:
     def fill(self, line: np.ndarray) -> None:
         self.matcher.unsafe_compute_mask_ptr(line.ctypes.data, line.nbytes)
 
-    def allows(self, token: int) -> bool:
-        """True only if `token` has its bit in `fill`'s mask here (not asked of an EOS, which
-        the processor allows by completion), told without the mask: the matcher tries it and is
-        left as it was. Where the grammar forces bytes, llguidance's mask keeps only the token
-        that writes them canonically (after `{` forced with `"a":`, the token `{"a":`, not `{`,
-        which the matcher would take): there this says False and the caller fills the mask.
-        Checked against the mask over every token of SmolLM2's vocabulary at 607 states of 12
-        JSONSchemaBench outputs: no difference outside the forced states."""
+    def verdict(self, token: int) -> Verdict:
+        """Whether `fill`'s mask keeps `token` here (not asked of an EOS, which the processor
+        allows by completion), told without the mask: the matcher tries it and is left as it
+        was. Where the grammar forces bytes, llguidance's mask keeps the allowed tokens that
+        begin with all of them, and of the tokens that write only some of them (after `{`
+        with `"a":` forced, `{` against `{"a":`) some but not all: those are `UNKNOWN`.
+        Checked against the mask over SmolLM2's vocabulary at every state of JSONSchemaBench
+        outputs (545 forced states, 607 others): no token told otherwise."""
         matcher = self.matcher
-        return not matcher.compute_ff_bytes() and matcher.validate_tokens([int(token)]) == 1
+        if matcher.validate_tokens([int(token)]) != 1:
+            return Verdict.REFUSED
+        forced = matcher.compute_ff_bytes()
+        if not forced or self.walk.token_bytes.get(int(token), b"").startswith(forced):
+            return Verdict.ALLOWED
+        return Verdict.UNKNOWN
 
     def is_finished(self) -> bool:
         return bool(self.matcher.is_accepting())
@@ -238,16 +271,53 @@ class LlgRow:
     ) -> tuple[bytes, bool]:
         """A way to complete the document from here, in bytes, and whether it is complete
         (`closing.ClosingWalk.path`, on a copy of the matcher, reading loops across the row's
-        own last bytes)."""
+        own last bytes): `limit` bytes of it where it is longer. A walk goes `HEADROOM` bytes
+        further than asked and is kept (`last_walk`): where the row has written only its
+        first bytes since (it followed the path: budget steering allows nothing else), the
+        rest of it is the answer, without a walk (`_kept`); a row that cannot finish in its
+        budget walks once every hundred tokens or so instead of at every step."""
+        checked = allows is not None
+        kept = self._kept(limit, checked=checked)
+        if kept is not None:
+            return kept
         if self.first_walks is not None and limit in self.first_walks:
             return self.first_walks[limit]
         tail = bytes(self.text[-_TAIL:])
-        found = self.walk.path(self.matcher, limit=limit, allows=allows, tail=tail)
+        reach = limit + HEADROOM
+        path, complete = self.walk.path(self.matcher, limit=reach, allows=allows, tail=tail)
+        found = (path[: limit - 1], False)  # no way on (a loop): shorter than asked, not kept
+        if complete or len(path) == reach:  # complete, or longer than the walk went
+            self.last_walk = (path, self.written, checked, complete)
+            found = self._kept(limit, checked=checked) or found
         if self.first_walks is not None:
             if len(self.first_walks) >= _FIRST_WALKS:
                 self.first_walks.clear()
             self.first_walks[limit] = found
         return found
+
+    def _kept(self, limit: int, *, checked: bool) -> tuple[bytes, bool] | None:
+        """The answer `closing_path` takes from the kept walk (made with the same kind of
+        check), where the row's bytes since it are its path's first bytes: the rest (b""
+        where the document is complete now, as a walk from here would find), complete if the
+        walk was and the rest is shorter than `limit`, else its first `limit` bytes; None
+        where there is no such walk or the rest would be shorter than `limit` and not
+        complete."""
+        if self.last_walk is None or self.last_walk[2] != checked:
+            return None
+        if self.matcher.is_accepting():
+            return b"", True
+        path, at, _, complete = self.last_walk
+        size = self.written - at
+        if size > len(path) or size > len(self.text):
+            return None
+        if size and self.text[len(self.text) - size :] != path[:size]:
+            return None
+        rest = path[size:]
+        if complete and len(rest) < limit:
+            return rest, True
+        if len(rest) >= limit:
+            return rest[:limit], False
+        return None
 
     def along(self, path: bytes) -> list[int]:
         """The tokens that follow `path` (`closing.ClosingWalk.along`)."""
@@ -379,7 +449,12 @@ def compile_llguidance(
     json_text = grammar.kind == "json_schema" or grammar.json_text
     keys = keys or json_text
     ending = EndingTokens.of(vocabulary) if items or keys else None
-    return LlgIndex(tokenizer, text, template, tuple(notes), ending, items=items, keys=keys,
-                    walk=ClosingWalk.of(vocabulary),
-                    runaway=RunawayTokens.of(vocabulary) if json_text else None,
-                    corners=KeyCorners.of(vocabulary) if keys else None)  # fmt: skip
+    index = LlgIndex(tokenizer, text, template, tuple(notes), ending, items=items, keys=keys,
+                     walk=ClosingWalk.of(vocabulary),
+                     runaway=RunawayTokens.of(vocabulary) if json_text else None,
+                     corners=KeyCorners.of(vocabulary) if keys else None)  # fmt: skip
+    row = index.new_row()
+    row.closing_path(limit=START_WALK)
+    kept = getattr(row, "row", row).last_walk  # the walk, as far as it went (None: no way)
+    start = None if kept is None else (kept[0], kept[3])
+    return dataclasses.replace(index, start_walk=start)

@@ -1,0 +1,23 @@
+"""What a row can tell about one token without computing its mask (`verdict`), for greedy
+decoding: the processor asks about the model's best tokens in turn and takes the first one
+`ALLOWED`, skipping the mask (`processor.GrammarLogitsProcessor`, `greedy=True`).
+
+- `ALLOWED`: the row's mask keeps the token, and would keep it were it the best token the mask
+  keeps (the checks made on the masked logits pass for it).
+- `REFUSED`: the mask leaves the token out, wherever another token is `ALLOWED` (a repeated
+  key is let through only where nothing else is left, so a refusal on that ground holds once a
+  token after it is allowed; a caller stops at the first `ALLOWED` token or asks the mask).
+- `UNKNOWN`: not told for this one token (the mask decides).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+__all__ = ["Verdict"]
+
+
+class Verdict(IntEnum):
+    REFUSED = 0
+    ALLOWED = 1
+    UNKNOWN = 2
