@@ -47,6 +47,7 @@ catches reuse without a reset.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -186,6 +187,7 @@ class GrammarLogitsProcessor:
         self._out: torch.Tensor | None = None  # the masked logits, reused step to step
         self._between_s = 0.0  # time in `forced_tokens` since the last call
         self._walked: dict[int, tuple[str, bytes]] = {}  # steering planned by `_greedy`
+        self._host: bool | None = None  # whether the logits read as numpy views (`_greedy`)
 
     @property
     def token_count(self) -> int:
@@ -387,7 +389,8 @@ class GrammarLogitsProcessor:
                     f"last step, plus fast-forwarded ones), got {width}; use a new processor or "
                     f"reset() per generate call"
                 )
-            self._advance(input_ids[:, -1].tolist())
+            if len(self._ahead) < len(self._guides):  # else fast-forward advanced every row
+                self._advance(input_ids[:, -1].tolist())
             self._ahead.clear()
             self._extra = 0
         self._width = width
@@ -436,15 +439,17 @@ class GrammarLogitsProcessor:
             if self.max_new_tokens is not None:  # llguidance rows: `_steer_walk`'s plan
                 plan = plans[row] = self._walk_plan(row, guide)
             if rows is None:
-                view = _host_float(logits)
-                rows = logits.detach().numpy() if view else logits.float().cpu().numpy()
+                # One kind of logits a generation: told once (torch's device checks cost).
+                if self._host is None:
+                    self._host = _host_float(logits)
+                rows = logits.detach().numpy() if self._host else logits.float().cpu().numpy()
             if plan[0] != "none":
                 self.steered.add(row)
             if plan[0] == "end":  # only an EOS (`_steer_walk`), where it is complete
                 if not guide.is_finished():
                     return None
                 token = max(self._eos, key=lambda t: (rows[row][t], -t))
-                if not np.isfinite(rows[row][token]):
+                if not math.isfinite(rows[row].item(token)):
                     return None
                 only[row] = token
                 continue
@@ -483,7 +488,7 @@ class GrammarLogitsProcessor:
         work = scores
         token = int(work.argmax())
         for _ in range(_PROBES):
-            if token >= self.vocabulary.size or not np.isfinite(work[token]):
+            if token >= self.vocabulary.size or not math.isfinite(work.item(token)):
                 return None  # padding (never allowed), or nothing left with a score
             found = self._verdict(guide, token)
             if found == Verdict.ALLOWED:
@@ -512,7 +517,7 @@ class GrammarLogitsProcessor:
         if guide.is_finished():
             return None
         for token in sorted(guide.along(path), key=lambda t: (-scores[t], t)):
-            if not np.isfinite(scores[token]):
+            if not math.isfinite(scores.item(token)):
                 return None
             found = guide.verdict(token)
             if found == Verdict.ALLOWED:

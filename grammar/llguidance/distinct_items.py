@@ -35,6 +35,7 @@ bytes, not the document's.
 from __future__ import annotations
 
 import json
+import re
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -57,6 +58,9 @@ __all__ = [
 _QUOTE, _BACKSLASH = ord('"'), ord("\\")
 _OPEN, _CLOSE = frozenset(b"[{"), frozenset(b"]}")
 _QUIET = frozenset(b": \t\r\n")
+# The bytes at which `feed` can end an item or key (a quote inside a string; a `,`, `]` or `}`
+# outside one): text without them ends none.
+_ENDING = re.compile(rb'[",\]}]').search
 
 
 def _normal(value: Any) -> Any:
@@ -126,6 +130,8 @@ class DistinctItems:
         """The index of the first of `pieces` that, fed after the ones before it, would end a
         repeated item or key; None when none would. This state is left as it was: the probe shares
         its text (cut back afterwards) and copies only the open containers."""
+        if not any(_ENDING(data) for data in pieces):
+            return None  # no byte that ends anything (most tokens of a value)
         frames = [f.copy() for f in self.stack]
         probe = DistinctItems(self.text, frames, self.in_string, self.escaped, self.string_start,
                               self.items, self.keys, self.whole_names, self.writable)  # fmt: skip
@@ -144,6 +150,10 @@ class DistinctItems:
         come, after a `,`). None when it leaves none (no object, one without keys, a value), or
         when `data` itself would end a repeat. This state is left as it was (as
         `first_repeat`: the probe shares the text, cut back afterwards)."""
+        if self.in_string and _QUOTE not in data:
+            top = self.stack[-1] if self.stack else None
+            if top is None or top.array or top.key != self.string_start:
+                return None  # inside a value's string, and still inside it after `data`
         frames = [f.copy() for f in self.stack]
         probe = DistinctItems(self.text, frames, self.in_string, self.escaped, self.string_start,
                               self.items, self.keys, self.whole_names, self.writable)  # fmt: skip
