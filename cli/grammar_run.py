@@ -276,7 +276,7 @@ class GrammarRun:
         if summary["mask_skipped_steps"]:
             lines.append(
                 f"unmasked   {summary['mask_skipped_steps']} of {summary['mask_steps']} steps: "
-                f"greedy, and the grammar allowed the model's best token"
+                f"greedy, and the grammar told which of the model's best tokens it allows"
             )
         if summary["budget_steered"]:
             lines.append("budget     steered to finish within --max-new-tokens (byte by byte)")
