@@ -246,8 +246,11 @@ class LlgRow:
         was. Where the grammar forces bytes, llguidance's mask keeps the allowed tokens that
         begin with all of them, and of the tokens that write only some of them (after `{`
         with `"a":` forced, `{` against `{"a":`) some but not all: those are `UNKNOWN`.
-        Checked against the mask over SmolLM2's vocabulary at every state of JSONSchemaBench
-        outputs (545 forced states, 607 others): no token told otherwise."""
+        Checked against the mask over SmolLM2's vocabulary along 30 JSONSchemaBench outputs:
+        at their 545 forced states every allowed token beginning with the forced bytes had its
+        bit, as had 329 of the 349 writing only some of them (not the 20 others: `{` at the
+        start of a document); at 607 other states of 12 outputs the matcher and the mask
+        agreed on every token."""
         matcher = self.matcher
         if matcher.validate_tokens([int(token)]) != 1:
             return Verdict.REFUSED
