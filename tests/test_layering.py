@@ -241,13 +241,15 @@ SUBRULES: dict[str, tuple[str, ...]] = {
     f"{_FK}.reference": (f"{_FK}.packed_weights", f"{_FK}.checks"),
     f"{_FK}.triton": (f"{_FK}.packed_weights", f"{_FK}.checks"),
     f"{_FK}.cpu": (f"{_FK}.packed_weights", f"{_FK}.checks"),
-    # grammar: an engine imports the front's value modules, never the compiler or processor
-    # that pick engines, and never the other engine.
+    # grammar: an engine imports the front's value modules (a row's `verdict` answers in the
+    # front's `Verdict`), never the compiler or processor that pick engines, and never the
+    # other engine.
     f"{_GR}.llguidance": (
         f"{_GR}.constraints",
         f"{_GR}.vocabulary",
         f"{_GR}.narrowing",
         f"{_GR}.native_threads",
+        f"{_GR}.verdict",
     ),
     f"{_GR}.outlines": (f"{_GR}.constraints", f"{_GR}.vocabulary"),
     # the schema-to-regex lowering is a pure function of the schema: it needs the vocabulary's
