@@ -445,9 +445,23 @@ def test_repeats_answers_as_the_plain_definition() -> None:
             assert got == plain(data, least, total, longest), (case, data)
 
 
-def test_rows_take_the_compiles_first_walk_and_walk_again_only_off_its_path(
-    vocab, monkeypatch
-) -> None:
+@pytest.fixture
+def walks(monkeypatch) -> list[int]:
+    """One entry per walk a row makes (`ClosingWalk.path`), not counting a walk's own second
+    try (`finishing`, when it went round)."""
+    calls: list[int] = []
+    real = ClosingWalk.path
+
+    def counted(self: ClosingWalk, *args: Any, **kwargs: Any) -> tuple[bytes, bool]:
+        if not kwargs.get("finishing"):
+            calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ClosingWalk, "path", counted)
+    return calls
+
+
+def test_rows_take_the_compiles_first_walk_and_walk_again_only_off_its_path(vocab, walks) -> None:
     """Every row of a grammar begins in the same state, so the compile walks from it once
     (`LlgIndex.start_walk`) and a row's first walk is that one, whatever its token limit
     (its first `limit` bytes, not complete, where it is shorter); a row that has written
@@ -458,50 +472,43 @@ def test_rows_take_the_compiles_first_walk_and_walk_again_only_off_its_path(
     compiled = llg(schema, vocab)
     start, complete = compiled.index.start_walk
     assert complete and json.loads(start.decode())["a"]  # a complete document
-    calls: list[int] = []
-    real = ClosingWalk.path
-    monkeypatch.setattr(
-        ClosingWalk, "path", lambda self, *a, **k: (calls.append(1), real(self, *a, **k))[1]
-    )
+    walks.clear()  # the compile's own walk, when it compiled here
     row = compiled.new_row()
     assert row.closing_path(limit=len(start) + 1) == (start, True)
     assert row.closing_path(limit=len(start)) == (start, False)  # cut at the limit
-    assert row.closing_path(limit=4) == (start[:4], False) and not calls
+    assert row.closing_path(limit=4) == (start[:4], False) and not walks
     along = compiled.new_row()
     opener = _id('{"a":')
     assert start.startswith(b'{"a":') and along.advance(opener)
-    assert along.closing_path(limit=97) == (start[len(b'{"a":') :], True) and not calls
+    assert along.closing_path(limit=97) == (start[len(b'{"a":') :], True) and not walks
     off = compiled.new_row()
     assert off.advance(opener) and off.advance(_id("[")) and off.advance(_id("1"))
     assert not start.startswith(b'{"a":[1')
     path, complete = off.closing_path(limit=97)
-    assert len(calls) == 1 and complete and json.loads('{"a":[1' + path.decode())["a"]
-    assert off.closing_path(limit=97) == (path, True) and len(calls) == 1  # kept
+    assert len(walks) == 1 and complete and json.loads('{"a":[1' + path.decode())["a"]
+    assert off.closing_path(limit=97) == (path, True) and len(walks) == 1  # kept
 
 
-def test_a_row_too_long_for_its_budget_follows_its_kept_walk(vocab, monkeypatch) -> None:
+def test_a_row_too_long_for_its_budget_follows_its_kept_walk(vocab, walks) -> None:
     """A walk goes `HEADROOM` bytes past its limit: a row that follows the path it cuts at
-    the limit takes the rest for later steps (cut again at each step's limit) until the rest
-    is shorter than the limit; then it walks again."""
+    the limit takes the rest for later steps, cut again at each step's limit, and once the
+    rest fits, the rest as complete; one walk in all."""
     schema = {"type": "object", "properties": {"a": {"type": "array", "minItems": 40,
               "items": {"type": "integer"}}}, "required": ["a"]}  # fmt: skip
     row = llg(schema, vocab).new_row()
+    walks.clear()  # the compile's own walk, when it compiled here
     for piece in ('{"a":', "[", "1"):
         assert row.advance(_id(piece))
-    calls: list[int] = []
-    real = ClosingWalk.path
-    monkeypatch.setattr(  # walks, not the walk's own second try (`finishing`)
-        ClosingWalk, "path",
-        lambda self, *a, **k: (k.get("finishing") or calls.append(1), real(self, *a, **k))[1],
-    )  # fmt: skip
     path, complete = row.closing_path(limit=20)
-    assert not complete and len(path) == 20 and len(calls) == 1
-    whole = row.row.last_walk[0]
-    assert len(whole) == 20 + HEADROOM or row.row.last_walk[3]  # complete within the headroom
+    assert not complete and len(path) == 20 and len(walks) == 1
+    whole, ended = row.row.last_walk[0], row.row.last_walk[3]
+    assert ended and len(whole) < 20 + HEADROOM  # 38 items and the brackets: within reach
     written = 0
-    while len(whole) - written > 21:
+    while written < len(whole):
         token = row.along(whole[written:])[-1]
         assert row.advance(token)
         written += len(vocab.token_bytes[token])
-        assert row.closing_path(limit=20) == (whole[written : written + 20], False)
-    assert len(calls) == 1
+        rest = whole[written:]
+        want = (rest, True) if len(rest) < 20 else (rest[:20], False)
+        assert row.closing_path(limit=20) == want
+    assert row.is_finished() and len(walks) == 1

@@ -96,7 +96,7 @@ class SchemaResult:
     engine_used: str | None = None  # the one that compiled it (auto: llguidance or outlines)
     notes: list[str] | None = None  # where the compiled grammar narrows the schema (warnings)
     forced_tokens: int = 0  # output tokens fed by fast-forward, without sampling
-    unmasked_steps: int = 0  # greedy steps whose best token the grammar allowed: no mask
+    unmasked_steps: int = 0  # greedy steps the rows' verdicts decided: no mask
     ff_identical: bool | None = None  # --compare-ff: same tokens with and without fast-forward
     tok_s: float | None = None  # decode tok/s of the generation (with fast-forward if on)
     tok_s_no_ff: float | None = None  # --compare-ff: the same generation without it
