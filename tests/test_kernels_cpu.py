@@ -304,6 +304,12 @@ INT8_CASES = [
     (2, 40, 576, -1, False),
     (11, 24, 640, 128, True),
     (3, 20, 384, 96, False),  # blocks of 32 inside groups of 96
+    # 16 rows and more: the prefill tile, two 16-row tiles a call, 6 activation rows a chunk
+    (17, 70, 576, 64, False),  # 5 tiles: two pairs and one alone; chunks of 6, 6 and 5
+    (40, 48, 1536, 128, True),
+    (16, 33, 512, 256, False),
+    (23, 40, 576, -1, False),
+    (19, 32, 384, 96, False),
 ]
 
 
@@ -331,17 +337,19 @@ def test_cpu_int8_activations_multiply_the_quantized_rows(case: tuple) -> None:
 
 def test_cpu_int8_tile_rows_do_not_depend_on_the_others() -> None:
     """The 16-row int8 tile sums integers per block, so a row's result is the same bits in a
-    call of 1, 3, 6 or 8 rows (the chunks take 1, 2 and 4 accumulators a row), and the
-    interleaved copy is the packed words transposed per 16 rows (70 rows: a padded tile)."""
+    call of 1, 3, 6 or 8 rows (the chunks take 1, 2 and 4 accumulators a row) and in the
+    prefill tile's calls of 16 rows and more (tiles in pairs, chunks of 6 rows, the last
+    shorter), and the interleaved copy is the packed words transposed per 16 rows (70 rows: a
+    padded tile)."""
     from quantkit.fused_kernels.cpu.decode import int8_activations_available
 
     if not int8_activations_available():
         pytest.skip("int8 activations need a CPU with AVX512-VNNI")
     wp, scale, zp, g = make_layer(70, 576, 64, False, seed=4)
     layer = cpu.CpuInt4Layer(PackedInt4(wp, scale, zp, 576, g))
-    x = torch.randn(8, 576, generator=torch.Generator().manual_seed(5))
-    alone = torch.cat([layer(x[i : i + 1], int8_activations=True) for i in range(8)])
-    for m in (3, 6, 8):
+    x = torch.randn(23, 576, generator=torch.Generator().manual_seed(5))
+    alone = torch.cat([layer(x[i : i + 1], int8_activations=True) for i in range(23)])
+    for m in (3, 6, 8, 16, 17, 23):
         assert torch.equal(layer(x[:m], int8_activations=True), alone[:m])
     words = layer._rows16[0]
     assert tuple(words.shape) == (5, 72, 16) and torch.equal(words[1, :, 3], wp[19])

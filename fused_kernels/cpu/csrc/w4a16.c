@@ -495,6 +495,64 @@ static inline __attribute__((always_inline)) void gemv_tile_i8(
         }
     }
 }
+
+/* The prefill tile: two 16-row tiles of `wr` (w0, w1: 32 output rows) against MB (1..I8_MR)
+   activation rows. `gemv_tile_i8` broadcasts a row's 4 codes from memory for each vpdpbusd;
+   here each broadcast is loaded once into a register and used for both tiles. One Zen 5 core,
+   K = 2048 with everything in L1, against a 2458 GOPS vpdpbusd peak for two cores: 1 tile x 8
+   rows 609 GOPS, 2 x 6 1090, 3 x 4 1070, 2 x 8 904, 3 x 6 930, 4 x 4 900 (register pressure).
+   Each row's integer sums and its per-block fp32 work (in block order) are exactly
+   `gemv_tile_i8`'s, so the results are the same bits whichever tile computed them. */
+#define I8_MR 6
+static inline __attribute__((always_inline)) void gemm_tile_i8(
+    int MB, const int32_t *w0, const int32_t *w1, const int8_t *xq, const float *ta,
+    const float *xs, const char *sr0, const char *sr1, int s_dt, int64_t s_bytes,
+    const uint8_t *zr0, const uint8_t *zr1, int64_t W, int64_t cpb, int64_t bpg, int pf,
+    __m512 *res0, __m512 *res1)
+{
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int m = 0; m < MB; m++) res0[m] = res1[m] = _mm512_setzero_ps();
+    for (int64_t j0 = 0, b = 0; j0 < W; j0 += cpb, b++) {
+        __m512i a0[I8_MR], a1[I8_MR];
+        for (int m = 0; m < MB; m++) a0[m] = a1[m] = _mm512_setzero_si512();
+        for (int64_t j = j0; j < j0 + cpb; j++) {
+            if (pf) {  /* the first row chunk streams the tiles from memory */
+                __builtin_prefetch(w0 + (j + PF_WORDS) * 16, 0, 3);
+                __builtin_prefetch(w1 + (j + PF_WORDS) * 16, 0, 3);
+            }
+            const __m512i u = _mm512_loadu_si512((const void *)(w0 + j * 16));
+            const __m512i v = _mm512_loadu_si512((const void *)(w1 + j * 16));
+            const __m512i ulo = _mm512_and_si512(u, nib);
+            const __m512i uhi = _mm512_and_si512(_mm512_srli_epi16(u, 4), nib);
+            const __m512i vlo = _mm512_and_si512(v, nib);
+            const __m512i vhi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+            const int8_t *xj = xq + j * MB * 8;
+            _Pragma("GCC unroll 6") for (int m = 0; m < MB; m++) {
+                const __m512i xe = bcast_i32(xj + m * 8), xo = bcast_i32(xj + m * 8 + 4);
+                a0[m] = _mm512_dpbusd_epi32(a0[m], ulo, xe);
+                a1[m] = _mm512_dpbusd_epi32(a1[m], vlo, xe);
+                a0[m] = _mm512_dpbusd_epi32(a0[m], uhi, xo);
+                a1[m] = _mm512_dpbusd_epi32(a1[m], vhi, xo);
+            }
+        }
+        const int64_t g = b / bpg;
+        const __m512 s0 = load16_f(sr0 + g * 16 * s_bytes, s_dt);
+        const __m512 s1 = load16_f(sr1 + g * 16 * s_bytes, s_dt);
+        const __m512 z0 = zr0 ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                    _mm_loadu_si128((const __m128i *)(zr0 + g * 16))))
+                              : _mm512_set1_ps(8.0f);
+        const __m512 z1 = zr1 ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                    _mm_loadu_si128((const __m128i *)(zr1 + g * 16))))
+                              : _mm512_set1_ps(8.0f);
+        _Pragma("GCC unroll 6") for (int m = 0; m < MB; m++) {
+            const __m512 t = _mm512_set1_ps(ta[b * MB + m]), x = _mm512_set1_ps(xs[b * MB + m]);
+            __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(a0[m]), t);
+            res0[m] = _mm512_fmadd_ps(_mm512_fnmadd_ps(z0, x, f), s0, res0[m]);
+            f = _mm512_mul_ps(_mm512_cvtepi32_ps(a1[m]), t);
+            res1[m] = _mm512_fmadd_ps(_mm512_fnmadd_ps(z1, x, f), s1, res1[m]);
+        }
+    }
+}
 #endif
 
 /* Weight rows per scheduling unit: their per-group constants and partial sums live on the
@@ -566,6 +624,21 @@ static inline void i8_parts(float *xp, int64_t M, int64_t K, int64_t A, int8_t *
     *xs = *ta + M * (K / A);
 }
 
+/* The int8 path's row chunks: `row_chunk`'s, except for a call of I8_GEMM_ROWS rows or more
+   (not row-invariant), which `gemm_tile_i8` takes in chunks of I8_MR rows (the last holds what
+   is left). */
+#define I8_GEMM_ROWS 16
+static inline void i8_chunk(int64_t m, int64_t M, int one_row, int64_t *m0, int64_t *mb) {
+#if defined(__AVX512VNNI__)
+    if (!one_row && M >= I8_GEMM_ROWS) {
+        *m0 = m - m % I8_MR;
+        *mb = M - *m0 < I8_MR ? M - *m0 : I8_MR;
+        return;
+    }
+#endif
+    row_chunk(m, M, one_row, m0, mb);
+}
+
 /* Floats at the start of the scratch for the activations: the permuted fp32 (or bf16) x; the
    int8 form (`i8_parts`: K / 4 + 2 K / A floats a row, A >= 32) fits in the same. The
    per-tile constants follow. */
@@ -599,7 +672,7 @@ static void quantize_x_i8(const void *x, int x_dt, const qk_w4_layer *L, int64_t
     for (int64_t bm = 0; bm < nb * M; bm++) {
         const int64_t b = bm / M, m = bm % M;
         int64_t m0, mb;
-        row_chunk(m, M, one_row, &m0, &mb);
+        i8_chunk(m, M, one_row, &m0, &mb);
         int8_t *dst = xq + m0 * K + (m - m0) * 8 + b * (A / 8) * mb * 8;  /* + word * mb * 8 */
         const int64_t at = m0 * nb + b * mb + (m - m0);
 #if defined(__AVX512F__)
@@ -689,49 +762,81 @@ static void permute_x(const void *x, int x_dt, const qk_w4_layer *L, int64_t M,
 }
 
 #if defined(__AVX512VNNI__)
+/* Rows m0..m0 + mb of out, tile t's columns (its first nl of 16): res[i] + the bias. A row's 16
+   results are contiguous in out: one (masked) store for fp32; scalar stores of them read back
+   from a vector store stalled the loads (at 64 rows a fifth of the GEMV's time on a Zen 5). */
+static inline void store_tile_i8(const __m512 *res, int64_t mb, int64_t m0, int64_t t,
+                                 int64_t nl, const qk_w4_layer *L, void *out, int o_dt,
+                                 int64_t o_stride) {
+    float bias[16] = {0};
+    for (int64_t l = 0; L->bias && l < nl; l++) bias[l] = load_f(L->bias, 16 * t + l, (int)L->b_dt);
+    const __m512 bv = _mm512_loadu_ps(bias);
+    for (int64_t i = 0; i < mb; i++) {
+        const __m512 v = _mm512_add_ps(res[i], bv);
+        const int64_t at = (m0 + i) * o_stride + 16 * t;
+        if (o_dt == DT_F32) {
+            _mm512_mask_storeu_ps((float *)out + at, tail_mask(nl), v);
+            continue;
+        }
+        float r[16];
+        _mm512_storeu_ps(r, v);
+        for (int64_t l = 0; l < nl; l++) store_f(out, at + l, o_dt, r[l]);
+    }
+}
+
 /* gemv_rows for int8 activations (`quantize_x_i8` at xp): the 16-row tiles of `wr` split
    statically over the team (an orphaned `omp for`), each tile against every row chunk in turn
-   (its weights stay in L1/L2 after the first). */
+   (its weights stay in L1/L2 after the first). A call of I8_GEMM_ROWS rows or more (a prefill)
+   takes the tiles in pairs (`gemm_tile_i8`), an odd last one alone. */
 static void gemv_rows_i8(const qk_w4_layer *L, float *xp, int64_t M, void *out, int o_dt,
                          int64_t o_stride, int one_row) {
     const int64_t K = L->K, N = L->N, G = L->n_groups, A = i8_block(L), nb = K / A;
     const int64_t W = K / 8, cpb = A / 8, bpg = G == 1 ? nb : L->group_size / A;
     const int s_dt = (int)L->s_dt;
-    const int64_t s_bytes = s_dt == DT_F32 ? 4 : 2;
+    const int64_t s_bytes = s_dt == DT_F32 ? 4 : 2, tiles = (N + 15) / 16;
+    const int gemm = !one_row && M >= I8_GEMM_ROWS;
     int8_t *xq;
     float *ta, *xs;
     i8_parts(xp, M, K, A, &xq, &ta, &xs);
     #pragma omp for schedule(static)
-    for (int64_t t = 0; t < (N + 15) / 16; t++) {
+    for (int64_t u = 0; u < (gemm ? (tiles + 1) / 2 : tiles); u++) {
+        const int64_t t = gemm ? 2 * u : u;
         const int32_t *w = L->wr + t * W * 16;
         const char *sr = (const char *)L->sr + t * G * 16 * s_bytes;
         const uint8_t *zr = L->zr ? L->zr + t * G * 16 : NULL;
         const int64_t nl = N - 16 * t < 16 ? N - 16 * t : 16;  /* the tile's rows */
-        float bias[16] = {0};
-        for (int64_t l = 0; L->bias && l < nl; l++)
-            bias[l] = load_f(L->bias, 16 * t + l, (int)L->b_dt);
-        const __m512 bv = _mm512_loadu_ps(bias);
+        if (gemm && t + 1 < tiles) {
+            const int64_t t1 = t + 1, nl1 = N - 16 * t1 < 16 ? N - 16 * t1 : 16;
+            const int32_t *w1 = L->wr + t1 * W * 16;
+            const char *sr1 = (const char *)L->sr + t1 * G * 16 * s_bytes;
+            const uint8_t *zr1 = L->zr ? L->zr + t1 * G * 16 : NULL;
+            for (int64_t m0 = 0, mb; m0 < M; m0 += mb) {
+                i8_chunk(m0, M, one_row, &m0, &mb);
+                __m512 r0[I8_MR], r1[I8_MR];
+#define TILE_GEMM(MB) gemm_tile_i8(MB, w, w1, xq + m0 * K, ta + m0 * nb, xs + m0 * nb, sr, \
+                                   sr1, s_dt, s_bytes, zr, zr1, W, cpb, bpg, m0 == 0, r0, r1)
+                switch (mb) {
+                case 1: TILE_GEMM(1); break;
+                case 2: TILE_GEMM(2); break;
+                case 3: TILE_GEMM(3); break;
+                case 4: TILE_GEMM(4); break;
+                case 5: TILE_GEMM(5); break;
+                default: TILE_GEMM(I8_MR); break;
+                }
+#undef TILE_GEMM
+                store_tile_i8(r0, mb, m0, t, nl, L, out, o_dt, o_stride);
+                store_tile_i8(r1, mb, m0, t1, nl1, L, out, o_dt, o_stride);
+            }
+            continue;
+        }
         for (int64_t m0 = 0, mb; m0 < M; m0 += mb) {
-            row_chunk(m0, M, one_row, &m0, &mb);
+            i8_chunk(m0, M, one_row, &m0, &mb);
             __m512 res[MAX_MB];
 #define TILE_I8(MB) gemv_tile_i8(MB, w, xq + m0 * K, ta + m0 * nb, xs + m0 * nb, sr, s_dt, \
                                  s_bytes, zr, W, cpb, bpg, res)
             QK_ROWS_1_TO_8(mb, TILE_I8);  /* MAX_MB is 8 with AVX-512 */
 #undef TILE_I8
-            /* a row's 16 results are contiguous in out: one (masked) store for fp32; scalar
-               stores of them read back from a vector store stalled the loads (at 64 rows a
-               fifth of the GEMV's time on a Zen 5) */
-            for (int64_t i = 0; i < mb; i++) {
-                const __m512 v = _mm512_add_ps(res[i], bv);
-                const int64_t at = (m0 + i) * o_stride + 16 * t;
-                if (o_dt == DT_F32) {
-                    _mm512_mask_storeu_ps((float *)out + at, tail_mask(nl), v);
-                    continue;
-                }
-                float r[16];
-                _mm512_storeu_ps(r, v);
-                for (int64_t l = 0; l < nl; l++) store_f(out, at + l, o_dt, r[l]);
-            }
+            store_tile_i8(res, mb, m0, t, nl, L, out, o_dt, o_stride);
         }
     }
 }
