@@ -335,6 +335,7 @@ FUNCTIONS: dict[str, Fn] = {
     ),
     # int8.c
     "qk_w8a8_available": fn(c_int),
+    "qk_int8_peak_ops": fn(c_int64, rounds=c_int64, n_threads=c_int),
     "qk_w8a8_quant_tokens": fn(
         c_int,
         x=c_void_p,
@@ -423,7 +424,9 @@ LIBRARIES: dict[str, Library] = {
             "qk_i8i8_gemv",
         ),  # fmt: skip
     ),
-    "qk_int8_cpu": Library("int8.c", ("qk_w8a8_available", "qk_w8a8_quant_tokens", "qk_w8a8_gemm")),
+    "qk_int8_cpu": Library(
+        "int8.c", ("qk_w8a8_available", "qk_w8a8_quant_tokens", "qk_w8a8_gemm", "qk_int8_peak_ops")
+    ),
     "qk_logit_mask": Library("logit_mask.c", ("qk_mask_logits",)),
 }
 

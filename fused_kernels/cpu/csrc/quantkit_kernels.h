@@ -197,6 +197,11 @@ int qk_i8i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
 /* 1 when this build has the kernel (AVX512-VNNI), else 0. */
 int qk_w8a8_available(void);
 
+/* The vpdpbusd peak: n_threads threads each run `rounds` rounds of 12 independent 512-bit
+   vpdpbusd (64 u8 x s8 products each); returns the int8 operations done (a product and its add
+   are 2), or 0 where this build has no AVX512-VNNI. The caller times the call. */
+int64_t qk_int8_peak_ops(int64_t rounds, int n_threads);
+
 /* x [M, K] (fp32) -> codes int8 [M, Kp] (zeros past K), and per row scales[m] = absmax / 127
    and sums[m] = the sum of its codes: round(x / scale) to nearest even, clamped to +-127. */
 int qk_w8a8_quant_tokens(const float *x, int64_t M, int64_t K, int64_t x_stride, int8_t *codes,
