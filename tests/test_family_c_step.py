@@ -17,7 +17,13 @@ from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.cpu.w4a16 import cpu_kernel_available
 from quantkit.quantize.pipeline import quantize_model
 from quantkit.runtime.loader import load_model
-from tests.family_models import FAMILIES, MOE_FAMILIES, SLIDING_WINDOW, make_family_model
+from tests.family_models import (
+    COMMON,
+    FAMILIES,
+    MOE_FAMILIES,
+    SLIDING_WINDOW,
+    make_family_model,
+)
 
 pytestmark = [
     pytest.mark.skipif(not cpu_kernel_available(), reason="needs gcc for the C kernel"),
@@ -141,3 +147,40 @@ def test_a_moe_step_reads_only_its_rows_top_k_experts(name: str, tmp_path: Path)
     assert one.unread == round(experts * (1 - moe.top_k / moe.experts))
     assert one.read_per_step == everything.read_per_step - one.unread
     assert 0 < model_read_bytes(model, batch=2).unread < one.unread
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64},
+        {"hidden_size": 384, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 128},
+    ],
+    ids=["D64-group4", "D128-group3"],
+)
+def test_a_prefill_attends_each_head_as_a_decode_step_does(shape, tmp_path: Path) -> None:
+    """A prefill's rows take their GQA group's query heads together (4 at a time at D = 64, 2
+    at D = 128 and the third alone), a decode row takes them one at a time: each head's scores,
+    softmax and values in the same order, so with row-invariant GEMVs the prefill's hidden
+    states equal one-row steps' bit for bit, in every KV cache format."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**{**COMMON, **shape, "num_hidden_layers": 2})
+    src = tmp_path / "src"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(src)
+    ckpt = quantize_model(src, scheme=QuantScheme("int4", 32)).save(
+        tmp_path / "ckpt", source_dir=src
+    )
+    model = load_model(ckpt, tokenizer=False).model
+    tokens = [5, 17, 99, 3, 250, 31, 7, 8, 9, 10, 11, 12]
+    for kv in (None, "bfloat16", "int8", "fp8"):
+        model.kv_dtype = kv
+        with torch.no_grad():
+            model.setup_cache(batch=2, max_len=32)
+            path = model.decode_path
+            assert path.reason == "bound", path.reason
+            n = len(tokens)
+            one = torch.cat([path.run_rows(model, [t], [i], [0]) for i, t in enumerate(tokens)])
+            many = path.run_rows(model, tokens, list(range(n)), [1] * n, row_invariant=True)
+            model.drop_cache()
+        assert torch.equal(one, many), kv

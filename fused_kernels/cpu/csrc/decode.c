@@ -129,10 +129,14 @@ static int64_t chunks_of(int64_t n, int64_t S) {
    many heads, the positions [j0, j1), and the partial slot (-1: the row is not split). */
 typedef struct { int64_t r, i0, nh, j0, j1, part; } attend_unit;
 
+/* Rows of S attention scores a thread keeps: one a head of the heads `attend_heads` takes at
+   once (HEADS_AT_ONCE, at most 4). */
+#define SCORE_ROWS 4
+
 /* Floats of work buffer `qk_decode_step` needs for these layers, R rows and n_threads threads
-   (the attention scores are one row of S per thread, not per row and head: a 1024-token prefill
-   of a 32-head model over 8192 slots would otherwise need 1 GB), with the split rows' partials
-   and the unit table. */
+   (the attention scores are SCORE_ROWS rows of S per thread, not one per row and head: a
+   1024-token prefill of a 32-head model over 8192 slots would otherwise need 1 GB), with the
+   split rows' partials and the unit table. */
 int64_t qk_decode_work(const qk_decoder_layer *layers, int64_t n_layers,
                        const qk_decoder_dims *d, int64_t R, int n_threads) {
     int64_t qkv = (d->heads + 2 * d->kv_heads) * d->head_dim;
@@ -141,7 +145,7 @@ int64_t qk_decode_work(const qk_decoder_layer *layers, int64_t n_layers,
     return decode_gemv_scratch(layers, n_layers, R)
            + R * (d->hidden * 2 + qkv + d->heads * d->head_dim + gu_floats(d))
            + moe_floats(d, R)
-           + (int64_t)(n_threads > 0 ? n_threads : 1) * d->slots
+           + (int64_t)(n_threads > 0 ? n_threads : 1) * d->slots * SCORE_ROWS
            + R * d->heads * nch * (d->head_dim + 2)                            /* partials */
            + units * (int64_t)(sizeof(attend_unit) / sizeof(float)) + 64;
 }
@@ -313,7 +317,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
        buffers (moe_floats) | the attention units */
     float *xp = work, *h = work + decode_gemv_scratch(layers, n_layers, R), *t = h + R * H;
     float *qkv = t + R * H, *att = qkv + R * QKV, *gu = att + R * Hq * D;
-    float *scores = gu + R * gu_floats(d), *parts = scores + (int64_t)n_threads * S;
+    float *scores = gu + R * gu_floats(d), *parts = scores + (int64_t)n_threads * S * SCORE_ROWS;
     const int64_t n_chunks = (I + 255) / 256;
     const int64_t nch_max = chunks_of(S, S);
     const int64_t NE = d->experts, TK = d->top_k, EI = d->expert_inter;
@@ -384,12 +388,19 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         for (int64_t u = 0; u < n_units; u++) {
             const attend_unit U = lunits[u];
             const int64_t off = slot[U.r] * row_stride + ((U.i0 / group) * S + U.j0) * E;
+            float *sc = scores + omp_get_thread_num() * S * SCORE_ROWS;
+            if (U.part < 0 && U.nh > 1) {  /* a whole row's group of heads: together */
+                attend_heads(kv, qkv + U.r * QKV + U.i0 * D, U.nh,
+                             (const uint8_t *)L->k_cache + off, (const uint8_t *)L->v_cache + off,
+                             U.j1 - U.j0, D, scale, cap, sc, att + (U.r * Hq + U.i0) * D);
+                continue;
+            }
             for (int64_t i = U.i0; i < U.i0 + U.nh; i++) {
                 float *part = U.part < 0 ? NULL
                             : parts + (U.part + (i - U.i0) * nch_max) * (D + 2);
                 attend(kv, qkv + U.r * QKV + i * D, (const uint8_t *)L->k_cache + off,
                        (const uint8_t *)L->v_cache + off, U.j1 - U.j0, D, scale, cap,
-                       scores + omp_get_thread_num() * S,
+                       sc,
                        part ? part : att + (U.r * Hq + i) * D, part ? part + D : NULL);
             }
         }
