@@ -512,7 +512,8 @@ static inline __attribute__((always_inline)) void gemm_tile_i8(
 {
     const __m512i nib = _mm512_set1_epi8(0x0F);
     for (int m = 0; m < MB; m++) res0[m] = res1[m] = _mm512_setzero_ps();
-    for (int64_t j0 = 0, b = 0; j0 < W; j0 += cpb, b++) {
+    /* g: the group of block b, counted rather than divided (gb: b's place in it) */
+    for (int64_t j0 = 0, b = 0, g = 0, gb = 0; j0 < W; j0 += cpb, b++) {
         __m512i a0[I8_MR], a1[I8_MR];
         for (int m = 0; m < MB; m++) a0[m] = a1[m] = _mm512_setzero_si512();
         for (int64_t j = j0; j < j0 + cpb; j++) {
@@ -535,7 +536,6 @@ static inline __attribute__((always_inline)) void gemm_tile_i8(
                 a1[m] = _mm512_dpbusd_epi32(a1[m], vhi, xo);
             }
         }
-        const int64_t g = b / bpg;
         const __m512 s0 = load16_f(sr0 + g * 16 * s_bytes, s_dt);
         const __m512 s1 = load16_f(sr1 + g * 16 * s_bytes, s_dt);
         const __m512 z0 = zr0 ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
@@ -551,6 +551,7 @@ static inline __attribute__((always_inline)) void gemm_tile_i8(
             f = _mm512_mul_ps(_mm512_cvtepi32_ps(a1[m]), t);
             res1[m] = _mm512_fmadd_ps(_mm512_fnmadd_ps(z1, x, f), s1, res1[m]);
         }
+        if (++gb == bpg) g++, gb = 0;
     }
 }
 #endif
