@@ -161,7 +161,9 @@ def test_a_prefill_attends_each_head_as_a_decode_step_does(shape, tmp_path: Path
     """A prefill's rows take their GQA group's query heads together (4 at a time at D = 64, 2
     at D = 128 and the third alone), a decode row takes them one at a time: each head's scores,
     softmax and values in the same order, so with row-invariant GEMVs the prefill's hidden
-    states equal one-row steps' bit for bit, in every KV cache format."""
+    states equal one-row steps' bit for bit, in every KV cache format; and a 700-token prefill,
+    whose long rows attend in chunks (each chunk's heads together, as partials), equals the
+    PyTorch layers."""
     import transformers
 
     torch.manual_seed(0)
@@ -184,3 +186,18 @@ def test_a_prefill_attends_each_head_as_a_decode_step_does(shape, tmp_path: Path
             many = path.run_rows(model, tokens, list(range(n)), [1] * n, row_invariant=True)
             model.drop_cache()
         assert torch.equal(one, many), kv
+    # 700 positions: the rows past 512 split in chunks (flash-decoding), each chunk's heads
+    # together as partials; against the PyTorch layers
+    model.kv_dtype = None
+    ids = torch.randint(3, 512, (1, 700), generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(700).unsqueeze(0)
+    mask = (torch.arange(704) <= pos[0, :, None]).view(1, 1, 700, 704)
+    out, path = {}, model.decode_path
+    for fast in (True, False):
+        model.decode_path = path if fast else None
+        with torch.no_grad():
+            model.setup_cache(batch=1, max_len=704)
+            out[fast] = model(ids, positions=pos, mask=mask)
+            model.drop_cache()
+    model.decode_path = path
+    torch.testing.assert_close(out[True], out[False], **TOL)

@@ -191,47 +191,57 @@ static inline __attribute__((always_inline)) void attend_nv(
    once for GH heads' accumulators instead of once a head. A lone head's values loop is one FMA
    chain per vector of o, one key after another; GH heads give GH independent chains per
    vector. Each head's operations and their order are attend_nv's, so o is the same bits.
-   q: GH heads D apart; sc: GH * npos floats of scratch; o: GH heads' outputs D apart. */
+   q: GH heads D apart; sc: GH * npos floats of scratch; o: GH heads' outputs os apart, each
+   followed, when `partial`, by its {max, sum} (attend_nv's ml) and left unnormalised. */
 static inline __attribute__((always_inline)) void attend_nv_heads(
     const int NV16, const int KV, const int GH, const float *q, const uint8_t *kc,
-    const uint8_t *vc, int64_t npos, int64_t D, float scale, float *sc, float *o) {
+    const uint8_t *vc, int64_t npos, int64_t D, float scale, float *sc, float *o, int64_t os,
+    int partial) {
     const int64_t E = kv_bytes(KV, D);
     const __m512 sv = _mm512_set1_ps(scale);
-    float total[4];
-    for (int h = 0; h < GH; h++) {
-        const float *qh = q + h * D;
-        float *sh = sc + h * npos;
-        __m512 qv[16];
-        for (int c = 0; c < NV16; c++) qv[c] = _mm512_loadu_ps(qh + 16 * c);
-        int64_t j = 0;
-        for (; j + 8 <= npos; j += 8) {
+    float total[4], top[4];
+    /* the scores, 8 keys at a time for every head: the block's keys come from memory once
+       and from L1 for the other heads (a head at a time over all keys read each key's row
+       GH times from L2) */
+    __m512 qv[4][8];
+    for (int h = 0; h < GH; h++)
+        for (int c = 0; c < NV16; c++) qv[h][c] = _mm512_loadu_ps(q + h * D + 16 * c);
+    int64_t j = 0;
+    for (; j + 8 <= npos; j += 8)
+        for (int h = 0; h < GH; h++) {
             __m512 a[8];
             for (int k = 0; k < 8; k++) {
                 const uint8_t *kr = kc + (j + k) * E;
-                a[k] = _mm512_mul_ps(qv[0], kv_load16(KV, kr, 0));
+                a[k] = _mm512_mul_ps(qv[h][0], kv_load16(KV, kr, 0));
                 for (int c = 1; c < NV16; c++)
-                    a[k] = _mm512_fmadd_ps(qv[c], kv_load16(KV, kr, c), a[k]);
+                    a[k] = _mm512_fmadd_ps(qv[h][c], kv_load16(KV, kr, c), a[k]);
                 if (KV >= KV_I8) a[k] = _mm512_mul_ps(a[k], _mm512_set1_ps(kv_scale16(KV, kr, D)));
             }
+            float *sh = sc + h * npos;
             for (int k = 0; k < 8; k++) sh[j + k] = 0.0f;
             hsum8_add(a, sh + j);
         }
-        for (; j < npos; j++) sh[j] = kv_dot(KV, qh, kc + j * E, D) * kv_scale(KV, kc + j * E, D);
+    for (int h = 0; h < GH; h++) {
+        const float *qh = q + h * D;
+        float *sh = sc + h * npos;
+        for (int64_t i = j; i < npos; i++)
+            sh[i] = kv_dot(KV, qh, kc + i * E, D) * kv_scale(KV, kc + i * E, D);
         __m512 mv = _mm512_set1_ps(-INFINITY), tot = _mm512_setzero_ps();
-        for (j = 0; j < npos; j += 16) {
-            __mmask16 k = tail_mask(npos - j);
-            __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sh + j), sv);
+        for (int64_t i = 0; i < npos; i += 16) {
+            __mmask16 k = tail_mask(npos - i);
+            __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sh + i), sv);
             mv = _mm512_mask_max_ps(mv, k, mv, v);
         }
         const __m512 mx16 = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-        for (j = 0; j < npos; j += 16) {
-            __mmask16 k = tail_mask(npos - j);
-            __m512 v = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, sh + j), sv, mx16);
+        for (int64_t i = 0; i < npos; i += 16) {
+            __mmask16 k = tail_mask(npos - i);
+            __m512 v = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, sh + i), sv, mx16);
             __m512 e = _mm512_maskz_mov_ps(k, exp16(v));
-            _mm512_mask_storeu_ps(sh + j, k, e);
+            _mm512_mask_storeu_ps(sh + i, k, e);
             tot = _mm512_add_ps(tot, e);
         }
         total[h] = _mm512_reduce_add_ps(tot);
+        top[h] = _mm512_reduce_max_ps(mv);
     }
     __m512 acc[4][8];
     for (int h = 0; h < GH; h++)
@@ -247,24 +257,31 @@ static inline __attribute__((always_inline)) void attend_nv_heads(
         }
     }
     for (int h = 0; h < GH; h++) {
+        float *oh = o + h * os;
+        if (partial) {  /* as attend_nv's ml: the max, the sum, o unnormalised */
+            oh[D] = top[h];
+            oh[D + 1] = total[h];
+            for (int c = 0; c < NV16; c++) _mm512_storeu_ps(oh + 16 * c, acc[h][c]);
+            continue;
+        }
         const __m512 inv = _mm512_set1_ps(1.0f / total[h]);
-        for (int c = 0; c < NV16; c++)
-            _mm512_storeu_ps(o + h * D + 16 * c, _mm512_mul_ps(acc[h][c], inv));
+        for (int c = 0; c < NV16; c++) _mm512_storeu_ps(oh + 16 * c, _mm512_mul_ps(acc[h][c], inv));
     }
 }
 
 /* GH for a head size: 4 heads at D = 64 (16 accumulators), 2 at D = 128; 0: one at a time. */
 #define HEADS_AT_ONCE(D) ((D) == 64 ? 4 : (D) == 128 ? 2 : 0)
 #define ATTEND_HEADS_FORMAT(KV, NV, GH) \
-    attend_nv_heads(NV, KV, GH, q, kc, vc, npos, D, scale, sc, o)
+    attend_nv_heads(NV, KV, GH, q, kc, vc, npos, D, scale, sc, o, os, partial)
 #endif
 
-/* nh query heads of one row sharing their keys and values, o their outputs D apart, sc
-   HEADS_AT_ONCE(D) * npos floats (or npos where that is 0): in passes of HEADS_AT_ONCE(D)
-   heads (`attend_nv_heads`) where AVX-512 and D allow, no soft-cap; the rest one at a time. */
+/* nh query heads of one row sharing their keys and values, o their outputs os apart (each
+   with its {max, sum} after it when `partial`: a chunk of a split row), sc HEADS_AT_ONCE(D) *
+   npos floats (or npos where that is 0): in passes of HEADS_AT_ONCE(D) heads
+   (`attend_nv_heads`) where AVX-512 and D allow, no soft-cap; the rest one at a time. */
 static void attend_heads(int kv, const float *q, int64_t nh, const uint8_t *kc,
                          const uint8_t *vc, int64_t npos, int64_t D, float scale, float cap,
-                         float *sc, float *o);
+                         float *sc, float *o, int64_t os, int partial);
 
 /* attend_nv with the vector count (NV16 = D / 16, or 0 for the portable loop) and the cache
    format compile-time constants for the common head sizes: with a runtime count gcc kept qv
@@ -310,11 +327,11 @@ static void attend_merge(const float *part, int64_t n, int64_t D, float *o) {
 
 static void attend_heads(int kv, const float *q, int64_t nh, const uint8_t *kc,
                          const uint8_t *vc, int64_t npos, int64_t D, float scale, float cap,
-                         float *sc, float *o) {
+                         float *sc, float *o, int64_t os, int partial) {
     int64_t i = 0;
 #if defined(__AVX512F__)
     const int gh = HEADS_AT_ONCE(D);
-    for (; gh > 0 && cap <= 0.0f && i + gh <= nh; i += gh, q += gh * D, o += gh * D) {
+    for (; gh > 0 && cap <= 0.0f && i + gh <= nh; i += gh, q += gh * D, o += gh * os) {
         if (D == 64) {
             switch (kv) {
             case KV_BF16: ATTEND_HEADS_FORMAT(KV_BF16, 4, 4); break;
@@ -332,5 +349,6 @@ static void attend_heads(int kv, const float *q, int64_t nh, const uint8_t *kc,
         }
     }
 #endif
-    for (; i < nh; i++, q += D, o += D) attend(kv, q, kc, vc, npos, D, scale, cap, sc, o, NULL);
+    for (; i < nh; i++, q += D, o += os)
+        attend(kv, q, kc, vc, npos, D, scale, cap, sc, o, partial ? o + D : NULL);
 }
