@@ -397,3 +397,35 @@ def test_auto_activations_follow_the_measured_vendor(
         monkeypatch.setattr(fast_path, "int8_activations_available", lambda i=int8: i)
         monkeypatch.setattr(fast_path, "bf16_activations_available", lambda b=bf16: b)
         assert fast_path.auto_act_dtype(model, quantized=True) == want, vendor
+
+
+def test_a_long_int8_prefill_runs_in_chunks_and_gives_the_one_call_bits(
+    llama_ckpt: Path, monkeypatch
+) -> None:
+    """With int8 activations a one-row prefill longer than `max_rows` runs through the step in
+    chunks of `max_rows` rows, each a causal prefill over the cache so far; integer sums and
+    per-row attention make it the one call's bits. With fp32 activations it takes the PyTorch
+    layers (the step declines)."""
+    from quantkit.runtime.fast_path import int8_activations_available, set_act_dtype
+
+    model = load_model(llama_ckpt, tokenizer=False).model
+    ids = torch.randint(3, 200, (1, 21), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(21).unsqueeze(0)
+    path = model.decode_path
+    with torch.no_grad():
+        model.setup_cache(batch=1, max_len=32)
+        monkeypatch.setattr(path, "max_rows", 8)
+        assert not path.chunks and path.run(model, ids, pos) is None  # fp32: PyTorch
+        if not int8_activations_available():
+            pytest.skip("needs AVX512-VNNI for int8 activations")
+        set_act_dtype(model, torch.int8)
+        path = model.decode_path
+        model.setup_cache(batch=1, max_len=32)
+        monkeypatch.setattr(path, "max_rows", 8)
+        assert path.chunks
+        chunked = path.run(model, ids, pos)
+        monkeypatch.setattr(path, "max_rows", 1024)
+        model.setup_cache(batch=1, max_len=32)
+        whole = path.run(model, ids, pos)
+    assert chunked is not None and chunked.shape == whole.shape == (1, 21, whole.shape[-1])
+    assert torch.equal(chunked, whole)

@@ -197,14 +197,24 @@ class CpuDecodePath:
         if step is None or not self.is_current():
             return None
         b, t = input_ids.shape
-        if b > step.cache_rows or (t > 1 and (b > 1 or t > self.max_rows)):
+        if b > step.cache_rows or (t > 1 and (b > 1 or t > self.max_rows and not self.chunks)):
             return None
-        return self.run_rows(
-            model,
-            input_ids.view(-1).tolist(),
-            positions.reshape(-1).tolist(),
-            [0] * t if t > 1 else None,
-        ).view(b, t, -1)
+        ids, pos = input_ids.view(-1).tolist(), positions.reshape(-1).tolist()
+        if t <= self.max_rows:
+            return self.run_rows(model, ids, pos, [0] * t if t > 1 else None).view(b, t, -1)
+        n = self.max_rows  # a long prompt: causal prefills of n rows, each over the cache so far
+        parts = [self.run_rows(model, ids[i : i + n], pos[i : i + n], [0] * len(ids[i : i + n]))
+                 for i in range(0, t, n)]  # fmt: skip
+        return torch.cat(parts).view(1, t, -1)
+
+    @property
+    def chunks(self) -> bool:
+        """Whether a one-row prefill longer than `max_rows` runs through the step in chunks of
+        `max_rows` rather than on the PyTorch layers: with int8 activations, whose tile
+        multiplies a 512-row chunk at ~70% of the vpdpbusd peak, far past the dequantize +
+        MKL path (Llama-3.2-1B shape, 2048 tokens, 2-core Zen 5: see ARCHITECTURE.md). The
+        fp32 and bf16 GEMVs stop winning at `max_rows`, measured where it was set."""
+        return self.act_dtype == torch.int8
 
     def is_current(self) -> bool:
         """True when a step is bound and its cache is still the model's (no new cache since).
