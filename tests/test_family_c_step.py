@@ -152,16 +152,18 @@ def test_a_moe_step_reads_only_its_rows_top_k_experts(name: str, tmp_path: Path)
 @pytest.mark.parametrize(
     "shape",
     [
-        {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64},
+        {"hidden_size": 384, "num_attention_heads": 6, "num_key_value_heads": 1, "head_dim": 64},
+        {"hidden_size": 192, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64},
         {"hidden_size": 384, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 128},
     ],
-    ids=["D64-group4", "D128-group3"],
+    ids=["D64-group6", "D64-group3", "D128-group3"],
 )
 def test_a_prefill_attends_each_head_as_a_decode_step_does(shape, tmp_path: Path) -> None:
-    """A prefill's rows take their GQA group's query heads together (4 at a time at D = 64, 2
-    at D = 128 and the third alone), a decode row takes them one at a time: each head's scores,
-    softmax and values in the same order, so with row-invariant GEMVs the prefill's hidden
-    states equal one-row steps' bit for bit, in every KV cache format; and a 700-token prefill,
+    """A prefill's rows take their GQA group's query heads together (at D = 64 passes of 4 and
+    the 2 or 3 left; at D = 128 pairs, a third alone), a decode row takes them one at a time:
+    each head's scores, softmax and values in the same order, so with row-invariant GEMVs the
+    prefill's hidden states equal one-row steps' bit for bit, in every KV cache format; and a
+    700-token prefill,
     whose long rows attend in chunks (each chunk's heads together, as partials), equals the
     PyTorch layers."""
     import transformers

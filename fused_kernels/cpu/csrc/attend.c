@@ -269,7 +269,8 @@ static inline __attribute__((always_inline)) void attend_nv_heads(
     }
 }
 
-/* GH for a head size: 4 heads at D = 64 (16 accumulators), 2 at D = 128; 0: one at a time. */
+/* The most heads a pass takes at a head size: 4 at D = 64 (16 accumulators; 2 or 3 left go
+   together too), 2 at D = 128; 0: one at a time. */
 #define HEADS_AT_ONCE(D) ((D) == 64 ? 4 : (D) == 128 ? 2 : 0)
 #define ATTEND_HEADS_FORMAT(KV, NV, GH) \
     attend_nv_heads(NV, KV, GH, q, kc, vc, npos, D, scale, sc, o, os, partial)
@@ -277,8 +278,8 @@ static inline __attribute__((always_inline)) void attend_nv_heads(
 
 /* nh query heads of one row sharing their keys and values, o their outputs os apart (each
    with its {max, sum} after it when `partial`: a chunk of a split row), sc HEADS_AT_ONCE(D) *
-   npos floats (or npos where that is 0): in passes of HEADS_AT_ONCE(D) heads
-   (`attend_nv_heads`) where AVX-512 and D allow, no soft-cap; the rest one at a time. */
+   npos floats (or npos where that is 0): in passes of up to HEADS_AT_ONCE(D) heads
+   (`attend_nv_heads`) where AVX-512 and D allow, no soft-cap; a head left alone by itself. */
 static void attend_heads(int kv, const float *q, int64_t nh, const uint8_t *kc,
                          const uint8_t *vc, int64_t npos, int64_t D, float scale, float cap,
                          float *sc, float *o, int64_t os, int partial);
@@ -330,24 +331,26 @@ static void attend_heads(int kv, const float *q, int64_t nh, const uint8_t *kc,
                          float *sc, float *o, int64_t os, int partial) {
     int64_t i = 0;
 #if defined(__AVX512F__)
-    const int gh = HEADS_AT_ONCE(D);
-    for (; gh > 0 && cap <= 0.0f && i + gh <= nh; i += gh, q += gh * D, o += gh * os) {
-        if (D == 64) {
-            switch (kv) {
-            case KV_BF16: ATTEND_HEADS_FORMAT(KV_BF16, 4, 4); break;
-            case KV_I8: ATTEND_HEADS_FORMAT(KV_I8, 4, 4); break;
-            case KV_FP8: ATTEND_HEADS_FORMAT(KV_FP8, 4, 4); break;
-            default: ATTEND_HEADS_FORMAT(KV_F32, 4, 4); break;
-            }
-        } else {
-            switch (kv) {
-            case KV_BF16: ATTEND_HEADS_FORMAT(KV_BF16, 8, 2); break;
-            case KV_I8: ATTEND_HEADS_FORMAT(KV_I8, 8, 2); break;
-            case KV_FP8: ATTEND_HEADS_FORMAT(KV_FP8, 8, 2); break;
-            default: ATTEND_HEADS_FORMAT(KV_F32, 8, 2); break;
-            }
-        }
+#define HEADS_ANY_FORMAT(NV, GH)                                     \
+    do {                                                             \
+        switch (kv) {                                                \
+        case KV_BF16: ATTEND_HEADS_FORMAT(KV_BF16, NV, GH); break;   \
+        case KV_I8: ATTEND_HEADS_FORMAT(KV_I8, NV, GH); break;       \
+        case KV_FP8: ATTEND_HEADS_FORMAT(KV_FP8, NV, GH); break;     \
+        default: ATTEND_HEADS_FORMAT(KV_F32, NV, GH); break;         \
+        }                                                            \
+    } while (0)
+    const int most = HEADS_AT_ONCE(D);
+    while (most > 0 && cap <= 0.0f && nh - i >= 2) {
+        /* passes of `most` heads, then (D = 64) the 2 or 3 left together */
+        const int gh = nh - i >= most ? most : (int)(nh - i);
+        if (D == 64 && gh == 4) HEADS_ANY_FORMAT(4, 4);
+        else if (D == 64 && gh == 3) HEADS_ANY_FORMAT(4, 3);
+        else if (D == 64) HEADS_ANY_FORMAT(4, 2);
+        else HEADS_ANY_FORMAT(8, 2);
+        i += gh, q += gh * D, o += gh * os;
     }
+#undef HEADS_ANY_FORMAT
 #endif
     for (; i < nh; i++, q += D, o += os)
         attend(kv, q, kc, vc, npos, D, scale, cap, sc, o, partial ? o + D : NULL);
