@@ -95,14 +95,107 @@ static inline float kv_scale16(const int kv, const uint8_t *r, int64_t D) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* GH query heads that share their keys and values (a GQA group's, or part of it) at once, each
+   as `attend_nv` does one (its AVX-512 loop is this with GH = 1): the scores 8 keys at a time
+   reduced together (hsum8_add), each 8-key block of K read once for all GH heads (a head at
+   a time over all keys read every key's row GH times from L2), each head's softmax (with cap
+   > 0 each scaled logit becomes cap * tanh(logit / cap) first), then one pass over the values
+   for all GH heads, each value vector loaded once and the GH heads' o kept in registers: a
+   lone head's values loop is one FMA chain per vector of o, GH heads give GH chains. Each
+   head's operations and their order do not depend on GH, so o is the same bits at any GH.
+   q: GH heads D apart; sc: GH * npos floats of scratch; o: GH heads' outputs os apart, each
+   followed, when `partial`, by its {max, sum} and left unnormalised. D = 16 NV16, NV16 <= 16. */
+static inline __attribute__((always_inline)) void attend_nv_heads(
+    const int NV16, const int KV, const int GH, const float *q, const uint8_t *kc,
+    const uint8_t *vc, int64_t npos, int64_t D, float scale, float cap, float *sc, float *o,
+    int64_t os, int partial) {
+    const int64_t E = kv_bytes(KV, D);
+    float total[4], top[4];
+    /* the scores, 8 keys at a time for every head: the block's keys come from memory once
+       and from L1 for the other heads (a head at a time over all keys read each key's row
+       GH times from L2) */
+    __m512 qv[4][16];
+    for (int h = 0; h < GH; h++)
+        for (int c = 0; c < NV16; c++) qv[h][c] = _mm512_loadu_ps(q + h * D + 16 * c);
+    int64_t j = 0;
+    for (; j + 8 <= npos; j += 8)
+        for (int h = 0; h < GH; h++) {
+            __m512 a[8];
+            for (int k = 0; k < 8; k++) {
+                const uint8_t *kr = kc + (j + k) * E;
+                a[k] = _mm512_mul_ps(qv[h][0], kv_load16(KV, kr, 0));
+                for (int c = 1; c < NV16; c++)
+                    a[k] = _mm512_fmadd_ps(qv[h][c], kv_load16(KV, kr, c), a[k]);
+                if (KV >= KV_I8) a[k] = _mm512_mul_ps(a[k], _mm512_set1_ps(kv_scale16(KV, kr, D)));
+            }
+            float *sh = sc + h * npos;
+            for (int k = 0; k < 8; k++) sh[j + k] = 0.0f;
+            hsum8_add(a, sh + j);
+        }
+    for (int h = 0; h < GH; h++) {
+        const float *qh = q + h * D;
+        float *sh = sc + h * npos;
+        for (int64_t i = j; i < npos; i++)
+            sh[i] = kv_dot(KV, qh, kc + i * E, D) * kv_scale(KV, kc + i * E, D);
+        __m512 sv = _mm512_set1_ps(scale);
+        if (cap > 0.0f) {  /* soft-capped: the scores become the final logits */
+            for (int64_t i = 0; i < npos; i++) sh[i] = tanhf(sh[i] * scale / cap) * cap;
+            sv = _mm512_set1_ps(1.0f);
+        }
+        __m512 mv = _mm512_set1_ps(-INFINITY), tot = _mm512_setzero_ps();
+        for (int64_t i = 0; i < npos; i += 16) {
+            __mmask16 k = tail_mask(npos - i);
+            __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sh + i), sv);
+            mv = _mm512_mask_max_ps(mv, k, mv, v);
+        }
+        const __m512 mx16 = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+        for (int64_t i = 0; i < npos; i += 16) {
+            __mmask16 k = tail_mask(npos - i);
+            __m512 v = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, sh + i), sv, mx16);
+            __m512 e = _mm512_maskz_mov_ps(k, exp16(v));
+            _mm512_mask_storeu_ps(sh + i, k, e);
+            tot = _mm512_add_ps(tot, e);
+        }
+        total[h] = _mm512_reduce_add_ps(tot);
+        top[h] = _mm512_reduce_max_ps(mv);
+    }
+    __m512 acc[4][16];
+    for (int h = 0; h < GH; h++)
+        for (int c = 0; c < NV16; c++) acc[h][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < npos; j++) {
+        const uint8_t *vr = vc + j * E;
+        __m512 v[16];
+        for (int c = 0; c < NV16; c++) v[c] = kv_load16(KV, vr, c);
+        for (int h = 0; h < GH; h++) {
+            const float sj = sc[h * npos + j];
+            const __m512 p = _mm512_set1_ps(KV >= KV_I8 ? sj * kv_scale16(KV, vr, D) : sj);
+            for (int c = 0; c < NV16; c++) acc[h][c] = _mm512_fmadd_ps(p, v[c], acc[h][c]);
+        }
+    }
+    for (int h = 0; h < GH; h++) {
+        float *oh = o + h * os;
+        if (partial) {  /* as attend_nv's ml: the max, the sum, o unnormalised */
+            oh[D] = top[h];
+            oh[D + 1] = total[h];
+            for (int c = 0; c < NV16; c++) _mm512_storeu_ps(oh + 16 * c, acc[h][c]);
+            continue;
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / total[h]);
+        for (int c = 0; c < NV16; c++) _mm512_storeu_ps(oh + 16 * c, _mm512_mul_ps(acc[h][c], inv));
+    }
+}
+
+#endif
+
 /* One query head over its cache row: o = softmax(q k^T * scale) v over keys 0..npos-1 (with
    cap > 0 each scaled logit becomes cap * tanh(logit / cap) first: Gemma 2's soft-cap), the
    keys and values in format KV, E bytes apart; sc [npos] is scratch. The portable loop below
    does one dot product per key (16 partial sums reduced per key) and accumulates o through
-   memory. With AVX-512 and D a multiple of 16 (up to 256): scores 8 keys at a time reduced
-   together (hsum8_add), and o kept in registers while the values stream past. SmolLM2 batch-8
-   step, A/B in one run: 10.90 -> 10.58 ms p50 (what remains is mostly reading the fp32 cache:
-   ~26 MB a step at context ~70). */
+   memory. With AVX-512 and D a multiple of 16 (up to 256): `attend_nv_heads` for one head.
+   ml: {max, sum} at o + D (callers put it there), o unnormalised. SmolLM2 batch-8 step, A/B in
+   one run: 10.90 -> 10.58 ms p50 (what remains is mostly reading the fp32 cache: ~26 MB a step
+   at context ~70). */
 static inline __attribute__((always_inline)) void attend_nv(
     const int NV16, const int KV, const float *q, const uint8_t *kc, const uint8_t *vc,
     int64_t npos, int64_t D, float scale, float cap, float *sc, float *o, float *ml) {
@@ -110,58 +203,7 @@ static inline __attribute__((always_inline)) void attend_nv(
     float mx = -INFINITY, sum = 0.0f;
 #if defined(__AVX512F__)
     if (NV16 > 0) {
-        const int nv = NV16;
-        __m512 qv[16], acc[16];
-        for (int c = 0; c < nv; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
-        int64_t j = 0;
-        for (; j + 8 <= npos; j += 8) {
-            __m512 a[8];
-            for (int k = 0; k < 8; k++) {
-                const uint8_t *kr = kc + (j + k) * E;
-                a[k] = _mm512_mul_ps(qv[0], kv_load16(KV, kr, 0));
-                for (int c = 1; c < nv; c++)
-                    a[k] = _mm512_fmadd_ps(qv[c], kv_load16(KV, kr, c), a[k]);
-                if (KV >= KV_I8) a[k] = _mm512_mul_ps(a[k], _mm512_set1_ps(kv_scale16(KV, kr, D)));
-            }
-            for (int k = 0; k < 8; k++) sc[j + k] = 0.0f;
-            hsum8_add(a, sc + j);
-        }
-        for (; j < npos; j++) sc[j] = kv_dot(KV, q, kc + j * E, D) * kv_scale(KV, kc + j * E, D);
-        if (cap > 0.0f) {  /* soft-capped: the scores become the final logits */
-            for (j = 0; j < npos; j++) sc[j] = tanhf(sc[j] * scale / cap) * cap;
-            scale = 1.0f;
-        }
-        /* softmax over the scores, 16 at a time; o is normalised once at the end */
-        const __m512 sv = _mm512_set1_ps(scale);
-        __m512 mv = _mm512_set1_ps(-INFINITY), tot = _mm512_setzero_ps();
-        for (j = 0; j < npos; j += 16) {
-            __mmask16 k = tail_mask(npos - j);
-            __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sc + j), sv);
-            mv = _mm512_mask_max_ps(mv, k, mv, v);
-        }
-        const __m512 mx16 = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-        for (j = 0; j < npos; j += 16) {
-            __mmask16 k = tail_mask(npos - j);
-            __m512 v = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, sc + j), sv, mx16);
-            __m512 e = _mm512_maskz_mov_ps(k, exp16(v));
-            _mm512_mask_storeu_ps(sc + j, k, e);
-            tot = _mm512_add_ps(tot, e);
-        }
-        for (int c = 0; c < nv; c++) acc[c] = _mm512_setzero_ps();
-        for (j = 0; j < npos; j++) {
-            const uint8_t *vr = vc + j * E;
-            __m512 p = _mm512_set1_ps(KV >= KV_I8 ? sc[j] * kv_scale16(KV, vr, D) : sc[j]);
-            for (int c = 0; c < nv; c++)
-                acc[c] = _mm512_fmadd_ps(p, kv_load16(KV, vr, c), acc[c]);
-        }
-        if (ml) {  /* a partial: the max, the sum of the exponentials, o unnormalised */
-            ml[0] = _mm512_reduce_max_ps(mv);
-            ml[1] = _mm512_reduce_add_ps(tot);
-            for (int c = 0; c < nv; c++) _mm512_storeu_ps(o + 16 * c, acc[c]);
-            return;
-        }
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(tot));
-        for (int c = 0; c < nv; c++) _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(acc[c], inv));
+        attend_nv_heads(NV16, KV, 1, q, kc, vc, npos, D, scale, cap, sc, o, D, ml != NULL);
         return;
     }
 #endif
@@ -185,101 +227,17 @@ static inline __attribute__((always_inline)) void attend_nv(
 }
 
 #if defined(__AVX512F__)
-/* GH query heads that share their keys and values (a GQA group's, or part of it) at once, each
-   exactly as `attend_nv` computes it alone (no soft-cap, not a partial): its scores 8 keys at a
-   time, its softmax, then one pass over the values for all GH heads, each value vector loaded
-   once for GH heads' accumulators instead of once a head. A lone head's values loop is one FMA
-   chain per vector of o, one key after another; GH heads give GH independent chains per
-   vector. Each head's operations and their order are attend_nv's, so o is the same bits.
-   q: GH heads D apart; sc: GH * npos floats of scratch; o: GH heads' outputs os apart, each
-   followed, when `partial`, by its {max, sum} (attend_nv's ml) and left unnormalised. */
-static inline __attribute__((always_inline)) void attend_nv_heads(
-    const int NV16, const int KV, const int GH, const float *q, const uint8_t *kc,
-    const uint8_t *vc, int64_t npos, int64_t D, float scale, float *sc, float *o, int64_t os,
-    int partial) {
-    const int64_t E = kv_bytes(KV, D);
-    const __m512 sv = _mm512_set1_ps(scale);
-    float total[4], top[4];
-    /* the scores, 8 keys at a time for every head: the block's keys come from memory once
-       and from L1 for the other heads (a head at a time over all keys read each key's row
-       GH times from L2) */
-    __m512 qv[4][8];
-    for (int h = 0; h < GH; h++)
-        for (int c = 0; c < NV16; c++) qv[h][c] = _mm512_loadu_ps(q + h * D + 16 * c);
-    int64_t j = 0;
-    for (; j + 8 <= npos; j += 8)
-        for (int h = 0; h < GH; h++) {
-            __m512 a[8];
-            for (int k = 0; k < 8; k++) {
-                const uint8_t *kr = kc + (j + k) * E;
-                a[k] = _mm512_mul_ps(qv[h][0], kv_load16(KV, kr, 0));
-                for (int c = 1; c < NV16; c++)
-                    a[k] = _mm512_fmadd_ps(qv[h][c], kv_load16(KV, kr, c), a[k]);
-                if (KV >= KV_I8) a[k] = _mm512_mul_ps(a[k], _mm512_set1_ps(kv_scale16(KV, kr, D)));
-            }
-            float *sh = sc + h * npos;
-            for (int k = 0; k < 8; k++) sh[j + k] = 0.0f;
-            hsum8_add(a, sh + j);
-        }
-    for (int h = 0; h < GH; h++) {
-        const float *qh = q + h * D;
-        float *sh = sc + h * npos;
-        for (int64_t i = j; i < npos; i++)
-            sh[i] = kv_dot(KV, qh, kc + i * E, D) * kv_scale(KV, kc + i * E, D);
-        __m512 mv = _mm512_set1_ps(-INFINITY), tot = _mm512_setzero_ps();
-        for (int64_t i = 0; i < npos; i += 16) {
-            __mmask16 k = tail_mask(npos - i);
-            __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, sh + i), sv);
-            mv = _mm512_mask_max_ps(mv, k, mv, v);
-        }
-        const __m512 mx16 = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
-        for (int64_t i = 0; i < npos; i += 16) {
-            __mmask16 k = tail_mask(npos - i);
-            __m512 v = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, sh + i), sv, mx16);
-            __m512 e = _mm512_maskz_mov_ps(k, exp16(v));
-            _mm512_mask_storeu_ps(sh + i, k, e);
-            tot = _mm512_add_ps(tot, e);
-        }
-        total[h] = _mm512_reduce_add_ps(tot);
-        top[h] = _mm512_reduce_max_ps(mv);
-    }
-    __m512 acc[4][8];
-    for (int h = 0; h < GH; h++)
-        for (int c = 0; c < NV16; c++) acc[h][c] = _mm512_setzero_ps();
-    for (int64_t j = 0; j < npos; j++) {
-        const uint8_t *vr = vc + j * E;
-        __m512 v[8];
-        for (int c = 0; c < NV16; c++) v[c] = kv_load16(KV, vr, c);
-        for (int h = 0; h < GH; h++) {
-            const float sj = sc[h * npos + j];
-            const __m512 p = _mm512_set1_ps(KV >= KV_I8 ? sj * kv_scale16(KV, vr, D) : sj);
-            for (int c = 0; c < NV16; c++) acc[h][c] = _mm512_fmadd_ps(p, v[c], acc[h][c]);
-        }
-    }
-    for (int h = 0; h < GH; h++) {
-        float *oh = o + h * os;
-        if (partial) {  /* as attend_nv's ml: the max, the sum, o unnormalised */
-            oh[D] = top[h];
-            oh[D + 1] = total[h];
-            for (int c = 0; c < NV16; c++) _mm512_storeu_ps(oh + 16 * c, acc[h][c]);
-            continue;
-        }
-        const __m512 inv = _mm512_set1_ps(1.0f / total[h]);
-        for (int c = 0; c < NV16; c++) _mm512_storeu_ps(oh + 16 * c, _mm512_mul_ps(acc[h][c], inv));
-    }
-}
-
 /* The most heads a pass takes at a head size: 4 at D = 64 (16 accumulators; 2 or 3 left go
    together too), 2 at D = 128; 0: one at a time. */
 #define HEADS_AT_ONCE(D) ((D) == 64 ? 4 : (D) == 128 ? 2 : 0)
 #define ATTEND_HEADS_FORMAT(KV, NV, GH) \
-    attend_nv_heads(NV, KV, GH, q, kc, vc, npos, D, scale, sc, o, os, partial)
+    attend_nv_heads(NV, KV, GH, q, kc, vc, npos, D, scale, cap, sc, o, os, partial)
 #endif
 
 /* nh query heads of one row sharing their keys and values, o their outputs os apart (each
    with its {max, sum} after it when `partial`: a chunk of a split row), sc HEADS_AT_ONCE(D) *
    npos floats (or npos where that is 0): in passes of up to HEADS_AT_ONCE(D) heads
-   (`attend_nv_heads`) where AVX-512 and D allow, no soft-cap; a head left alone by itself. */
+   (`attend_nv_heads`) where AVX-512 and D allow; a head left alone by itself. */
 static void attend_heads(int kv, const float *q, int64_t nh, const uint8_t *kc,
                          const uint8_t *vc, int64_t npos, int64_t D, float scale, float cap,
                          float *sc, float *o, int64_t os, int partial);
@@ -341,7 +299,7 @@ static void attend_heads(int kv, const float *q, int64_t nh, const uint8_t *kc,
         }                                                            \
     } while (0)
     const int most = HEADS_AT_ONCE(D);
-    while (most > 0 && cap <= 0.0f && nh - i >= 2) {
+    while (most > 0 && nh - i >= 2) {
         /* passes of `most` heads, then (D = 64) the 2 or 3 left together */
         const int gh = nh - i >= most ? most : (int)(nh - i);
         if (D == 64 && gh == 4) HEADS_ANY_FORMAT(4, 4);
