@@ -8,7 +8,8 @@ C call, and everything else takes the PyTorch path. Row b sits at cache row b an
 attends to its row's positions <= its own: the mask every caller here builds (`generate`'s right
 padding and causal prefill, the serving engine's slots and prompt chunks). Prefills longer than
 the GEMV's measured crossover (`GEMV_MAX_M`, where dequantize + MKL wins) stay on the PyTorch
-path, except with int8 activations, which run them through the step in chunks (`chunks`). QUANTKIT_CPU_DECODE=0 turns it off (for comparisons). Measured on SmolLM2-135M INT4, 2
+path, except with int8 activations, which run them through the step in chunks (`chunks`).
+QUANTKIT_CPU_DECODE=0 turns it off (for comparisons). Measured on SmolLM2-135M INT4, 2
 threads: see ARCHITECTURE.md / the decode benchmark.
 
 Activations. The GEMVs take fp32 activations by default, which the tests hold to the PyTorch
