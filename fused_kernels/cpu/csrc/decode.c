@@ -388,24 +388,14 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         for (int64_t u = 0; u < n_units; u++) {
             const attend_unit U = lunits[u];
             const int64_t off = slot[U.r] * row_stride + ((U.i0 / group) * S + U.j0) * E;
-            float *sc = scores + omp_get_thread_num() * S * SCORE_ROWS;
-            if (U.nh > 1) {  /* a row's group of heads (or a chunk of it): together */
-                const int partial = U.part >= 0;
-                attend_heads(kv, qkv + U.r * QKV + U.i0 * D, U.nh,
-                             (const uint8_t *)L->k_cache + off, (const uint8_t *)L->v_cache + off,
-                             U.j1 - U.j0, D, scale, cap, sc,
-                             partial ? parts + U.part * (D + 2) : att + (U.r * Hq + U.i0) * D,
-                             partial ? nch_max * (D + 2) : D, partial);
-                continue;
-            }
-            for (int64_t i = U.i0; i < U.i0 + U.nh; i++) {
-                float *part = U.part < 0 ? NULL
-                            : parts + (U.part + (i - U.i0) * nch_max) * (D + 2);
-                attend(kv, qkv + U.r * QKV + i * D, (const uint8_t *)L->k_cache + off,
-                       (const uint8_t *)L->v_cache + off, U.j1 - U.j0, D, scale, cap,
-                       sc,
-                       part ? part : att + (U.r * Hq + i) * D, part ? part + D : NULL);
-            }
+            /* the unit's heads (a row's whole group, a chunk of it, or one head); a chunk's
+               partials lie nch_max apart a head */
+            const int partial = U.part >= 0;
+            attend_heads(kv, qkv + U.r * QKV + U.i0 * D, U.nh, (const uint8_t *)L->k_cache + off,
+                         (const uint8_t *)L->v_cache + off, U.j1 - U.j0, D, scale, cap,
+                         scores + omp_get_thread_num() * S * SCORE_ROWS,
+                         partial ? parts + U.part * (D + 2) : att + (U.r * Hq + U.i0) * D,
+                         partial ? nch_max * (D + 2) : D, partial);
         }
         if (splits[sl]) {
             #pragma omp for schedule(static)
