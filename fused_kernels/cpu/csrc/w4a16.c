@@ -438,6 +438,13 @@ static inline __m512 load16_f(const void *p, int dt) {
     return _mm512_loadu_ps(p);
 }
 
+/* The 16 rows' 8 + zero point of group g as floats (`qk_w4_layer.zr`: one byte a row and
+   group, 16 rows interleaved), 8 for all without zero points (symmetric). */
+static inline __m512 zero16(const uint8_t *zr, int64_t g) {
+    if (!zr) return _mm512_set1_ps(8.0f);
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(zr + g * 16))));
+}
+
 /* The int8 tile (VNNI): res[m] lane l = sum over k of x[m, k] w[16 t + l, k] for the 16 weight
    rows of tile t (`qk_w4_layer.wr`: lane l of word j holds row 16 t + l's elements 8j..8j+7)
    and MB (1..8) activation rows quantized per block of A elements (`quantize_x_i8`).
@@ -483,9 +490,7 @@ static inline __attribute__((always_inline)) void gemv_tile_i8(
 #undef GEMV_WORD_I8
         const int64_t g = b / bpg;
         const __m512 s = load16_f(sr + g * 16 * s_bytes, s_dt);
-        const __m512 z = zr ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                  _mm_loadu_si128((const __m128i *)(zr + g * 16))))
-                            : _mm512_set1_ps(8.0f);
+        const __m512 z = zero16(zr, g);
         _Pragma("GCC unroll 8") for (int m = 0; m < MB; m++) {
             __m512i a = acc[m][0];
             for (int k = 1; k < na; k++) a = _mm512_add_epi32(a, acc[m][k]);
@@ -496,7 +501,25 @@ static inline __attribute__((always_inline)) void gemv_tile_i8(
     }
 }
 
-/* The prefill tile: two 16-row tiles of `wr` (w0, w1: 32 output rows) against MB (1..I8_MR)
+/* Tile t of `wr` (16 interleaved weight rows): its words, scales and zero-point bytes, how many
+   of its 16 rows exist (nl), and their bias (0 past nl or without one), made once a tile. */
+typedef struct {
+    int64_t t, nl;
+    const int32_t *w;
+    const char *sr;
+    const uint8_t *zr;
+    __m512 bias;
+} i8_tile;
+
+static inline i8_tile i8_tile_at(const qk_w4_layer *L, int64_t t, int64_t s_bytes) {
+    const int64_t W = L->K / 8, G = L->n_groups, nl = L->N - 16 * t < 16 ? L->N - 16 * t : 16;
+    float bias[16] = {0};
+    for (int64_t l = 0; L->bias && l < nl; l++) bias[l] = load_f(L->bias, 16 * t + l, (int)L->b_dt);
+    return (i8_tile){t, nl, L->wr + t * W * 16, (const char *)L->sr + t * G * 16 * s_bytes,
+                     L->zr ? L->zr + t * G * 16 : NULL, _mm512_loadu_ps(bias)};
+}
+
+/* The prefill tile: two 16-row tiles of `wr` (T0, T1: 32 output rows) against MB (1..I8_MR)
    activation rows. `gemv_tile_i8` broadcasts a row's 4 codes from memory for each vpdpbusd;
    here each broadcast is loaded once into a register and used for both tiles. One Zen 5 core,
    K = 2048 with everything in L1, against a 2458 GOPS vpdpbusd peak for two cores: 1 tile x 8
@@ -505,12 +528,12 @@ static inline __attribute__((always_inline)) void gemv_tile_i8(
    `gemv_tile_i8`'s, so the results are the same bits whichever tile computed them. */
 #define I8_MR 6
 static inline __attribute__((always_inline)) void gemm_tile_i8(
-    int MB, const int32_t *w0, const int32_t *w1, const int8_t *xq, const float *ta,
-    const float *xs, const char *sr0, const char *sr1, int s_dt, int64_t s_bytes,
-    const uint8_t *zr0, const uint8_t *zr1, int64_t W, int64_t cpb, int64_t bpg, int pf,
+    int MB, const i8_tile *T0, const i8_tile *T1, const int8_t *xq, const float *ta,
+    const float *xs, int s_dt, int64_t s_bytes, int64_t W, int64_t cpb, int64_t bpg, int pf,
     __m512 *res0, __m512 *res1)
 {
     const __m512i nib = _mm512_set1_epi8(0x0F);
+    const int32_t *w0 = T0->w, *w1 = T1->w;
     for (int m = 0; m < MB; m++) res0[m] = res1[m] = _mm512_setzero_ps();
     /* g: the group of block b, counted rather than divided (gb: b's place in it) */
     for (int64_t j0 = 0, b = 0, g = 0, gb = 0; j0 < W; j0 += cpb, b++) {
@@ -536,14 +559,9 @@ static inline __attribute__((always_inline)) void gemm_tile_i8(
                 a1[m] = _mm512_dpbusd_epi32(a1[m], vhi, xo);
             }
         }
-        const __m512 s0 = load16_f(sr0 + g * 16 * s_bytes, s_dt);
-        const __m512 s1 = load16_f(sr1 + g * 16 * s_bytes, s_dt);
-        const __m512 z0 = zr0 ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                    _mm_loadu_si128((const __m128i *)(zr0 + g * 16))))
-                              : _mm512_set1_ps(8.0f);
-        const __m512 z1 = zr1 ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                    _mm_loadu_si128((const __m128i *)(zr1 + g * 16))))
-                              : _mm512_set1_ps(8.0f);
+        const __m512 s0 = load16_f(T0->sr + g * 16 * s_bytes, s_dt);
+        const __m512 s1 = load16_f(T1->sr + g * 16 * s_bytes, s_dt);
+        const __m512 z0 = zero16(T0->zr, g), z1 = zero16(T1->zr, g);
         _Pragma("GCC unroll 6") for (int m = 0; m < MB; m++) {
             const __m512 t = _mm512_set1_ps(ta[b * MB + m]), x = _mm512_set1_ps(xs[b * MB + m]);
             __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(a0[m]), t);
@@ -763,25 +781,21 @@ static void permute_x(const void *x, int x_dt, const qk_w4_layer *L, int64_t M,
 }
 
 #if defined(__AVX512VNNI__)
-/* Rows m0..m0 + mb of out, tile t's columns (its first nl of 16): res[i] + the bias. A row's 16
-   results are contiguous in out: one (masked) store for fp32; scalar stores of them read back
-   from a vector store stalled the loads (at 64 rows a fifth of the GEMV's time on a Zen 5). */
-static inline void store_tile_i8(const __m512 *res, int64_t mb, int64_t m0, int64_t t,
-                                 int64_t nl, const qk_w4_layer *L, void *out, int o_dt,
-                                 int64_t o_stride) {
-    float bias[16] = {0};
-    for (int64_t l = 0; L->bias && l < nl; l++) bias[l] = load_f(L->bias, 16 * t + l, (int)L->b_dt);
-    const __m512 bv = _mm512_loadu_ps(bias);
+/* Rows m0..m0 + mb of out, tile T's columns: res[i] + its bias. A row's 16 results are
+   contiguous in out: one (masked) store for fp32; scalar stores of them read back from a
+   vector store stalled the loads (at 64 rows a fifth of the GEMV's time on a Zen 5). */
+static inline void store_tile_i8(const __m512 *res, int64_t mb, int64_t m0, const i8_tile *T,
+                                 void *out, int o_dt, int64_t o_stride) {
     for (int64_t i = 0; i < mb; i++) {
-        const __m512 v = _mm512_add_ps(res[i], bv);
-        const int64_t at = (m0 + i) * o_stride + 16 * t;
+        const __m512 v = _mm512_add_ps(res[i], T->bias);
+        const int64_t at = (m0 + i) * o_stride + 16 * T->t;
         if (o_dt == DT_F32) {
-            _mm512_mask_storeu_ps((float *)out + at, tail_mask(nl), v);
+            _mm512_mask_storeu_ps((float *)out + at, tail_mask(T->nl), v);
             continue;
         }
         float r[16];
         _mm512_storeu_ps(r, v);
-        for (int64_t l = 0; l < nl; l++) store_f(out, at + l, o_dt, r[l]);
+        for (int64_t l = 0; l < T->nl; l++) store_f(out, at + l, o_dt, r[l]);
     }
 }
 
@@ -801,21 +815,14 @@ static void gemv_rows_i8(const qk_w4_layer *L, float *xp, int64_t M, void *out, 
     i8_parts(xp, M, K, A, &xq, &ta, &xs);
     #pragma omp for schedule(static)
     for (int64_t u = 0; u < (gemm ? (tiles + 1) / 2 : tiles); u++) {
-        const int64_t t = gemm ? 2 * u : u;
-        const int32_t *w = L->wr + t * W * 16;
-        const char *sr = (const char *)L->sr + t * G * 16 * s_bytes;
-        const uint8_t *zr = L->zr ? L->zr + t * G * 16 : NULL;
-        const int64_t nl = N - 16 * t < 16 ? N - 16 * t : 16;  /* the tile's rows */
-        if (gemm && t + 1 < tiles) {
-            const int64_t t1 = t + 1, nl1 = N - 16 * t1 < 16 ? N - 16 * t1 : 16;
-            const int32_t *w1 = L->wr + t1 * W * 16;
-            const char *sr1 = (const char *)L->sr + t1 * G * 16 * s_bytes;
-            const uint8_t *zr1 = L->zr ? L->zr + t1 * G * 16 : NULL;
+        const i8_tile T = i8_tile_at(L, gemm ? 2 * u : u, s_bytes);
+        if (gemm && T.t + 1 < tiles) {
+            const i8_tile T1 = i8_tile_at(L, T.t + 1, s_bytes);
             for (int64_t m0 = 0, mb; m0 < M; m0 += mb) {
                 i8_chunk(m0, M, one_row, &m0, &mb);
                 __m512 r0[I8_MR], r1[I8_MR];
-#define TILE_GEMM(MB) gemm_tile_i8(MB, w, w1, xq + m0 * K, ta + m0 * nb, xs + m0 * nb, sr, \
-                                   sr1, s_dt, s_bytes, zr, zr1, W, cpb, bpg, m0 == 0, r0, r1)
+#define TILE_GEMM(MB) gemm_tile_i8(MB, &T, &T1, xq + m0 * K, ta + m0 * nb, xs + m0 * nb, s_dt, \
+                                   s_bytes, W, cpb, bpg, m0 == 0, r0, r1)
                 switch (mb) {
                 case 1: TILE_GEMM(1); break;
                 case 2: TILE_GEMM(2); break;
@@ -825,19 +832,19 @@ static void gemv_rows_i8(const qk_w4_layer *L, float *xp, int64_t M, void *out, 
                 default: TILE_GEMM(I8_MR); break;
                 }
 #undef TILE_GEMM
-                store_tile_i8(r0, mb, m0, t, nl, L, out, o_dt, o_stride);
-                store_tile_i8(r1, mb, m0, t1, nl1, L, out, o_dt, o_stride);
+                store_tile_i8(r0, mb, m0, &T, out, o_dt, o_stride);
+                store_tile_i8(r1, mb, m0, &T1, out, o_dt, o_stride);
             }
             continue;
         }
         for (int64_t m0 = 0, mb; m0 < M; m0 += mb) {
             i8_chunk(m0, M, one_row, &m0, &mb);
             __m512 res[MAX_MB];
-#define TILE_I8(MB) gemv_tile_i8(MB, w, xq + m0 * K, ta + m0 * nb, xs + m0 * nb, sr, s_dt, \
-                                 s_bytes, zr, W, cpb, bpg, res)
+#define TILE_I8(MB) gemv_tile_i8(MB, T.w, xq + m0 * K, ta + m0 * nb, xs + m0 * nb, T.sr, s_dt, \
+                                 s_bytes, T.zr, W, cpb, bpg, res)
             QK_ROWS_1_TO_8(mb, TILE_I8);  /* MAX_MB is 8 with AVX-512 */
 #undef TILE_I8
-            store_tile_i8(res, mb, m0, t, nl, L, out, o_dt, o_stride);
+            store_tile_i8(res, mb, m0, &T, out, o_dt, o_stride);
         }
     }
 }
