@@ -118,8 +118,13 @@ def test_entry_is_self_consistent(family: Family) -> None:
         assert {n for n in extra if n is not None} <= norms
         assert (d.q_norm is None) == (d.k_norm is None) == (not family.qk_norm)
     if family.gguf is not None:
-        assert set(family.gguf.layer.values()) == linears | norms
+        # every Linear and norm, and a mixture of experts' router and each expert's Linears
+        router = set() if family.moe is None else {f"{family.moe.block}.{family.moe.router}"}
+        assert set(family.gguf.layer.values()) == linears | norms | router
         assert set(family.gguf.rope_permuted) <= set(family.gguf.layer)
+        moe = family.moe
+        expected = set() if moe is None else {moe.gate, moe.up, moe.down}
+        assert set(family.gguf.experts.values()) == expected
 
 
 def test_entries_do_not_overlap() -> None:

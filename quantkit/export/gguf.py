@@ -34,7 +34,8 @@ from quantkit.format.fp4 import unpack_fp4
 from quantkit.format.lazy_safetensors import SafetensorsFiles
 from quantkit.format.packing import unpack_int4, unpack_zero_points
 from quantkit.format.scheme import QuantScheme
-from quantkit.models.families import family_for
+from quantkit.models.config import moe_config
+from quantkit.models.families import FAMILIES, family_for
 from quantkit.models.family import GgufNames
 from quantkit.models.rope import Rope, rope_for
 from quantkit.paths import atomic_file
@@ -89,6 +90,7 @@ class _Item:
     shape: tuple[int, ...]  # numpy order ([N, K] for a Linear)
     nbytes: int
     make: Callable[[], np.ndarray]
+    expert: int | None = None  # one expert's slice of a stacked tensor (`_stack`)
 
 
 def _files(model_dir: Path) -> SafetensorsFiles:
@@ -101,11 +103,39 @@ def _files(model_dir: Path) -> SafetensorsFiles:
 def _gguf_names(config: dict[str, Any]) -> tuple[Any, GgufNames]:
     family = family_for(config)
     if family.gguf is None:
+        covered = ", ".join(f.model_types[0] for f in FAMILIES if f.gguf is not None)
         raise ExportError(
             f"model_type {config.get('model_type')!r}: GGUF export covers the families with "
-            "llama.cpp tensor names (llama), got one without"
+            f"llama.cpp tensor names ({covered}), got one without"
+        )
+    moe = moe_config(config, family)
+    if moe is not None and not moe.renormalize:
+        raise ExportError(
+            f"{family.moe.renormalize_key}: llama.cpp's {family.gguf.architectures[0]} always "
+            "renormalizes the chosen experts' routing weights, so expected true, got false"
         )
     return family, family.gguf
+
+
+def _stack(parts: list[_Item]) -> _Item:
+    """One layer's experts of one Linear as llama.cpp's [experts, N, K] tensor."""
+    parts = sorted(parts, key=lambda p: p.expert if p.expert is not None else -1)
+    first = parts[0]
+    indices = [p.expert for p in parts]
+    if indices != list(range(len(parts))):
+        raise ExportError(f"{first.name}: expected experts 0..{len(parts) - 1}, got {indices}")
+    odd = [p.expert for p in parts if (p.qtype, p.shape) != (first.qtype, first.shape)]
+    if odd:
+        raise ExportError(
+            f"{first.name}: expected every expert as {first.qtype.name} {first.shape}, "
+            f"got others for experts {odd[:5]}"
+        )
+
+    def make() -> np.ndarray:
+        return np.stack([np.ascontiguousarray(p.make()) for p in parts])
+
+    shape = (len(parts), *first.shape)
+    return _Item(first.name, first.qtype, shape, sum(p.nbytes for p in parts), make)
 
 
 def _int4_type(scheme: QuantScheme | None, asked: str) -> str | None:
@@ -206,11 +236,31 @@ class _Plan:
         self.exactness = Exactness()
         self.family, self.names = _gguf_names(config)
         self._hf_to_gguf = {v: k for k, v in self.names.layer.items()}
+        moe = self.family.moe
+        self._expert = None
+        if self.names.experts and moe is not None:
+            locals_ = "|".join(re.escape(v) for v in self.names.experts.values())
+            self._expert = re.compile(
+                rf"^model\.layers\.(\d+)\.{re.escape(moe.block)}\.experts\.(\d+)\."
+                rf"({locals_})\.weight$"
+            )
+            self._expert_part = {v: k for k, v in self.names.experts.items()}
         self._globals = {v: k for k, v in self.names.globals.items()}
         self.items: list[_Item] = []
         self.dense_kind = ""
 
+    def expert_of(self, hf: str) -> tuple[str, int] | None:
+        """The stacked GGUF tensor holding `hf` (one expert's Linear weight) and its index."""
+        m = self._expert.match(hf) if self._expert is not None else None
+        if m is None:
+            return None
+        layer, expert, local = m.groups()
+        return f"blk.{layer}.{self._expert_part[local]}.weight", int(expert)
+
     def gguf_name(self, hf: str) -> str:
+        expert = self.expert_of(hf)
+        if expert is not None:
+            return expert[0]
         m = _LAYER.match(hf)
         if m:
             layer, module, kind = m.groups()
@@ -243,8 +293,18 @@ class _Plan:
             if not hf.endswith((".weight", ".bias")):
                 raise ExportError(f"tensor {hf}: expected a weight or bias, got {entry.dtype}")
             self.items.append(self._dense_item(hf, entry))
+        stacks: dict[str, list[_Item]] = {}
+        for item in self.items:
+            if item.expert is not None:
+                stacks.setdefault(item.name, []).append(item)
+        self.items = [i for i in self.items if i.expert is None]
+        self.items += [_stack(parts) for parts in stacks.values()]
         self.items.sort(key=lambda i: _natural(i.name))
         return self.items
+
+    def _expert_index(self, hf: str) -> int | None:
+        expert = self.expert_of(hf)
+        return None if expert is None else expert[1]
 
     def _int4_item(self, module: str) -> _Item:
         assert self.int4_type is not None and self.scheme is not None
@@ -263,7 +323,9 @@ class _Plan:
             self.exactness.add(exact)
             return blocks if heads is None else permute_qk(blocks, heads)
 
-        return _Item(name, _ggml(self.int4_type), (n, k), _nbytes((n, k), self.int4_type), make)
+        nbytes = _nbytes((n, k), self.int4_type)
+        expert = self._expert_index(f"{module}.weight")
+        return _Item(name, _ggml(self.int4_type), (n, k), nbytes, make, expert)
 
     def _fp4_item(self, module: str) -> _Item:
         name = self.gguf_name(f"{module}.weight")
@@ -279,7 +341,8 @@ class _Plan:
             return blocks if heads is None else permute_qk(blocks, heads)
 
         kind = str(self.int4_type)
-        return _Item(name, _ggml(kind), (n, k), _nbytes((n, k), kind), make)
+        expert = self._expert_index(f"{module}.weight")
+        return _Item(name, _ggml(kind), (n, k), _nbytes((n, k), kind), make, expert)
 
     def _dense_item(self, hf: str, entry: Any) -> _Item:
         name = self.gguf_name(hf)
@@ -296,7 +359,7 @@ class _Plan:
             out = _dense_bytes(t, kind)
             return out if heads is None else permute_qk(out, heads)
 
-        return _Item(name, _ggml(kind), shape, _nbytes(shape, kind), make)
+        return _Item(name, _ggml(kind), shape, _nbytes(shape, kind), make, self._expert_index(hf))
 
 
 def _natural(name: str) -> list[Any]:
@@ -356,6 +419,11 @@ def _write_metadata(
     if rope.factor != 1.0:
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope.factor)
+    moe = moe_config(config, family_for(config))
+    if moe is not None:
+        writer.add_expert_count(moe.experts)
+        writer.add_expert_used_count(moe.top_k)
+        writer.add_expert_feed_forward_length(moe.intermediate)
     writer.add_vocab_size(int(config["vocab_size"]))
     writer.add_file_type(file_type)
     writer.add_quantization_version(2)

@@ -14,7 +14,7 @@ them, so a checkpoint's state dict loads without renaming.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import reduce
 from typing import Any
 
@@ -85,6 +85,9 @@ class GgufNames:
     # Parts whose rows llama.cpp permuted for its rotary layout -> the config.json key holding
     # their head count (undone by `sources.gguf.unpermute_qk`).
     rope_permuted: Mapping[str, str]
+    # A mixture of experts' stacked tensors: blk.N.<part> -> the expert-local Linear it holds
+    # for every expert of the layer's `Moe` block (llama.cpp's ffn_gate_exps is [experts, ...]).
+    experts: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

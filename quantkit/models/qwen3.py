@@ -8,6 +8,22 @@ from dataclasses import replace
 
 from quantkit.models.llama import ATTENTION_LINEARS, LLAMA, LLAMA_DECODE, MLP_LINEARS
 
+assert LLAMA.gguf is not None
+# llama.cpp's qwen3: Llama's tensor names plus the per-head norms; its rope rotates halves (NEOX),
+# as transformers' does, so no rows are permuted.
+QWEN3_GGUF = replace(
+    LLAMA.gguf,
+    architectures=("qwen3",),
+    model_type="qwen3",
+    hf_architecture="Qwen3ForCausalLM",
+    layer={
+        **LLAMA.gguf.layer,
+        "attn_q_norm": "self_attn.q_norm",
+        "attn_k_norm": "self_attn.k_norm",
+    },
+    rope_permuted={},
+)
+
 QWEN3 = replace(
     LLAMA,
     model_types=("qwen3",),
@@ -20,5 +36,5 @@ QWEN3 = replace(
     bias_flags={"attention_bias": ATTENTION_LINEARS, "mlp_bias": MLP_LINEARS},
     qk_norm=True,
     decode=replace(LLAMA_DECODE, q_norm="self_attn.q_norm", k_norm="self_attn.k_norm"),
-    gguf=None,
+    gguf=QWEN3_GGUF,
 )

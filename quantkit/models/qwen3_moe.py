@@ -13,13 +13,28 @@ from dataclasses import replace
 from quantkit.models.family import Moe
 from quantkit.models.llama import ATTENTION_LINEARS
 from quantkit.models.mixtral import ATTENTION_ONLY, MOE_DECODE
-from quantkit.models.qwen3 import QWEN3
+from quantkit.models.qwen3 import QWEN3, QWEN3_GGUF
+
+# llama.cpp's qwen3moe: the router as ffn_gate_inp, each layer's experts stacked per Linear.
+_DENSE_MLP = ("ffn_gate", "ffn_up", "ffn_down")
+QWEN3_MOE_GGUF = replace(
+    QWEN3_GGUF,
+    architectures=("qwen3moe",),
+    model_type="qwen3_moe",
+    hf_architecture="Qwen3MoeForCausalLM",
+    layer={
+        **{k: v for k, v in QWEN3_GGUF.layer.items() if k not in _DENSE_MLP},
+        "ffn_gate_inp": "mlp.gate",
+    },
+    experts={"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"},
+)
 
 QWEN3_MOE = replace(
     QWEN3,
     model_types=("qwen3_moe",),
     **{
         **ATTENTION_ONLY,
+        "gguf": QWEN3_MOE_GGUF,
         "decode": replace(
             MOE_DECODE, moe="mlp", q_norm="self_attn.q_norm", k_norm="self_attn.k_norm"
         ),

@@ -80,12 +80,18 @@ def family_names(architecture: str) -> GgufNames:
 
 def hf_tensor_name(gguf_name: str, names: GgufNames) -> str | None:
     """The transformers name of a GGUF tensor of the family with `names` (`family_names`); None
-    for one with no HF counterpart."""
+    for one with no HF counterpart. A stacked experts tensor (blk.N.ffn_gate_exps) is named with
+    `{e}` where each expert's index goes: `model.layers.N.mlp.experts.{e}.gate_proj.weight`."""
     m = _BLOCK.match(gguf_name)
     if m:
         layer, part, kind = m.groups()
         if part in names.layer:
             return f"model.layers.{layer}.{names.layer[part]}.{kind}"
+        if part in names.experts and kind == "weight":
+            family = gguf_family(names.architectures[0])
+            assert family is not None and family.moe is not None
+            block = f"model.layers.{layer}.{family.moe.block}"
+            return f"{block}.experts.{{e}}.{names.experts[part]}.weight"
         return None
     stem, _, kind = gguf_name.rpartition(".")
     return f"{names.globals[stem]}.{kind}" if stem in names.globals else None
@@ -182,6 +188,23 @@ def _gguf_config(reader: Any) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in names,
         "torch_dtype": "bfloat16",
         **token_ids,
+        **_moe_config(reader, arch),
+    }
+
+
+def _moe_config(reader: Any, arch: str) -> dict[str, Any]:
+    """A mixture of experts' config.json keys (none for a dense model), under the names its
+    family reads. llama.cpp's qwen3moe always renormalizes the chosen experts' weights."""
+    family = gguf_family(arch)
+    experts = _field(reader, f"{arch}.expert_count", None)
+    if family is None or family.moe is None or experts is None:
+        return {}
+    moe = family.moe
+    return {
+        moe.experts_keys[0]: int(experts),
+        "num_experts_per_tok": int(_field(reader, f"{arch}.expert_used_count")),
+        moe.intermediate_key: int(_field(reader, f"{arch}.expert_feed_forward_length")),
+        **({moe.renormalize_key: True} if moe.renormalize_key else {}),
     }
 
 
@@ -253,8 +276,12 @@ def convert_gguf(
                 for t in shard:
                     name = hf_tensor_name(t.name, names)
                     if name is not None:
-                        tensors[name] = _convert_tensor(t, config, names)
-                        weight_map[name] = fname
+                        w = _convert_tensor(t, config, names)
+                        # A stacked experts tensor: one HF tensor per expert.
+                        parts = [(name.format(e=e), w[e].clone()) for e in range(w.shape[0])]
+                        for hf, part in parts if "{e}" in name else [(name, w)]:
+                            tensors[hf] = part
+                            weight_map[hf] = fname
                     bar.update(1)
                 save_file(tensors, tmp / fname, metadata={"format": "pt"})
                 del tensors
