@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import EvalError, QuantkitError
+from quantkit.evals.common import run_main
 from quantkit.format.checkpoint import shard_groups, shard_name
 from quantkit.models.config import ModelConfig
 from quantkit.models.decoder import CausalLM
@@ -388,4 +389,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import EvalError, GrammarError
-from quantkit.evals.common import write_json_atomic
+from quantkit.evals.common import run_main, write_json_atomic
 from quantkit.evals.grammar.data import DATA_ENV, classify_error
 from quantkit.grammar.acceptance import accepts_text
 from quantkit.grammar.constraints import json_schema_grammar
@@ -162,4 +162,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

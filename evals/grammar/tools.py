@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import EvalError, GrammarError
-from quantkit.evals.common import write_json_atomic
+from quantkit.evals.common import run_main, write_json_atomic
 from quantkit.evals.grammar.data import default_bench_dir
 from quantkit.evals.grammar.generate import load_model
 
@@ -174,4 +174,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

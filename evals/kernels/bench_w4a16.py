@@ -26,7 +26,6 @@ import csv
 import math
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -35,7 +34,7 @@ from pathlib import Path
 import torch
 
 from quantkit.cpu import cpu_name
-from quantkit.evals.common import git_commit
+from quantkit.evals.common import git_commit, run_main
 from quantkit.evals.kernels.bench_fp8 import FP8_IMPLS, fp8_op
 from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.prepared_linear import prepare_int4
@@ -375,4 +374,4 @@ def write_csv(path: Path, rows: list[Row], name: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main)

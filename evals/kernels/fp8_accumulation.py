@@ -13,6 +13,8 @@ import argparse
 
 import torch
 
+from quantkit.evals.common import run_main
+
 
 def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(
@@ -58,4 +60,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

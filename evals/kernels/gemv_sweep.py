@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from quantkit.evals.common import run_main
 from quantkit.evals.kernels.bench_w4a16 import SHAPE_SETS, _random_int4, copy_bandwidth
 from quantkit.format.packing import dequantize_packed_int4
 from quantkit.fused_kernels.packed_weights import PackedInt4
@@ -183,4 +184,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -15,6 +15,7 @@ import argparse
 import time
 
 from quantkit.cpu import cpu_name
+from quantkit.evals.common import run_main
 
 
 def peak_gops(threads: int, *, repeats: int = 5, rounds: int = 4_000_000) -> float:
@@ -51,4 +52,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

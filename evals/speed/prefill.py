@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from quantkit.evals.common import git_commit, print_and_save
+from quantkit.evals.common import git_commit, print_and_save, run_main
 
 
 def _int8_checkpoint(model_dir: Path, into: Path) -> Path:
@@ -146,4 +146,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

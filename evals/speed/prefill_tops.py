@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from quantkit.evals.common import git_commit, print_and_save
+from quantkit.evals.common import git_commit, print_and_save, run_main
 
 MATMUL_PHASES = ("qkv", "o", "gate_up", "down")
 
@@ -138,4 +138,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -21,7 +21,7 @@ import time
 import torch
 
 from quantkit.evals.accuracy.perplexity import perplexity
-from quantkit.evals.common import print_and_save
+from quantkit.evals.common import print_and_save, run_main
 from quantkit.models.decoder import CausalLM
 from quantkit.quantize.calibration import heldout_tokens
 from quantkit.runtime.fast_path import (
@@ -121,4 +121,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -18,7 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
-from quantkit.evals.common import print_and_save
+from quantkit.evals.common import print_and_save, run_main
 from quantkit.evals.studies.heldout import held_out, reference_ppl
 from quantkit.evals.studies.heldout import ppl as _ppl
 from quantkit.format.scheme import QuantScheme
@@ -143,4 +143,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.evals.accuracy.perplexity import perplexity
-from quantkit.evals.common import print_and_save
+from quantkit.evals.common import print_and_save, run_main
 from quantkit.evals.studies.heldout import held_out, reference_ppl
 from quantkit.format.formats import FORMATS
 from quantkit.format.scheme import QuantScheme
@@ -127,4 +127,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

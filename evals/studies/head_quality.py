@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from quantkit.evals.accuracy.perplexity import perplexity
-from quantkit.evals.common import print_and_save
+from quantkit.evals.common import print_and_save, run_main
 from quantkit.format.checkpoint import (
     dequantize_checkpoint_tensors,
     load_checkpoint,
@@ -154,4 +154,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

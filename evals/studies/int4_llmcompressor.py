@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 import tempfile
 import textwrap
 import time
 from pathlib import Path
 from typing import Any
+
+from quantkit.evals.common import run_main
 
 RECIPES = ("gptq", "awq+gptq")
 
@@ -192,4 +193,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -25,7 +25,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from quantkit.evals.common import print_and_save
+from quantkit.evals.common import print_and_save, run_main
 from quantkit.evals.studies.heldout import earlier_baseline, held_out, reference_ppl
 from quantkit.evals.studies.heldout import ppl as _ppl
 from quantkit.format.scheme import QuantScheme
@@ -233,4 +233,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.evals.accuracy.perplexity import perplexity
-from quantkit.evals.common import print_and_save
+from quantkit.evals.common import print_and_save, run_main
 from quantkit.evals.studies.heldout import held_out, reference_ppl
 from quantkit.format.scheme import QuantScheme
 from quantkit.quantize.algorithms import ALGORITHMS
@@ -175,4 +175,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.evals.common import print_and_save
+from quantkit.evals.common import print_and_save, run_main
 from quantkit.perf.roofline import model_kv_bytes_per_token
 from quantkit.quantize.calibration import heldout_tokens
 from quantkit.quantize.embedded import ensure_embedded_int4
@@ -149,4 +149,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -29,6 +29,7 @@ import torch
 
 from quantkit.batching.engine import EngineConfig, run_engine
 from quantkit.batching.workload import LengthDist, Request, WorkloadSpec, make_workload
+from quantkit.evals.common import run_main
 from quantkit.quantize.calibration import heldout_tokens, wiki_split
 from quantkit.quantize.embedded import ensure_embedded_int4
 from quantkit.runtime.generate import encode_prompt, eos_token_ids, generate
@@ -225,4 +226,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)
