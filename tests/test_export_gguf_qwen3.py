@@ -167,3 +167,15 @@ def test_moe_without_renormalized_routing_is_refused(
     lines = [x for x in err.splitlines() if x.strip()]
     assert code != 0 and len(lines) == 1 and "norm_topk_prob" in lines[0], err
     assert not out.exists()
+
+
+def test_peer_benchmark_counts_the_used_experts_bytes(moe_dir: Path, tmp_path: Path) -> None:
+    from quantkit.evals.peers.llamacpp import gguf_read_bytes
+
+    path = tmp_path / "m.gguf"
+    export_gguf(moe_dir, path, int4_type="f32", progress=False)
+    source = _source(moe_dir)
+    experts = sum(w.numel() for n, w in source.items() if ".experts." in n)
+    rest = sum(w.numel() for n, w in source.items() if ".experts." not in n)
+    embed = source["model.embed_tokens.weight"].numel()  # not tied: decode reads one row
+    assert gguf_read_bytes(path) == 4 * (rest - embed + experts * 2 / 4)  # top 2 of 4

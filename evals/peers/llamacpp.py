@@ -127,6 +127,12 @@ class LlamaBench:
         self.exe = tools.tool("llama-bench")
         self.info: dict = {}
 
+    def read_bytes(self) -> float:
+        """The weight bytes one decode token reads from the GGUF: every tensor but the
+        embedding table (one row; the whole table where it is also the output), and of a
+        mixture of experts' stacked tensors the used share (top-k of the experts)."""
+        return gguf_read_bytes(self.gguf)
+
     def __call__(self, test: Test) -> float:
         shape = ["-p", "0", "-n", str(NEW_TOKENS), "-d", str(test.depth)]
         if test.depth < 0:
@@ -141,6 +147,24 @@ class LlamaBench:
         entry = json.loads(result.stdout)[0]
         self.info = entry
         return float(entry["avg_ts"])
+
+
+def gguf_read_bytes(path: Path) -> float:
+    """`LlamaBench.read_bytes` for the GGUF at `path` (its header only is read)."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    arch = reader.fields["general.architecture"].contents()
+    experts = reader.fields.get(f"{arch}.expert_count")
+    used = reader.fields.get(f"{arch}.expert_used_count")
+    share = 1.0 if experts is None or used is None else used.contents() / experts.contents()
+    names = {t.name for t in reader.tensors}
+    total = 0.0
+    for t in reader.tensors:
+        if t.name == "token_embd.weight" and "output.weight" in names:
+            continue  # decode reads one row of it
+        total += int(t.n_bytes) * (share if "_exps." in t.name else 1.0)
+    return total
 
 
 class QuantkitDecode:
@@ -175,6 +199,13 @@ class QuantkitDecode:
         act = str(path.act_dtype if path is not None else model.dtype).removeprefix("torch.")
         head = head_name(model)
         return f"{self.loaded.describe()}, {act} activations, {head} lm_head"
+
+    def read_bytes(self) -> float:
+        """The weight bytes one decode token reads (the roofline's count: packed codes, scales,
+        norms, the head; of a mixture of experts the top-k)."""
+        from quantkit.perf.roofline import model_read_bytes
+
+        return float(model_read_bytes(self.loaded.model).read_per_step)
 
     def kv_name(self) -> str:
         from quantkit.models.kv_cache import kv_format
@@ -215,6 +246,7 @@ def run_decode(
     """The decode table: one quantkit engine per KV cache format and one llama.cpp engine per
     cache type (and per GGUF file), every test alternating through them (the order rotates
     each test)."""
+    from quantkit.perf.bandwidth import cpu_bandwidth
     from quantkit.sources.resolve import embedded_gguf_path
 
     tools = find_build()
@@ -234,6 +266,7 @@ def run_decode(
     ]
     quantkit, llama = ours[0], llamas[0]
     tests, notes = _tests(depths, quantkit.context)
+    probe = cpu_bandwidth(remeasure=True).bytes_per_s / 1e9  # measured now, before the runs
     for engine in ours:
         engine.warm_up()
     engines: list[tuple[str, Callable[[Test], float]]] = [
@@ -259,7 +292,26 @@ def run_decode(
         f"prefill {PROMPT_TOKENS}: prompt tok/s; {machine}",
         *notes,
     ]
-    return "\n".join([*head, _decode_table(list(rows.values()), runs, engines[-len(llamas)][0])])
+    table = _decode_table(list(rows.values()), runs, engines[-len(llamas)][0])
+    reads = {name: engine.read_bytes() for name, engine in engines}  # type: ignore[attr-defined]
+    depth = next((t.name for t in tests if t.depth == min(depths)), None)
+    return "\n".join([*head, table, _bytes_table(rows, reads, depth, probe)])
+
+
+def _bytes_table(
+    rows: dict[tuple[str, str], Row], reads: dict[str, float], test: str | None, probe_gb_s: float
+) -> str:
+    """Each engine's weight bytes per decode token and, at the shallowest depth, the rate its
+    median moved them at, and that as a share (MBU) of this machine's copy bandwidth."""
+    probe = probe_gb_s
+    width = max(10, *(len(e) for e in reads))
+    header = f"{'engine':<{width}} {'GB/token':>9} {f'GB/s {test}':>16} {'MBU':>6}"
+    lines = [f"weights read per decode token; MBU against a {probe:.1f} GB/s copy probe", header]
+    for engine, nbytes in reads.items():
+        row = rows.get((test, engine)) if test else None
+        rate = nbytes * row.median / 1e9 if row else float("nan")
+        lines.append(f"{engine:<{width}} {nbytes / 1e9:>9.3f} {rate:>16.1f} {rate / probe:>6.2f}")
+    return "\n".join(lines)
 
 
 def _llama_name(bench: LlamaBench, files: int, caches: int) -> str:
