@@ -150,3 +150,21 @@ def test_missing_outlines_core_names_the_extra(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "outlines_core", None)
     with pytest.raises(MissingExtraError, match=r"pip install 'quantkit\[grammar\]'"):
         import_outlines_core()
+
+
+def test_llguidance_start_walk_runs_under_the_limit(
+    vocab: TokenVocabulary, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compile's walk from the start state is part of the compile: a walk that would take
+    longer than the limit ends in the limit's error, not in a compile that overran it."""
+    from quantkit.grammar.llguidance import engine
+
+    walked = engine.LlgRow.closing_path
+
+    def slow_walk(self, **kwargs):
+        time.sleep(5.0)
+        return walked(self, **kwargs)
+
+    monkeypatch.setattr(engine.LlgRow, "closing_path", slow_walk)
+    with pytest.raises(GrammarError, match=r"longer than the limit of 0.5 s"):
+        compile_grammar(regex_grammar("ab+"), vocab, engine="llguidance", timeout_s=0.5)

@@ -432,22 +432,34 @@ def compile_llguidance(
     keyword llguidance does not support, or the phase that ran out of time."""
     tokenizer = llg_tokenizer(vocabulary)
     # Native code that drops the GIL: a thread can wait on it, and is abandoned at the limit.
+    # The start walk runs in the same thread: the limit bounds the compile's whole work.
     done, built = run_with_limit(
-        lambda: _build(grammar, tokenizer), timeout_s, name="quantkit-llguidance-build",
-        stack_bytes=BUILD_STACK_BYTES,
+        lambda: _build_index(grammar, vocabulary, tokenizer), timeout_s,
+        name="quantkit-llguidance-build", stack_bytes=BUILD_STACK_BYTES,
     )  # fmt: skip
     if not done:
         raise GrammarError(
             f"{grammar.label}: llguidance grammar build took longer than the limit of "
             f"{limit_s or timeout_s:g} s (--compile-timeout; phase: llguidance build)"
         )
-    is_error, messages, text, notes, (template, (items, keys)) = built
-    if is_error:
+    messages, index = built
+    if index is None:
         if grammar.kind == "lark":  # positions and details matter to whoever wrote the grammar
             reason = error_line(messages)
         else:
             reason = (messages[0] if messages else "unknown error").splitlines()[0]
         raise GrammarError(f"{grammar.label}: llguidance cannot compile it: {reason}")
+    return index
+
+
+def _build_index(
+    grammar: Grammar, vocabulary: TokenVocabulary, tokenizer: Any
+) -> tuple[list[str], LlgIndex | None]:
+    """The build's messages and the grammar's index with its walk from the start state made
+    (None where llguidance refused the grammar)."""
+    is_error, messages, text, notes, (template, (items, keys)) = _build(grammar, tokenizer)
+    if is_error:
+        return messages, None
     notes += [f"llguidance: {m}" for m in messages]
     # Every JSON document's objects hold distinct keys, whatever wrote them (declared names
     # made patterns, patternProperties, additionalProperties: llguidance lets those repeat),
@@ -463,4 +475,4 @@ def compile_llguidance(
     row.closing_path(limit=START_WALK)
     kept = getattr(row, "row", row).last_walk  # the walk, as far as it went (None: no way)
     start = None if kept is None else (kept[0], kept[3])
-    return dataclasses.replace(index, start_walk=start)
+    return messages, dataclasses.replace(index, start_walk=start)
