@@ -203,3 +203,28 @@ def test_a_prefill_attends_each_head_as_a_decode_step_does(shape, tmp_path: Path
             model.drop_cache()
     model.decode_path = path
     torch.testing.assert_close(out[True], out[False], **TOL)
+
+
+@pytest.mark.parametrize("name", ["llama3", "gemma2"])
+def test_an_int8_prefill_equals_one_row_steps(name: str, tmp_path: Path) -> None:
+    """A prefill of 16 rows or more with int8 activations (not row-invariant: the GEMM tiles,
+    the gate_up with its activation in the tile's epilogue, the query heads of a group
+    together) gives each row the bits a one-row step gives it: every part does each row's
+    operations in the same order."""
+    from quantkit.fused_kernels.cpu.decode import int8_activations_available
+    from quantkit.runtime.fast_path import set_act_dtype
+
+    if not int8_activations_available():
+        pytest.skip("needs AVX512-VNNI for the int8 tiles")
+    model = load_model(_checkpoint(name, tmp_path), tokenizer=False).model
+    set_act_dtype(model, torch.int8)
+    tokens = torch.randint(3, 500, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    n = len(tokens)
+    with torch.no_grad():
+        model.setup_cache(batch=2, max_len=32)
+        path = model.decode_path
+        assert path.reason == "bound" and path.act_dtype == torch.int8, path.reason
+        one = torch.cat([path.run_rows(model, [t], [i], [0]) for i, t in enumerate(tokens)])
+        many = path.run_rows(model, tokens, list(range(n)), [1] * n)
+        model.drop_cache()
+    assert torch.equal(one, many)

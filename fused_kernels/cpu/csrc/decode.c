@@ -230,44 +230,88 @@ static inline __m512 exp16(__m512 x) {
 
 #endif
 
-/* g[i] = silu(g[i]) * u[i] for i < n. */
-static void silu_mul(float *g, const float *u, int64_t n) {
-    int64_t i = 0;
 #if defined(__AVX512F__)
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (; i < n; i += 16) {
-        __mmask16 k = tail_mask(n - i);
-        __m512 gv = _mm512_maskz_loadu_ps(k, g + i), uv = _mm512_maskz_loadu_ps(k, u + i);
-        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-        __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, e));
-        _mm512_mask_storeu_ps(g + i, k, _mm512_mul_ps(silu, uv));
-    }
-#endif
-    for (; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+/* silu(g) * u and gelu(g) * u (GELU's tanh approximation, Gemma's GeGLU:
+   0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (1 + e^(2y))) of 16
+   lanes: the one definition `glu_mul` and the prefill's fused gate_up (`gate_up_glu`) share,
+   so both give the same bits. */
+static inline __m512 silu_mul16(__m512 gv, __m512 uv) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    return _mm512_mul_ps(silu, uv);
 }
 
-/* g[i] = gelu(g[i]) * u[i] for i < n, GELU's tanh approximation (Gemma's GeGLU):
-   0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(y) = 1 - 2 / (1 + e^(2y)). */
-static void gelu_mul(float *g, const float *u, int64_t n) {
-    const float c0 = 0.7978845608028654f, c1 = 0.044715f;
+static inline __m512 gelu_mul16(__m512 gv, __m512 uv) {
+    const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
+    __m512 inner = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+        _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), gv), _mm512_mul_ps(gv, gv), gv));
+    __m512 e = exp16(_mm512_mul_ps(two, inner));
+    __m512 th = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(one, e)));
+    __m512 gelu = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), gv), _mm512_add_ps(one, th));
+    return _mm512_mul_ps(gelu, uv);
+}
+#endif
+
+/* g[i] = act(g[i]) * u[i] for i < n: act SiLU (0) or GELU's tanh approximation (1). */
+static void glu_mul(float *g, const float *u, int64_t n, int act) {
     int64_t i = 0;
 #if defined(__AVX512F__)
-    const __m512 one = _mm512_set1_ps(1.0f), two = _mm512_set1_ps(2.0f);
     for (; i < n; i += 16) {
         __mmask16 k = tail_mask(n - i);
         __m512 gv = _mm512_maskz_loadu_ps(k, g + i), uv = _mm512_maskz_loadu_ps(k, u + i);
-        __m512 inner = _mm512_mul_ps(_mm512_set1_ps(c0),
-            _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(c1), gv), _mm512_mul_ps(gv, gv), gv));
-        __m512 e = exp16(_mm512_mul_ps(two, inner));
-        __m512 th = _mm512_sub_ps(one, _mm512_div_ps(two, _mm512_add_ps(one, e)));
-        __m512 gelu = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), gv),
-                                    _mm512_add_ps(one, th));
-        _mm512_mask_storeu_ps(g + i, k, _mm512_mul_ps(gelu, uv));
+        _mm512_mask_storeu_ps(g + i, k, act == 1 ? gelu_mul16(gv, uv) : silu_mul16(gv, uv));
     }
 #endif
+    const float c0 = 0.7978845608028654f, c1 = 0.044715f;
     for (; i < n; i++)
-        g[i] = 0.5f * g[i] * (1.0f + tanhf(c0 * (g[i] + c1 * g[i] * g[i] * g[i]))) * u[i];
+        g[i] = act == 1 ? 0.5f * g[i] * (1.0f + tanhf(c0 * (g[i] + c1 * g[i] * g[i] * g[i]))) * u[i]
+                        : g[i] / (1.0f + expf(-g[i])) * u[i];
 }
+
+#if defined(__AVX512VNNI__)
+/* A prefill's gate_up (int8 activations, I8_GEMM_ROWS rows or more) with the activation in
+   the tile's epilogue: gate tile u is paired with up tile u + I / 16 (`gemm_tile_i8` takes any
+   two), and act(gate + bias) * (up + bias) goes to out[m][16u ..] (the gate half of a [M][2I]
+   row, stride o_stride), where `gemv_rows` + `glu_mul` write both halves and read them back.
+   The same operations on the same values: the same bits. 0 (nothing done) where it does not
+   apply: the caller runs the two passes. */
+static int gate_up_glu(const qk_w4_layer *L, const float *xp, int xp_dt, int64_t M, float *out,
+                       int64_t o_stride, int act) {
+    if (xp_dt != DT_I8 || M < I8_GEMM_ROWS || L->N % 32) return 0;
+    const int64_t K = L->K, G = L->n_groups, A = i8_block(L), nb = K / A, half = L->N / 32;
+    const int64_t W = K / 8, cpb = A / 8, bpg = G == 1 ? nb : L->group_size / A;
+    const int s_dt = (int)L->s_dt;
+    const int64_t s_bytes = s_dt == DT_F32 ? 4 : 2;
+    int8_t *xq;
+    float *ta, *xs;
+    i8_parts((float *)xp, M, K, A, &xq, &ta, &xs);
+    #pragma omp for schedule(static)
+    for (int64_t u = 0; u < half; u++) {
+        const i8_tile T = i8_tile_at(L, u, s_bytes), T1 = i8_tile_at(L, u + half, s_bytes);
+        for (int64_t m0 = 0, mb; m0 < M; m0 += mb) {
+            i8_chunk(m0, M, 0, &m0, &mb);
+            __m512 r0[I8_MR], r1[I8_MR];
+#define TILE_GEMM(MB) gemm_tile_i8(MB, &T, &T1, xq + m0 * K, ta + m0 * nb, xs + m0 * nb, s_dt, \
+                                   s_bytes, W, cpb, bpg, m0 == 0, r0, r1)
+            switch (mb) {
+            case 1: TILE_GEMM(1); break;
+            case 2: TILE_GEMM(2); break;
+            case 3: TILE_GEMM(3); break;
+            case 4: TILE_GEMM(4); break;
+            case 5: TILE_GEMM(5); break;
+            default: TILE_GEMM(I8_MR); break;
+            }
+#undef TILE_GEMM
+            for (int64_t i = 0; i < mb; i++) {
+                const __m512 g = _mm512_add_ps(r0[i], T.bias), v = _mm512_add_ps(r1[i], T1.bias);
+                _mm512_storeu_ps(out + (m0 + i) * o_stride + 16 * u,
+                                 act == 1 ? gelu_mul16(g, v) : silu_mul16(g, v));
+            }
+        }
+    }
+    return 1;
+}
+#endif
 
 #include "attend.c"
 
@@ -472,8 +516,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
                 for (int64_t rc = 0; rc < n * e_chunks; rc++) {
                     float *g = gu + (rc / e_chunks) * 2 * EI;
                     int64_t i0 = (rc % e_chunks) * 256, i1 = i0 + 256 < EI ? i0 + 256 : EI;
-                    if (d->act == 1) gelu_mul(g + i0, g + EI + i0, i1 - i0);
-                    else silu_mul(g + i0, g + EI + i0, i1 - i0);
+                    glu_mul(g + i0, g + EI + i0, i1 - i0, (int)d->act);
                 }
                 PHASE_END(PH_SILU);
                 permute_x(gu, DT_F32, G + 2, n, 2 * EI, xp, xd, row_invariant);
@@ -495,14 +538,21 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         }
         permute_x(h, DT_F32, &L->gate_up, R, H, xp, xg, row_invariant);
         PHASE_END(PH_PERMUTE);
-        gemv_rows(&L->gate_up, xp, xg, R, gu, DT_F32, 2 * I, row_invariant);
-        PHASE_END(PH_GATE_UP);
-        #pragma omp for schedule(static)
-        for (int64_t rc = 0; rc < R * n_chunks; rc++) {  /* 256-wide chunks: a vector loop */
-            float *g = gu + (rc / n_chunks) * 2 * I;
-            int64_t i0 = (rc % n_chunks) * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
-            if (d->act == 1) gelu_mul(g + i0, g + I + i0, i1 - i0);
-            else silu_mul(g + i0, g + I + i0, i1 - i0);
+        int fused = 0;
+#if defined(__AVX512VNNI__)
+        fused = !row_invariant && gate_up_glu(&L->gate_up, xp, xg, R, gu, 2 * I, d->act);
+#endif
+        if (!fused) {
+            gemv_rows(&L->gate_up, xp, xg, R, gu, DT_F32, 2 * I, row_invariant);
+            PHASE_END(PH_GATE_UP);
+            #pragma omp for schedule(static)
+            for (int64_t rc = 0; rc < R * n_chunks; rc++) {  /* 256-wide chunks: a vector loop */
+                float *g = gu + (rc / n_chunks) * 2 * I;
+                int64_t i0 = (rc % n_chunks) * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
+                glu_mul(g + i0, g + I + i0, i1 - i0, (int)d->act);
+            }
+        } else {
+            PHASE_END(PH_GATE_UP);
         }
         PHASE_END(PH_SILU);
         permute_x(gu, DT_F32, &L->down, R, 2 * I, xp, xd, row_invariant);
