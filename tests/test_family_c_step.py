@@ -20,6 +20,7 @@ from quantkit.runtime.loader import load_model
 from tests.family_models import (
     COMMON,
     FAMILIES,
+    MOE_CONFIGS,
     MOE_FAMILIES,
     SLIDING_WINDOW,
     make_family_model,
@@ -226,5 +227,41 @@ def test_an_int8_prefill_equals_one_row_steps(name: str, tmp_path: Path) -> None
         assert path.reason == "bound" and path.act_dtype == torch.int8, path.reason
         one = torch.cat([path.run_rows(model, [t], [i], [0]) for i, t in enumerate(tokens)])
         many = path.run_rows(model, tokens, list(range(n)), [1] * n)
+        model.drop_cache()
+    assert torch.equal(one, many)
+
+
+@pytest.mark.parametrize("name", MOE_FAMILIES)
+def test_a_one_row_moe_step_equals_the_per_expert_loop(name: str, tmp_path: Path) -> None:
+    """With int8 activations a one-row step takes its chosen experts' matmuls together (one
+    pass over all their gate/up tiles, one over their down tiles); a row-invariant prefill
+    runs the per-expert loop. Each row's hidden state is the same bits either way."""
+    import transformers
+
+    from quantkit.fused_kernels.cpu.decode import int8_activations_available
+    from quantkit.runtime.fast_path import set_act_dtype
+
+    if not int8_activations_available():
+        pytest.skip("needs AVX512-VNNI for the int8 tiles")
+    # 4 of 8 experts a token: the sum of four experts' outputs is where a different order of
+    # additions would show (two experts' sums came out equal when the order differed)
+    cls, extra = MOE_CONFIGS[name]
+    key = "num_local_experts" if "num_local_experts" in extra else "num_experts"
+    config = getattr(transformers, cls)(**{**COMMON, **extra, key: 8, "num_experts_per_tok": 4})
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "src")
+    ckpt = quantize_model(tmp_path / "src", scheme=QuantScheme("int4", 32)).save(
+        tmp_path / "ckpt", source_dir=tmp_path / "src"
+    )
+    model = load_model(ckpt, tokenizer=False).model
+    set_act_dtype(model, torch.int8)
+    tokens = torch.randint(3, 500, (12,), generator=torch.Generator().manual_seed(4)).tolist()
+    n = len(tokens)
+    with torch.no_grad():
+        model.setup_cache(batch=2, max_len=32)
+        path = model.decode_path
+        assert path.reason == "bound" and path.act_dtype == torch.int8, path.reason
+        one = torch.cat([path.run_rows(model, [t], [i], [0]) for i, t in enumerate(tokens)])
+        many = path.run_rows(model, tokens, list(range(n)), [1] * n, row_invariant=True)
         model.drop_cache()
     assert torch.equal(one, many)

@@ -96,6 +96,17 @@ static int64_t decode_gemv_scratch(const qk_decoder_layer *layers, int64_t n_lay
     return gemv;
 }
 
+/* Floats a chosen expert of a one-row step takes (`moe_one_row`): its gate and up outputs, its
+   down output, and its down input as int8 codes with their block scales and sums (`i8_parts`
+   of one row, blocks of >= 32). */
+static int64_t moe_codes_floats(const qk_decoder_dims *d) {
+    return d->expert_inter / 4 + 2 * (d->expert_inter / 32) + 16;
+}
+
+static int64_t moe_row_floats(const qk_decoder_dims *d) {
+    return 2 * d->expert_inter + d->hidden + moe_codes_floats(d) + 16;
+}
+
 /* Floats of the MoE layers' buffers: the gathered rows and the experts' sum [R][H] each, the
    router's probabilities [R][E], each row's top-k weights [R][k], each expert's rows' weights
    [E][R], then 8-byte integers (2 floats each): each row's experts [R][k], each expert's rows
@@ -103,7 +114,8 @@ static int64_t decode_gemv_scratch(const qk_decoder_layer *layers, int64_t n_lay
 static int64_t moe_floats(const qk_decoder_dims *d, int64_t R) {
     const int64_t E = d->experts, K = d->top_k;
     if (E <= 0) return 0;
-    return 2 * R * d->hidden + R * E + R * K + E * R + 2 * (R * K + E * R + E) + 2;
+    return 2 * R * d->hidden + R * E + R * K + E * R + 2 * (R * K + E * R + E) + 2
+           + K * moe_row_floats(d);
 }
 
 /* The MLP buffer's floats a row: gate and up outputs side by side, of the dense MLP or of an
@@ -268,6 +280,12 @@ static void glu_mul(float *g, const float *u, int64_t n, int act) {
                         : g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
+/* a[j] += t[j] * w for j < n: a chosen expert's output added to its row's sum, in one place
+   so that the per-expert loop and `moe_one_row` compile the same operations. */
+static inline void add_scaled(float *a, const float *t, float w, int64_t n) {
+    for (int64_t j = 0; j < n; j++) a[j] += t[j] * w;
+}
+
 #if defined(__AVX512VNNI__)
 /* A prefill's gate_up (int8 activations, I8_GEMM_ROWS rows or more) with the activation in
    the tile's epilogue: gate tile u is paired with up tile u + I / 16 (`gemm_tile_i8` takes any
@@ -310,6 +328,108 @@ static int gate_up_glu(const qk_w4_layer *L, const float *xp, int xp_dt, int64_t
         }
     }
     return 1;
+}
+
+/* Tile t of L (16 output rows) against one row of int8 activations (codes xq, block scales ta
+   and sums xs, as `i8_parts` lays out one row) into out[16t ..]: what `gemv_rows_i8` does for
+   that tile in a one-row call, so the same bits. */
+static inline void i8_row_tile(const qk_w4_layer *L, int64_t t, const int8_t *xq,
+                               const float *ta, const float *xs, float *out) {
+    const int64_t K = L->K, G = L->n_groups, A = i8_block(L), nb = K / A;
+    const int64_t W = K / 8, cpb = A / 8, bpg = G == 1 ? nb : L->group_size / A;
+    const int s_dt = (int)L->s_dt;
+    const int64_t s_bytes = s_dt == DT_F32 ? 4 : 2;
+    const i8_tile T = i8_tile_at(L, t, s_bytes);
+    __m512 res[MAX_MB];
+    gemv_tile_i8(1, T.w, xq, ta, xs, T.sr, s_dt, s_bytes, T.zr, W, cpb, bpg, res);
+    store_tile_i8(res, 1, 0, &T, out, DT_F32, 0);
+}
+
+/* Whether `moe_one_row` takes this step's MoE layer: one row, int8 activations for every
+   chosen expert's Linears (their interleaved copies), at most 64 experts a token. */
+static int moe_one_row_applies(const qk_decoder_layer *L, const qk_decoder_dims *d, int64_t R,
+                               const int64_t *sel, int act_dt) {
+    if (R != 1 || d->top_k > 64) return 0;
+    for (int64_t k = 0; k < d->top_k; k++)
+        for (int64_t i = 0; i < 3; i++)
+            if (gemv_x_dt(L->experts + 3 * sel[k] + i, act_dt) != DT_I8) return 0;
+    return 1;
+}
+
+/* A one-row step's MoE layer, its chosen experts' matmuls together: every chosen expert's gate
+   and up tiles in one `omp for`, their activations in one, their down inputs quantized in one,
+   their down tiles in one, then x += the experts' weighted sum. The per-expert loop beside it
+   meets at ~8 barriers an expert (64 a layer at top-8), each GEMV a short stream. Each tile,
+   block and sum is computed as that loop computes it, and the sum adds the experts in index
+   order as it does: the same bits. h: the layer's normed row; buf: `moe_row_floats` a chosen
+   expert. */
+static void moe_one_row(const qk_decoder_layer *L, const qk_decoder_dims *d, const float *h,
+                        float *x, float *acc, float *xp, const int64_t *sel, const float *wt,
+                        float *buf,
+                        int act, int timed, double *markp) {
+    double mark = *markp;
+    const int64_t H = d->hidden, EI = d->expert_inter, TK = d->top_k;
+    int64_t ord[64];
+    float w[64];
+    for (int64_t k = 0; k < TK; k++) ord[k] = sel[k], w[k] = wt[k];
+    for (int64_t k = 1; k < TK; k++)  /* the chosen experts in index order */
+        for (int64_t j = k; j > 0 && ord[j - 1] > ord[j]; j--) {
+            const int64_t e = ord[j]; ord[j] = ord[j - 1]; ord[j - 1] = e;
+            const float v = w[j]; w[j] = w[j - 1]; w[j - 1] = v;
+        }
+    const qk_w4_layer *E0 = L->experts + 3 * ord[0];
+    const int64_t tg = (EI + 15) / 16, td = (H + 15) / 16;
+    float *gu = buf, *t = buf + TK * 2 * EI, *codes = t + TK * H;
+    int8_t *xq;
+    float *ta, *xs;
+    quantize_x_i8(h, DT_F32, E0, 1, H, xp, 0);
+    i8_parts(xp, 1, H, i8_block(E0), &xq, &ta, &xs);
+    PHASE_END(PH_PERMUTE);
+    #pragma omp for schedule(static)
+    for (int64_t f = 0; f < TK * 2 * tg; f++) {
+        const int64_t k = f / (2 * tg), which = f % (2 * tg) / tg, tile = f % tg;
+        i8_row_tile(L->experts + 3 * ord[k] + which, tile, xq, ta, xs, gu + k * 2 * EI + which * EI);
+    }
+    PHASE_END(PH_GATE_UP);
+    const int64_t e_chunks = (EI + 255) / 256;
+    #pragma omp for schedule(static)
+    for (int64_t rc = 0; rc < TK * e_chunks; rc++) {
+        float *g = gu + (rc / e_chunks) * 2 * EI;
+        int64_t i0 = (rc % e_chunks) * 256, i1 = i0 + 256 < EI ? i0 + 256 : EI;
+        glu_mul(g + i0, g + EI + i0, i1 - i0, act);
+    }
+    PHASE_END(PH_SILU);
+    const int64_t Ad = i8_block(E0 + 2), nbd = EI / Ad, cf = moe_codes_floats(d);
+    #pragma omp for schedule(static)
+    for (int64_t kb = 0; kb < TK * nbd; kb++) {
+        const int64_t k = kb / nbd;
+        int8_t *q;
+        float *s, *z;
+        i8_parts(codes + k * cf, 1, EI, Ad, &q, &s, &z);
+        quantize_block_i8_at(gu + k * 2 * EI, DT_F32, EI, Ad, 1, 2 * EI, q, s, z, kb % nbd, 0, 0);
+    }
+    PHASE_END(PH_PERMUTE);
+    #pragma omp for schedule(static)
+    for (int64_t f = 0; f < TK * td; f++) {
+        const int64_t k = f / td;
+        int8_t *q;
+        float *s, *z;
+        i8_parts(codes + k * cf, 1, EI, Ad, &q, &s, &z);
+        i8_row_tile(L->experts + 3 * ord[k] + 2, f % td, q, s, z, t + k * H);
+    }
+    PHASE_END(PH_DOWN);
+    /* acc = the experts' outputs weighted, added in index order from 0, then x += acc: the
+       per-expert loop's additions, in 256-wide chunks over the threads */
+    const int64_t h_chunks = (H + 255) / 256;
+    #pragma omp for schedule(static)
+    for (int64_t c = 0; c < h_chunks; c++) {
+        const int64_t j0 = c * 256, n = j0 + 256 < H ? 256 : H - j0;
+        for (int64_t j = j0; j < j0 + n; j++) acc[j] = 0.0f;
+        for (int64_t k = 0; k < TK; k++) add_scaled(acc + j0, t + k * H + j0, w[k], n);
+        for (int64_t j = j0; j < j0 + n; j++) x[j] += acc[j];
+    }
+    PHASE_END(PH_NORM);
+    *markp = mark;
 }
 #endif
 
@@ -369,6 +489,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
     float *wt = probs + R * NE, *w_of = wt + R * TK;  /* w_of [NE][R]: an expert's rows' weights */
     int64_t *sel = (int64_t *)(((uintptr_t)(w_of + NE * R) + 7) & ~(uintptr_t)7);
     int64_t *rows_of = sel + R * TK, *count = rows_of + NE * R;
+    float *moe_row = (float *)(count + NE);  /* `moe_one_row`'s buffers */
     attend_unit *units = (attend_unit *)(((uintptr_t)(xe + moe_floats(d, R)) + 7) & ~(uintptr_t)7);
     /* the sliding layers' table after the full layers' (the most units one table takes) */
     attend_unit *units_sliding = units + R * Hq + R * Hkv * nch_max;
@@ -496,6 +617,12 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
             #pragma omp for schedule(static)
             for (int64_t i = 0; i < R * H; i++) acc[i] = 0.0f;
             PHASE_END(PH_ROUTE);
+#if defined(__AVX512VNNI__)
+            if (moe_one_row_applies(L, d, R, sel, act_dt)) {
+                moe_one_row(L, d, h, x, acc, xp, sel, wt, moe_row, (int)d->act, timed, &mark);
+                continue;
+            }
+#endif
             /* each chosen expert on its rows: acc[r] += w * down(act(gate(h_r)) * up(h_r)), in
                expert order, then x += acc (the PyTorch block's order of additions) */
             const int64_t e_chunks = (EI + 255) / 256;
@@ -526,8 +653,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
                 #pragma omp for schedule(static)
                 for (int64_t i = 0; i < n; i++) {  /* an expert's rows are distinct rows */
                     const float w = w_of[e * R + i];
-                    float *a = acc + rows_of[e * R + i] * H;
-                    for (int64_t j = 0; j < H; j++) a[j] += t[i * H + j] * w;
+                    add_scaled(acc + rows_of[e * R + i] * H, t + i * H, w, H);
                 }
                 PHASE_END(PH_NORM);
             }
