@@ -246,7 +246,7 @@ def run_decode(
     """The decode table: one quantkit engine per KV cache format and one llama.cpp engine per
     cache type (and per GGUF file), every test alternating through them (the order rotates
     each test)."""
-    from quantkit.perf.bandwidth import cpu_bandwidth
+    from quantkit.perf.bandwidth import probe as bandwidth_probe
     from quantkit.sources.resolve import embedded_gguf_path
 
     tools = find_build()
@@ -266,7 +266,8 @@ def run_decode(
     ]
     quantkit, llama = ours[0], llamas[0]
     tests, notes = _tests(depths, quantkit.context)
-    probe = cpu_bandwidth(remeasure=True).bytes_per_s / 1e9  # measured now, before the runs
+    # Measured now, before the runs (not the cache's best figure ever seen on this CPU).
+    probe = bandwidth_probe().bytes_per_s / 1e9
     for engine in ours:
         engine.warm_up()
     engines: list[tuple[str, Callable[[Test], float]]] = [
@@ -306,7 +307,11 @@ def _bytes_table(
     probe = probe_gb_s
     width = max(10, *(len(e) for e in reads))
     header = f"{'engine':<{width}} {'GB/token':>9} {f'GB/s {test}':>16} {'MBU':>6}"
-    lines = [f"weights read per decode token; MBU against a {probe:.1f} GB/s copy probe", header]
+    lines = [
+        f"weights read per decode token; MBU against {probe:.1f} GB/s, a copy probe taken before "
+        "the runs (STREAM's convention: bytes read + written)",
+        header,
+    ]
     for engine, nbytes in reads.items():
         row = rows.get((test, engine)) if test else None
         rate = nbytes * row.median / 1e9 if row else float("nan")
