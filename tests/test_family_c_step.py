@@ -265,3 +265,23 @@ def test_a_one_row_moe_step_equals_the_per_expert_loop(name: str, tmp_path: Path
         many = path.run_rows(model, tokens, list(range(n)), [1] * n, row_invariant=True)
         model.drop_cache()
     assert torch.equal(one, many)
+
+
+def test_phase_bytes_count_the_experts_a_step_reads(tmp_path: Path) -> None:
+    """The decode breakdown's bytes: of a mixture of experts, the share of experts a step of
+    B rows reads on average (top 2 of 4: half at one row, 3/4 at two), the rest of the step's
+    read (head, norms) never negative."""
+    from quantkit.evals.speed.decode_phases import weight_bytes_by_phase
+    from quantkit.perf.roofline import model_read_bytes
+
+    model = load_model(_checkpoint("qwen3_moe", tmp_path), tokenizer=False).model
+    every = sum(
+        m.weight_bytes()
+        for name, m in model.model.layers.named_modules()
+        if ".experts." in name and name.endswith(("gate_proj", "up_proj"))
+    )
+    one, two = weight_bytes_by_phase(model, 1), weight_bytes_by_phase(model, 2)
+    assert one["gate_up"] == pytest.approx(every / 2)
+    assert two["gate_up"] == pytest.approx(every * 3 / 4)
+    assert one["qkv"] == two["qkv"] > 0  # attention's projections: every step reads them all
+    assert model_read_bytes(model).read_per_step > sum(one.values())

@@ -54,13 +54,17 @@ class Breakdown:
         return seconds / max(self.steps, 1)
 
 
-def weight_bytes_by_phase(model: Any) -> dict[str, float]:
-    """Bytes each GEMV phase reads per step (every layer's quantized projections of it)."""
+def weight_bytes_by_phase(model: Any, batch: int = 1) -> dict[str, float]:
+    """Bytes each GEMV phase reads per step of `batch` rows (every layer's quantized
+    projections of it; of a mixture of experts' the share the rows' top-k read on average,
+    as `perf.roofline.model_read_bytes` counts it)."""
     out = dict.fromkeys(("qkv", "o", "gate_up", "down"), 0.0)
+    moe = model.config.moe
+    share = 1.0 if moe is None else 1.0 - (1.0 - moe.top_k / moe.experts) ** batch
     for name, module in model.model.layers.named_modules():
         phase = _PROJECTION_PHASE.get(name.rsplit(".", 1)[-1])
         if phase is not None and hasattr(module, "weight_bytes"):
-            out[phase] += module.weight_bytes()
+            out[phase] += module.weight_bytes() * (share if ".experts." in name else 1.0)
     return out
 
 
@@ -178,15 +182,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.depth is not None:
         rng = random.Random(0)
         prompt = [rng.randrange(model.config.vocab_size) for _ in range(args.depth)]
-    gemv_bytes = weight_bytes_by_phase(model)
-    read = model_read_bytes(model)
-    head_bytes = read.read_per_step - sum(gemv_bytes.values())  # head, norms
+    # the head and norms: what a one-row step reads beyond the GEMVs
+    head_bytes = model_read_bytes(model).read_per_step - sum(weight_bytes_by_phase(model).values())
     bandwidth = local_hardware("cpu").bandwidth
     print(f"{loaded.describe()}, {len(prompt)} prompt tokens + {args.new_tokens} new, "
           f"{torch.get_num_threads()} threads; the best of {args.repeats} runs")  # fmt: skip
     kv_token = model_kv_bytes_per_token(model)
     for batch in args.batch:
         context = len(prompt) + args.new_tokens // 2  # the mean position attended over
+        gemv_bytes = weight_bytes_by_phase(model, batch)
         gemv_bytes["attention"] = batch * context * kv_token
         measure(model, prompt, batch=batch, new_tokens=8, tokenizer=loaded.tokenizer)  # warm-up
         runs = [measure(model, prompt, batch=batch, new_tokens=args.new_tokens,
