@@ -345,12 +345,17 @@ def test_cpu_int8_tile_rows_do_not_depend_on_the_others() -> None:
 
     if not int8_activations_available():
         pytest.skip("int8 activations need a CPU with AVX512-VNNI")
+    # g128 too: its 128-element blocks take the prefill tile's unrolled loop
+    for k, group in ((576, 64), (1536, 128)):
+        wp, scale, zp, g = make_layer(70, k, group, False, seed=4)
+        layer = cpu.CpuInt4Layer(PackedInt4(wp, scale, zp, k, g))
+        x = torch.randn(23, k, generator=torch.Generator().manual_seed(5))
+        alone = torch.cat([layer(x[i : i + 1], int8_activations=True) for i in range(23)])
+        for m in (3, 6, 8, 16, 17, 23):
+            assert torch.equal(layer(x[:m], int8_activations=True), alone[:m]), (group, m)
     wp, scale, zp, g = make_layer(70, 576, 64, False, seed=4)
     layer = cpu.CpuInt4Layer(PackedInt4(wp, scale, zp, 576, g))
-    x = torch.randn(23, 576, generator=torch.Generator().manual_seed(5))
-    alone = torch.cat([layer(x[i : i + 1], int8_activations=True) for i in range(23)])
-    for m in (3, 6, 8, 16, 17, 23):
-        assert torch.equal(layer(x[:m], int8_activations=True), alone[:m])
+    layer(x[:1, :576], int8_activations=True)
     words = layer._rows16[0]
     assert tuple(words.shape) == (5, 72, 16) and torch.equal(words[1, :, 3], wp[19])
     assert torch.equal(words[4, :, 6:], torch.zeros(72, 10, dtype=torch.int32))
