@@ -490,6 +490,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
     int64_t *sel = (int64_t *)(((uintptr_t)(w_of + NE * R) + 7) & ~(uintptr_t)7);
     int64_t *rows_of = sel + R * TK, *count = rows_of + NE * R;
     float *moe_row = (float *)(count + NE);  /* `moe_one_row`'s buffers */
+    (void)moe_row;  /* unused without AVX512-VNNI */
     attend_unit *units = (attend_unit *)(((uintptr_t)(xe + moe_floats(d, R)) + 7) & ~(uintptr_t)7);
     /* the sliding layers' table after the full layers' (the most units one table takes) */
     attend_unit *units_sliding = units + R * Hq + R * Hkv * nch_max;
