@@ -212,22 +212,8 @@ def test_an_int8_prefill_equals_one_row_steps(name: str, tmp_path: Path) -> None
     the gate_up with its activation in the tile's epilogue, the query heads of a group
     together) gives each row the bits a one-row step gives it: every part does each row's
     operations in the same order."""
-    from quantkit.fused_kernels.cpu.decode import int8_activations_available
-    from quantkit.runtime.fast_path import set_act_dtype
-
-    if not int8_activations_available():
-        pytest.skip("needs AVX512-VNNI for the int8 tiles")
     model = load_model(_checkpoint(name, tmp_path), tokenizer=False).model
-    set_act_dtype(model, torch.int8)
-    tokens = torch.randint(3, 500, (20,), generator=torch.Generator().manual_seed(1)).tolist()
-    n = len(tokens)
-    with torch.no_grad():
-        model.setup_cache(batch=2, max_len=32)
-        path = model.decode_path
-        assert path.reason == "bound" and path.act_dtype == torch.int8, path.reason
-        one = torch.cat([path.run_rows(model, [t], [i], [0]) for i, t in enumerate(tokens)])
-        many = path.run_rows(model, tokens, list(range(n)), [1] * n)
-        model.drop_cache()
+    one, many = _one_row_and_many(model, n=20, seed=1, row_invariant=False)
     assert torch.equal(one, many)
 
 
@@ -238,11 +224,6 @@ def test_a_one_row_moe_step_equals_the_per_expert_loop(name: str, tmp_path: Path
     runs the per-expert loop. Each row's hidden state is the same bits either way."""
     import transformers
 
-    from quantkit.fused_kernels.cpu.decode import int8_activations_available
-    from quantkit.runtime.fast_path import set_act_dtype
-
-    if not int8_activations_available():
-        pytest.skip("needs AVX512-VNNI for the int8 tiles")
     # 4 of 8 experts a token: the sum of four experts' outputs is where a different order of
     # additions would show (two experts' sums came out equal when the order differed)
     cls, extra = MOE_CONFIGS[name]
@@ -254,17 +235,28 @@ def test_a_one_row_moe_step_equals_the_per_expert_loop(name: str, tmp_path: Path
         tmp_path / "ckpt", source_dir=tmp_path / "src"
     )
     model = load_model(ckpt, tokenizer=False).model
+    one, many = _one_row_and_many(model, n=12, seed=4, row_invariant=True)
+    assert torch.equal(one, many)
+
+
+def _one_row_and_many(model, *, n: int, seed: int, row_invariant: bool):
+    """n random tokens' hidden states with int8 activations: as n one-row steps of one cache
+    row, and as one n-row prefill of another."""
+    from quantkit.fused_kernels.cpu.decode import int8_activations_available
+    from quantkit.runtime.fast_path import set_act_dtype
+
+    if not int8_activations_available():
+        pytest.skip("needs AVX512-VNNI for the int8 tiles")
     set_act_dtype(model, torch.int8)
-    tokens = torch.randint(3, 500, (12,), generator=torch.Generator().manual_seed(4)).tolist()
-    n = len(tokens)
+    tokens = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
     with torch.no_grad():
         model.setup_cache(batch=2, max_len=32)
         path = model.decode_path
         assert path.reason == "bound" and path.act_dtype == torch.int8, path.reason
         one = torch.cat([path.run_rows(model, [t], [i], [0]) for i, t in enumerate(tokens)])
-        many = path.run_rows(model, tokens, list(range(n)), [1] * n, row_invariant=True)
+        many = path.run_rows(model, tokens, list(range(n)), [1] * n, row_invariant=row_invariant)
         model.drop_cache()
-    assert torch.equal(one, many)
+    return one, many
 
 
 def test_phase_bytes_count_the_experts_a_step_reads(tmp_path: Path) -> None:

@@ -309,17 +309,7 @@ static int gate_up_glu(const qk_w4_layer *L, const float *xp, int xp_dt, int64_t
         for (int64_t m0 = 0, mb; m0 < M; m0 += mb) {
             i8_chunk(m0, M, 0, &m0, &mb);
             __m512 r0[I8_MR], r1[I8_MR];
-#define TILE_GEMM(MB) gemm_tile_i8(MB, &T, &T1, xq + m0 * K, ta + m0 * nb, xs + m0 * nb, s_dt, \
-                                   s_bytes, W, cpb, bpg, m0 == 0, r0, r1)
-            switch (mb) {
-            case 1: TILE_GEMM(1); break;
-            case 2: TILE_GEMM(2); break;
-            case 3: TILE_GEMM(3); break;
-            case 4: TILE_GEMM(4); break;
-            case 5: TILE_GEMM(5); break;
-            default: TILE_GEMM(I8_MR); break;
-            }
-#undef TILE_GEMM
+            gemm_pair_i8(mb, m0, &T, &T1, xq, ta, xs, K, nb, s_dt, s_bytes, W, cpb, bpg, r0, r1);
             for (int64_t i = 0; i < mb; i++) {
                 const __m512 g = _mm512_add_ps(r0[i], T.bias), v = _mm512_add_ps(r1[i], T1.bias);
                 _mm512_storeu_ps(out + (m0 + i) * o_stride + 16 * u,
@@ -399,23 +389,21 @@ static void moe_one_row(const qk_decoder_layer *L, const qk_decoder_dims *d, con
         glu_mul(g + i0, g + EI + i0, i1 - i0, act);
     }
     PHASE_END(PH_SILU);
+    /* chosen expert k's down input: one row as `i8_parts` lays it out, at codes + k * cf */
     const int64_t Ad = i8_block(E0 + 2), nbd = EI / Ad, cf = moe_codes_floats(d);
+    int8_t *q;
+    float *s, *z;
     #pragma omp for schedule(static)
     for (int64_t kb = 0; kb < TK * nbd; kb++) {
-        const int64_t k = kb / nbd;
-        int8_t *q;
-        float *s, *z;
-        i8_parts(codes + k * cf, 1, EI, Ad, &q, &s, &z);
-        quantize_block_i8_at(gu + k * 2 * EI, DT_F32, EI, Ad, 1, 2 * EI, q, s, z, kb % nbd, 0, 0);
+        i8_parts(codes + kb / nbd * cf, 1, EI, Ad, &q, &s, &z);
+        quantize_block_i8_at(gu + kb / nbd * 2 * EI, DT_F32, EI, Ad, 1, 2 * EI, q, s, z, kb % nbd,
+                             0, 0);
     }
     PHASE_END(PH_PERMUTE);
     #pragma omp for schedule(static)
     for (int64_t f = 0; f < TK * td; f++) {
-        const int64_t k = f / td;
-        int8_t *q;
-        float *s, *z;
-        i8_parts(codes + k * cf, 1, EI, Ad, &q, &s, &z);
-        i8_row_tile(L->experts + 3 * ord[k] + 2, f % td, q, s, z, t + k * H);
+        i8_parts(codes + f / td * cf, 1, EI, Ad, &q, &s, &z);
+        i8_row_tile(L->experts + 3 * ord[f / td] + 2, f % td, q, s, z, t + f / td * H);
     }
     PHASE_END(PH_DOWN);
     /* acc = the experts' outputs weighted, added in index order from 0, then x += acc: the

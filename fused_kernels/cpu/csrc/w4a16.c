@@ -585,6 +585,26 @@ static inline __attribute__((always_inline)) void gemm_tile_i8(
         if (++gb == bpg) g++, gb = 0;
     }
 }
+
+/* Rows m0 .. m0 + mb (1..I8_MR) of tiles T0 and T1 into r0 and r1: `gemm_tile_i8` with the
+   row count a constant (its row loops unrolled); the first row chunk streams the tiles. */
+static inline __attribute__((always_inline)) void gemm_pair_i8(
+    int64_t mb, int64_t m0, const i8_tile *T0, const i8_tile *T1, const int8_t *xq,
+    const float *ta, const float *xs, int64_t K, int64_t nb, int s_dt, int64_t s_bytes,
+    int64_t W, int64_t cpb, int64_t bpg, __m512 *r0, __m512 *r1)
+{
+#define TILE_GEMM(MB) gemm_tile_i8(MB, T0, T1, xq + m0 * K, ta + m0 * nb, xs + m0 * nb, s_dt, \
+                                   s_bytes, W, cpb, bpg, m0 == 0, r0, r1)
+    switch (mb) {
+    case 1: TILE_GEMM(1); break;
+    case 2: TILE_GEMM(2); break;
+    case 3: TILE_GEMM(3); break;
+    case 4: TILE_GEMM(4); break;
+    case 5: TILE_GEMM(5); break;
+    default: TILE_GEMM(I8_MR); break;
+    }
+#undef TILE_GEMM
+}
 #endif
 
 /* Weight rows per scheduling unit: their per-group constants and partial sums live on the
@@ -841,17 +861,8 @@ static void gemv_rows_i8(const qk_w4_layer *L, float *xp, int64_t M, void *out, 
             for (int64_t m0 = 0, mb; m0 < M; m0 += mb) {
                 i8_chunk(m0, M, one_row, &m0, &mb);
                 __m512 r0[I8_MR], r1[I8_MR];
-#define TILE_GEMM(MB) gemm_tile_i8(MB, &T, &T1, xq + m0 * K, ta + m0 * nb, xs + m0 * nb, s_dt, \
-                                   s_bytes, W, cpb, bpg, m0 == 0, r0, r1)
-                switch (mb) {
-                case 1: TILE_GEMM(1); break;
-                case 2: TILE_GEMM(2); break;
-                case 3: TILE_GEMM(3); break;
-                case 4: TILE_GEMM(4); break;
-                case 5: TILE_GEMM(5); break;
-                default: TILE_GEMM(I8_MR); break;
-                }
-#undef TILE_GEMM
+                gemm_pair_i8(mb, m0, &T, &T1, xq, ta, xs, K, nb, s_dt, s_bytes, W, cpb, bpg, r0,
+                             r1);
                 store_tile_i8(r0, mb, m0, &T, out, o_dt, o_stride);
                 store_tile_i8(r1, mb, m0, &T1, out, o_dt, o_stride);
             }
