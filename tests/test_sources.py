@@ -299,7 +299,8 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelSourceError, match=r"expected one of llama, qwen3, qwen3moe, got 'falcon'"):
+    expected = r"expected one of llama, qwen3, qwen3moe, got 'falcon'"
+    with pytest.raises(ModelSourceError, match=expected):
         resolve_model(path, home=tmp_path, progress=False)
     assert not (tmp_path / "models" / "falcon").exists()
 
