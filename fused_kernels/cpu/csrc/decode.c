@@ -280,6 +280,18 @@ static void glu_mul(float *g, const float *u, int64_t n, int act) {
                         : g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
+/* gu holds `rows` rows of gate | up (I each, the row 2I wide): each gate half becomes
+   act(gate) * up, in 256-wide chunks (a vector loop) over the team (an orphaned `omp for`). */
+static void glu_rows(float *gu, int64_t rows, int64_t I, int act) {
+    const int64_t n_chunks = (I + 255) / 256;
+    #pragma omp for schedule(static)
+    for (int64_t rc = 0; rc < rows * n_chunks; rc++) {
+        float *g = gu + (rc / n_chunks) * 2 * I;
+        int64_t i0 = (rc % n_chunks) * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
+        glu_mul(g + i0, g + I + i0, i1 - i0, act);
+    }
+}
+
 /* a[j] += t[j] * w for j < n: a chosen expert's output added to its row's sum, in one place
    so that the per-expert loop and `moe_one_row` compile the same operations. */
 static inline void add_scaled(float *a, const float *t, float w, int64_t n) {
@@ -335,17 +347,6 @@ static inline void i8_row_tile(const qk_w4_layer *L, int64_t t, const int8_t *xq
     store_tile_i8(res, 1, 0, &T, out, DT_F32, 0);
 }
 
-/* Whether `moe_one_row` takes this step's MoE layer: one row, int8 activations for every
-   chosen expert's Linears (their interleaved copies), at most 64 experts a token. */
-static int moe_one_row_applies(const qk_decoder_layer *L, const qk_decoder_dims *d, int64_t R,
-                               const int64_t *sel, int act_dt) {
-    if (R != 1 || d->top_k > 64) return 0;
-    for (int64_t k = 0; k < d->top_k; k++)
-        for (int64_t i = 0; i < 3; i++)
-            if (gemv_x_dt(L->experts + 3 * sel[k] + i, act_dt) != DT_I8) return 0;
-    return 1;
-}
-
 /* A one-row step's MoE layer, its chosen experts' matmuls together: every chosen expert's gate
    and up tiles in one `omp for`, their activations in one, their down inputs quantized in one,
    their down tiles in one, then x += the experts' weighted sum. The per-expert loop beside it
@@ -381,13 +382,7 @@ static void moe_one_row(const qk_decoder_layer *L, const qk_decoder_dims *d, con
         i8_row_tile(L->experts + 3 * ord[k] + which, tile, xq, ta, xs, gu + k * 2 * EI + which * EI);
     }
     PHASE_END(PH_GATE_UP);
-    const int64_t e_chunks = (EI + 255) / 256;
-    #pragma omp for schedule(static)
-    for (int64_t rc = 0; rc < TK * e_chunks; rc++) {
-        float *g = gu + (rc / e_chunks) * 2 * EI;
-        int64_t i0 = (rc % e_chunks) * 256, i1 = i0 + 256 < EI ? i0 + 256 : EI;
-        glu_mul(g + i0, g + EI + i0, i1 - i0, act);
-    }
+    glu_rows(gu, TK, EI, act);
     PHASE_END(PH_SILU);
     /* chosen expert k's down input: one row as `i8_parts` lays it out, at codes + k * cf */
     const int64_t Ad = i8_block(E0 + 2), nbd = EI / Ad, cf = moe_codes_floats(d);
@@ -470,7 +465,6 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
     float *xp = work, *h = work + decode_gemv_scratch(layers, n_layers, R), *t = h + R * H;
     float *qkv = t + R * H, *att = qkv + R * QKV, *gu = att + R * Hq * D;
     float *scores = gu + R * gu_floats(d), *parts = scores + (int64_t)n_threads * S * SCORE_ROWS;
-    const int64_t n_chunks = (I + 255) / 256;
     const int64_t nch_max = chunks_of(S, S);
     const int64_t NE = d->experts, TK = d->top_k, EI = d->expert_inter;
     float *xe = parts + R * Hq * nch_max * (D + 2), *acc = xe + R * H, *probs = acc + R * H;
@@ -607,14 +601,15 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
             for (int64_t i = 0; i < R * H; i++) acc[i] = 0.0f;
             PHASE_END(PH_ROUTE);
 #if defined(__AVX512VNNI__)
-            if (moe_one_row_applies(L, d, R, sel, act_dt)) {
+            /* one row, int8 activations for the experts' gate/up and down (the per-expert loop
+               takes expert 0's for every expert too), at most 64 experts a token */
+            if (R == 1 && TK <= 64 && xg == DT_I8 && xd == DT_I8) {
                 moe_one_row(L, d, h, x, acc, xp, sel, wt, moe_row, (int)d->act, timed, &mark);
                 continue;
             }
 #endif
             /* each chosen expert on its rows: acc[r] += w * down(act(gate(h_r)) * up(h_r)), in
                expert order, then x += acc (the PyTorch block's order of additions) */
-            const int64_t e_chunks = (EI + 255) / 256;
             for (int64_t e = 0; e < NE; e++) {
                 const int64_t n = count[e];
                 if (n == 0) continue;
@@ -628,12 +623,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
                 gemv_rows(G, xp, xg, n, gu, DT_F32, 2 * EI, row_invariant);
                 gemv_rows(G + 1, xp, xg, n, gu + EI, DT_F32, 2 * EI, row_invariant);
                 PHASE_END(PH_GATE_UP);
-                #pragma omp for schedule(static)
-                for (int64_t rc = 0; rc < n * e_chunks; rc++) {
-                    float *g = gu + (rc / e_chunks) * 2 * EI;
-                    int64_t i0 = (rc % e_chunks) * 256, i1 = i0 + 256 < EI ? i0 + 256 : EI;
-                    glu_mul(g + i0, g + EI + i0, i1 - i0, (int)d->act);
-                }
+                glu_rows(gu, n, EI, (int)d->act);
                 PHASE_END(PH_SILU);
                 permute_x(gu, DT_F32, G + 2, n, 2 * EI, xp, xd, row_invariant);
                 PHASE_END(PH_PERMUTE);
@@ -660,12 +650,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         if (!fused) {
             gemv_rows(&L->gate_up, xp, xg, R, gu, DT_F32, 2 * I, row_invariant);
             PHASE_END(PH_GATE_UP);
-            #pragma omp for schedule(static)
-            for (int64_t rc = 0; rc < R * n_chunks; rc++) {  /* 256-wide chunks: a vector loop */
-                float *g = gu + (rc / n_chunks) * 2 * I;
-                int64_t i0 = (rc % n_chunks) * 256, i1 = i0 + 256 < I ? i0 + 256 : I;
-                glu_mul(g + i0, g + I + i0, i1 - i0, (int)d->act);
-            }
+            glu_rows(gu, R, I, (int)d->act);
         } else {
             PHASE_END(PH_GATE_UP);
         }
