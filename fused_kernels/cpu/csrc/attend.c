@@ -98,7 +98,7 @@ static inline float kv_scale16(const int kv, const uint8_t *r, int64_t D) {
 #if defined(__AVX512F__)
 /* GH query heads that share their keys and values (a GQA group's, or part of it) at once, each
    as `attend_nv` does one (its AVX-512 loop is this with GH = 1): the scores 8 keys at a time
-   reduced together (hsum8_add), each 8-key block of K read once for all GH heads (a head at
+   reduced together (hsum8_store), each 8-key block of K read once for all GH heads (a head at
    a time over all keys read every key's row GH times from L2), each head's softmax (with cap
    > 0 each scaled logit becomes cap * tanh(logit / cap) first), then one pass over the values
    for all GH heads, each value vector loaded once and the GH heads' o kept in registers: a
@@ -129,9 +129,7 @@ static inline __attribute__((always_inline)) void attend_nv_heads(
                     a[k] = _mm512_fmadd_ps(qv[h][c], kv_load16(KV, kr, c), a[k]);
                 if (KV >= KV_I8) a[k] = _mm512_mul_ps(a[k], _mm512_set1_ps(kv_scale16(KV, kr, D)));
             }
-            float *sh = sc + h * npos;
-            for (int k = 0; k < 8; k++) sh[j + k] = 0.0f;
-            hsum8_add(a, sh + j);
+            hsum8_store(a, sc + h * npos + j);
         }
     for (int h = 0; h < GH; h++) {
         const float *qh = q + h * D;

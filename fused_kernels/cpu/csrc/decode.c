@@ -169,7 +169,11 @@ static int64_t first_key(const qk_decoder_dims *d, int64_t p, int64_t sliding) {
 }
 
 /* The units of this step for the full layers (sliding 0) or the sliding ones (1), the same for
-   every such layer, long rows' first; returns how many and sets *split when any row is split. */
+   every such layer, long rows' first; returns how many and sets *split when any row is split.
+   Ordered by KV head (and chunk), then row: in a prefill the rows that follow one another read
+   the same keys and values, so a thread's next unit finds them in its L2 (by row first, every
+   unit read its 256 KB of K/V again from L3). Llama-3.2-1B shape, 2 threads, alternating: the
+   attention of a 4096-token prefill 4.8 -> 4.0 s, of a 512-token one 71 -> 56 ms. */
 static int64_t attention_units(const qk_decoder_dims *d, int64_t R, const int64_t *pos,
                                int64_t sliding, int64_t per_unit, attend_unit *units,
                                int *split) {
@@ -177,24 +181,23 @@ static int64_t attention_units(const qk_decoder_dims *d, int64_t R, const int64_
     const int64_t ch = split_chunk(d->slots), nch_max = chunks_of(d->slots, d->slots);
     int64_t n = 0;
     *split = 0;
-    for (int64_t r = 0; r < R; r++) {
-        const int64_t lo = first_key(d, pos[r], sliding), end = pos[r] + 1;
-        const int64_t nch = chunks_of(end - lo, d->slots);
-        if (nch < 2) continue;
-        *split = 1;
-        for (int64_t g = 0; g < Hkv; g++)
-            for (int64_t c = 0; c < nch; c++) {
+    for (int64_t g = 0; g < Hkv; g++)
+        for (int64_t c = 0; c < nch_max; c++)
+            for (int64_t r = 0; r < R; r++) {
+                const int64_t lo = first_key(d, pos[r], sliding), end = pos[r] + 1;
+                const int64_t nch = chunks_of(end - lo, d->slots);
+                if (nch < 2 || c >= nch) continue;
+                *split = 1;
                 const int64_t j1 = lo + (c + 1) * ch < end ? lo + (c + 1) * ch : end;
                 units[n++] = (attend_unit){r, g * group, group, lo + c * ch, j1,
                                            (r * Hq + g * group) * nch_max + c};
             }
-    }
-    for (int64_t u = 0; u < R * Hq / per_unit; u++) {
-        const int64_t r = u * per_unit / Hq, i0 = u * per_unit % Hq;
-        const int64_t lo = first_key(d, pos[r], sliding), end = pos[r] + 1;
-        if (chunks_of(end - lo, d->slots) < 2)
-            units[n++] = (attend_unit){r, i0, per_unit, lo, end, -1};
-    }
+    for (int64_t i0 = 0; i0 < Hq; i0 += per_unit)
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t lo = first_key(d, pos[r], sliding), end = pos[r] + 1;
+            if (chunks_of(end - lo, d->slots) < 2)
+                units[n++] = (attend_unit){r, i0, per_unit, lo, end, -1};
+        }
     return n;
 }
 
