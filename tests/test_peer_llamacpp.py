@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quantkit.evals.peers.llamacpp import main
+from quantkit.evals.peers.llamacpp import _tests, main
 
 
 def test_convert_refuses_a_type_it_does_not_know(tmp_path: Path, capsys) -> None:
@@ -14,3 +14,18 @@ def test_convert_refuses_a_type_it_does_not_know(tmp_path: Path, capsys) -> None
     assert code != 0 and "\n" not in err
     assert err.startswith("error: --types: expected some of q4_0, q4_1, q4_k_m, q8_0, got 'q5_k'")
     assert not (tmp_path / "out").exists()  # nothing made before the check
+
+
+def test_prefill_tests_take_each_prompt_length_and_fit_the_window() -> None:
+    tests, notes = _tests([0], 4096, (512, 4096))
+    prompts = [(t.name, t.prompt) for t in tests if t.depth < 0]
+    assert prompts == [("prefill 512", 512), ("prefill 4095", 4095)]
+    assert notes == [
+        "prefill 4096 runs at 4095: 4095 + 1 tokens fill the model's 4096-token window"
+    ]
+
+
+def test_decode_refuses_a_prompt_length_below_one(capsys) -> None:
+    code = main(["decode", "--prompts", "512", "0"])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and err == "error: --prompts: expected integers >= 1, got [512, 0]"

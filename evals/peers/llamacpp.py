@@ -20,10 +20,10 @@ first rotates every test), so a noisy neighbour slows all, not one. quantkit run
 `--kv-dtypes` format, llama.cpp once per `--llama-caches` type (a quantized one with flash
 attention); the ratio column divides each quantkit median by the first llama.cpp engine's.
 The tests are llama-bench's: `-p 0 -n 128 -d DEPTH` (128 greedy tokens after DEPTH cached
-tokens, decode time only) and `-p 512 -n 0` (a 512-token prompt). quantkit's side is
-`runtime.generate` in this process, with the options the commands use (`RuntimeOptions.cli()`,
-and the dtypes given): a DEPTH-token prompt, then 128 tokens,
-decode tok/s from the per-step timings (the prefill excluded), and for the prompt test 512 /
+tokens, decode time only) and `-p N -n 0` (an N-token prompt, `--prompts`, default 512).
+quantkit's side is `runtime.generate` in this process, with the options the commands use
+(`RuntimeOptions.cli()`, and the dtypes given): a DEPTH-token prompt, then 128 tokens,
+decode tok/s from the per-step timings (the prefill excluded), and for a prompt test N /
 TTFT (the prefill plus the first token's sampling). Prompts are random token ids, as
 llama-bench's are. A depth that leaves no room for 128 tokens in the model's window (8192) is
 lowered to fit, for both engines, and the table says so.
@@ -99,10 +99,13 @@ class Row:
 @dataclass(frozen=True)
 class Test:
     name: str
-    depth: int  # cached tokens before the timed decode; -1 for the prompt test
+    depth: int  # cached tokens before the timed decode; -1 for a prompt test
+    prompt: int = PROMPT_TOKENS  # a prompt test's tokens
 
 
-def _tests(depths: list[int], context: int) -> tuple[list[Test], list[str]]:
+def _tests(
+    depths: list[int], context: int, prompts: tuple[int, ...] = (PROMPT_TOKENS,)
+) -> tuple[list[Test], list[str]]:
     tests, notes = [], []
     for depth in depths:
         fit = min(depth, context - NEW_TOKENS)
@@ -112,7 +115,14 @@ def _tests(depths: list[int], context: int) -> tuple[list[Test], list[str]]:
                 f"{context}-token window"
             )
         tests.append(Test(f"decode d={fit}", fit))
-    tests.append(Test(f"prefill {PROMPT_TOKENS}", -1))
+    for prompt in prompts:
+        fit = min(prompt, context - 1)
+        if fit != prompt:
+            notes.append(
+                f"prefill {prompt} runs at {fit}: {fit} + 1 tokens fill the model's "
+                f"{context}-token window"
+            )
+        tests.append(Test(f"prefill {fit}", -1, fit))
     return tests, notes
 
 
@@ -136,7 +146,7 @@ class LlamaBench:
     def __call__(self, test: Test) -> float:
         shape = ["-p", "0", "-n", str(NEW_TOKENS), "-d", str(test.depth)]
         if test.depth < 0:
-            shape = ["-p", str(PROMPT_TOKENS), "-n", "0"]
+            shape = ["-p", str(test.prompt), "-n", "0"]
         cmd = [self.exe, "-m", self.gguf, "-t", str(self.threads), "-r", "1", "-o", "json"]
         if self.cache != "f16":
             cmd += ["-ctk", self.cache, "-ctv", self.cache, "-fa", "1"]
@@ -226,7 +236,7 @@ class QuantkitDecode:
 
     def __call__(self, test: Test) -> float:
         if test.depth < 0:
-            return PROMPT_TOKENS / self._run(PROMPT_TOKENS, 1).stats.ttft_s
+            return test.prompt / self._run(test.prompt, 1).stats.ttft_s
         return self._run(max(test.depth, 1), NEW_TOKENS).stats.decode_tok_s
 
 
@@ -242,6 +252,7 @@ def run_decode(
     llama_caches: tuple[str, ...] = ("f16",),
     checkpoint: Path | None = None,
     ggufs: tuple[Path, ...] = (),
+    prompts: tuple[int, ...] = (PROMPT_TOKENS,),
 ) -> str:
     """The decode table: one quantkit engine per KV cache format and one llama.cpp engine per
     cache type (and per GGUF file), every test alternating through them (the order rotates
@@ -265,7 +276,7 @@ def run_decode(
         LlamaBench(children, tools, f, threads, cache) for f in files for cache in llama_caches
     ]
     quantkit, llama = ours[0], llamas[0]
-    tests, notes = _tests(depths, quantkit.context)
+    tests, notes = _tests(depths, quantkit.context, prompts)
     # Measured now, before the runs (not the cache's best figure ever seen on this CPU).
     probe = bandwidth_probe().bytes_per_s / 1e9
     for engine in ours:
@@ -290,7 +301,8 @@ def run_decode(
         f"llama-cpp-python {tools.version}, flash attention {fa}); "
         f"{threads} threads, {runs} runs alternating",
         f"decode d=N: tok/s of {NEW_TOKENS} greedy tokens after N cached tokens; "
-        f"prefill {PROMPT_TOKENS}: prompt tok/s; {machine}",
+        f"prefill N: prompt tok/s of an N-token prompt (its time to the first token); "
+        f"{machine}",
         *notes,
     ]
     table = _decode_table(list(rows.values()), runs, engines[-len(llamas)][0])
@@ -518,6 +530,13 @@ def main(argv: list[str] | None = None) -> int:
     p_decode.add_argument("--threads", type=int, default=2)
     p_decode.add_argument("--runs", type=int, default=3)
     p_decode.add_argument("--depths", type=int, nargs="+", default=[0, 1024, 4096, 8192])
+    p_decode.add_argument(
+        "--prompts",
+        type=int,
+        nargs="+",
+        default=[PROMPT_TOKENS],
+        help="prompt lengths of the prefill tests (llama-bench's -p)",
+    )
     p_decode.add_argument("--act-dtype", default="auto", help="quantkit's, as `generate`'s")
     p_decode.add_argument("--head-dtype", default="auto", help="quantkit's, as `generate`'s")
     p_decode.add_argument(
@@ -558,13 +577,15 @@ def main(argv: list[str] | None = None) -> int:
                 _at_least_1(args.runs, "--runs")
                 if any(d < 0 for d in args.depths):
                     raise PeerError(f"--depths: expected integers >= 0, got {args.depths}")
+                if any(n < 1 for n in args.prompts):
+                    raise PeerError(f"--prompts: expected integers >= 1, got {args.prompts}")
                 print(
                     run_decode(
                         children, threads=args.threads, runs=args.runs, depths=args.depths,
                         act_dtype=args.act_dtype, head_dtype=args.head_dtype,
                         kv_dtypes=tuple(args.kv_dtypes),
                         llama_caches=tuple(args.llama_caches), checkpoint=args.checkpoint,
-                        ggufs=tuple(args.gguf),
+                        ggufs=tuple(args.gguf), prompts=tuple(args.prompts),
                     )
                 )  # fmt: skip
             elif args.command == "convert":
