@@ -86,6 +86,17 @@ def test_head_dtype_option(int4_ckpt: Path, capsys) -> None:
     code, out, err = run(capsys, *common, "--head-dtype", "float32")
     assert code == 0, err
     assert json.loads(out)["bytes_lm_head"] == 512 * 64 * 4
+    from quantkit.fused_kernels.cpu.i6_gemv import i6_gemv_available
+
+    code, out, err = run(capsys, *common, "--head-dtype", "int6")
+    if not i6_gemv_available():
+        assert code != 0 and "head dtype int6: expected a CPU with AVX512-VNNI" in err
+        return
+    assert code == 0, err
+    data = json.loads(out)
+    # 32 tiles of 16 rows, 2 groups of 32: 384 bytes of codes and 16 fp16 scales each
+    assert data["head_dtype"] == "int6 g32" and data["bytes_lm_head"] == 32 * 2 * (384 + 32)
+    assert "lm_head int6 g32" in data["backend"]
 
 
 def test_act_dtype_option(int4_ckpt: Path, capsys) -> None:

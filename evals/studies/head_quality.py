@@ -3,9 +3,10 @@
     python -m quantkit.evals.studies.head_quality [--ckpt DIR] [--eval-tokens 32768] [--write DIR]
 
 Starts from an INT4/FP8 checkpoint (default: the embedded SmolLM2-135M AWQ INT4 one) and scores
-held-out Wikipedia perplexity (window 512) with its body as stored and five heads: fp32 (the
+held-out Wikipedia perplexity (window 512) with its body as stored and these heads: fp32 (the
 checkpoint's dense head), bf16 (what a CPU with bf16 dot instructions runs by default), int8
-with a scale per row (what `--head-dtype int8` runs, rounded when the model loads), the
+with a scale per row (what `--head-dtype int8` runs, rounded when the model loads), on a VNNI
+CPU int6 with a scale per 32 weights (`--head-dtype int6`, run by its kernel), the
 checkpoint's own format rounded to nearest (what `quantize --quantize-head` stores), and FP8
 per channel. Prints the head's bytes per decode step beside each. `--write DIR` also writes the
 checkpoint with the quantized head, the same tensors `quantize --quantize-head` would write
@@ -29,10 +30,12 @@ from quantkit.format.checkpoint import (
 )
 from quantkit.format.scheme import QuantScheme
 from quantkit.fused_kernels.cpu.bf16_gemv import I8I8_MAX_M, i8i8_gemv
+from quantkit.fused_kernels.cpu.i6_gemv import GROUP as I6_GROUP
+from quantkit.fused_kernels.cpu.i6_gemv import i6_gemv_available
 from quantkit.models.decoder import build_model
 from quantkit.quantize.calibration import heldout_tokens
 from quantkit.quantize.embedded import ensure_embedded_int4
-from quantkit.runtime.head import CastHead
+from quantkit.runtime.head import CastHead, Int6Head
 from quantkit.sources.tokenizer import load_tokenizer
 
 
@@ -82,6 +85,9 @@ def run(args: argparse.Namespace) -> dict:
     }
     if int8._i8i8 is not None:  # what a decode step runs on a CPU with AVX512-VNNI
         heads["int8 per row, int8 activations (VNNI)"] = (_Int8Int8Head(int8), int8.weight_bytes())
+    if i6_gemv_available() and head.shape[1] % I6_GROUP == 0:  # `--head-dtype int6`, as run
+        int6 = Int6Head(head)
+        heads["int6 g32 (--head-dtype int6, VNNI)"] = (int6, int6.weight_bytes())
     for label, s in ((f"{scheme.describe()} RTN", scheme), ("fp8 per-channel RTN", None)):
         s = s or QuantScheme("fp8")
         s = s.resolve([("lm_head", head.shape[1])])

@@ -333,6 +333,21 @@ FUNCTIONS: dict[str, Fn] = {
         y_stride=c_int64,
         n_threads=c_int,
     ),
+    # i6_gemv.c
+    "qk_i6i8_gemv_available": fn(c_int),
+    "qk_i6i8_gemv": fn(
+        c_int,
+        x=c_void_p,
+        M=c_int64,
+        K=c_int64,
+        x_stride=c_int64,
+        w=c_void_p,
+        scale=c_void_p,
+        N=c_int64,
+        y=c_void_p,
+        y_stride=c_int64,
+        n_threads=c_int,
+    ),
     # int8.c
     "qk_w8a8_available": fn(c_int),
     "qk_int8_peak_ops": fn(c_int64, rounds=c_int64, n_threads=c_int),
@@ -424,6 +439,7 @@ LIBRARIES: dict[str, Library] = {
             "qk_i8i8_gemv",
         ),  # fmt: skip
     ),
+    "qk_i6_gemv": Library("i6_gemv.c", ("qk_i6i8_gemv_available", "qk_i6i8_gemv")),
     "qk_int8_cpu": Library(
         "int8.c", ("qk_w8a8_available", "qk_w8a8_quant_tokens", "qk_w8a8_gemm", "qk_int8_peak_ops")
     ),

@@ -20,7 +20,7 @@ from quantkit.runtime.fast_path import (
     set_act_dtype,
 )
 from quantkit.runtime.fusion import fuse_projections
-from quantkit.runtime.head import HEAD_DTYPES, auto_head_dtype, set_head_dtype
+from quantkit.runtime.head import HEAD_DTYPES, auto_head_dtype, set_head_dtype, set_int6_head
 from quantkit.runtime.options import RuntimeOptions
 from quantkit.runtime.quant_linear import QuantLinear
 from quantkit.sources.resolve import resolve_model
@@ -94,6 +94,8 @@ def _apply_precision(model: CausalLM, options: RuntimeOptions, *, quantized: boo
         (options.head_dtype, auto_head_dtype, set_head_dtype, HEAD_DTYPES),
         (options.act_dtype, auto_act_dtype, set_act_dtype, ACT_DTYPES),
     ):
-        if choice != "model":
+        if choice == "int6" and apply is set_head_dtype:
+            set_int6_head(model)
+        elif choice != "model":
             dtype = auto(model, quantized=quantized) if choice == "auto" else named[choice]
             apply(model, dtype)

@@ -191,6 +191,18 @@ int qk_i8i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
                  const float *scale, int64_t N, int64_t block, float *y, int64_t y_stride,
                  int n_threads);
 
+/* ---- i6_gemv.c (library qk_i6_gemv): the 6-bit lm_head. Return value: 0, 1 = a bad
+   argument, 2 = out of memory, 4 = not in this build. ---- */
+
+/* 1 when this build has the kernel (AVX512-VNNI), else 0. */
+int qk_i6i8_gemv_available(void);
+
+/* y [M, N] (fp32) = q(x) [M, K] @ (C * s).T with x quantized to int8 per block of 32 and the
+   weight held as w: 6-bit codes u = C + 32 of 16 interleaved rows, [ceil(N / 16)][K / 32][384]
+   bytes (i6_gemv.c's layout), scale fp16 [ceil(N / 16)][K / 32][16]. M <= 16, K % 32 == 0. */
+int qk_i6i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const uint8_t *w,
+                 const uint16_t *scale, int64_t N, float *y, int64_t y_stride, int n_threads);
+
 /* ---- int8.c (library qk_int8_cpu): the W8A8 INT8 linear. Return value: 0, 1 = a bad
    argument, 2 = out of memory, 4 = not in this build. ---- */
 
