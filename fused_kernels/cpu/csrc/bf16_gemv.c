@@ -191,7 +191,7 @@ int qk_i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const int
    in the call (integer sums are exact, the fp32 work is per row), so it is row-invariant. */
 
 #define I8I8_MAX_M 16
-#define I8I8_MB 8
+#define I8I8_MB HEAD_MB
 
 int qk_i8i8_gemv_available(void) {
 #if defined(__AVX512VNNI__)
@@ -255,27 +255,7 @@ int qk_i8i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
     }
     #pragma omp parallel num_threads(n_threads)
     {
-        /* block-major, so each thread writes one run (rows interleave per word) */
-        #pragma omp for schedule(static)
-        for (int64_t bm = 0; bm < nb * M; bm++) {
-            const int64_t b = bm / M, m = bm % M, m0 = m - m % I8I8_MB;
-            const int64_t mb = M - m0 < I8I8_MB ? M - m0 : I8I8_MB;
-            __m512i q[8];
-            int32_t sum;
-            const float t = quantize_block_i8(x + m * x_stride + b * block, (int)block, q, &sum);
-            int8_t *dst = xq + m0 * K + (m - m0) * 4;
-            for (int i = 0; i < block / 16; i++) {
-                int32_t words[4];
-                _mm_storeu_si128((__m128i *)words, _mm512_cvtepi32_epi8(q[i]));
-                for (int u = 0; u < 4; u++) {  /* 4 words of 4 codes */
-                    const int64_t j = b * (block / 4) + 4 * i + u;
-                    memcpy(dst + j * mb * 4, &words[u], 4);
-                }
-            }
-            float *o = xt + (m0 * nb + b * mb + (m - m0)) * 2;
-            o[0] = t;
-            o[1] = 128.0f * t * (float)sum;
-        }
+        head_rows_i8(x, M, K, x_stride, block, 128.0f, xq, xt);
         #pragma omp for schedule(static)
         for (int64_t tl = 0; tl < (N + 15) / 16; tl++) {
             const int32_t *w = (const int32_t *)wr + tl * W * 16;

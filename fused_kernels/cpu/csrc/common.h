@@ -174,6 +174,40 @@ static inline float quantize_block_i8(const float *x, int A, __m512i *q, int32_t
     return t;
 }
 
+/* Rows per chunk of the head GEMVs' int8 activation layout (`head_rows_i8`). */
+#define HEAD_MB 8
+
+/* x [M, K] (rows x_stride apart) as the head GEMVs (`qk_i8i8_gemv`, `qk_i6i8_gemv`) read it:
+   each block of `block` elements quantized by `quantize_block_i8`, the codes laid out
+   [chunk of <= HEAD_MB rows][word j][row][4] at xq, and per chunk, block and row {t,
+   off * t * sum(q)} at xt: off is the offset of the weight's unsigned codes (W8 + 128, the
+   6-bit C + 32), undone per block as t (acc - off sum(q)). An orphaned `omp for` over blocks
+   x rows (block-major, so each thread writes one run). */
+static inline void head_rows_i8(const float *x, int64_t M, int64_t K, int64_t x_stride,
+                                int64_t block, float off, int8_t *xq, float *xt) {
+    const int64_t nb = K / block;
+    #pragma omp for schedule(static)
+    for (int64_t bm = 0; bm < nb * M; bm++) {
+        const int64_t b = bm / M, m = bm % M, m0 = m - m % HEAD_MB;
+        const int64_t mb = M - m0 < HEAD_MB ? M - m0 : HEAD_MB;
+        __m512i q[8];
+        int32_t sum;
+        const float t = quantize_block_i8(x + m * x_stride + b * block, (int)block, q, &sum);
+        int8_t *dst = xq + m0 * K + (m - m0) * 4;
+        for (int i = 0; i < block / 16; i++) {
+            int32_t words[4];
+            _mm_storeu_si128((__m128i *)words, _mm512_cvtepi32_epi8(q[i]));
+            for (int u = 0; u < 4; u++) {  /* 4 words of 4 codes */
+                const int64_t j = b * (block / 4) + 4 * i + u;
+                memcpy(dst + j * mb * 4, &words[u], 4);
+            }
+        }
+        float *o = xt + (m0 * nb + b * mb + (m - m0)) * 2;
+        o[0] = t;
+        o[1] = off * t * (float)sum;
+    }
+}
+
 /* 4 int8 codes (one int32) broadcast to the 16 lanes, for vpdpbusd. */
 static inline __m512i bcast_i32(const int8_t *p) {
     int32_t v;

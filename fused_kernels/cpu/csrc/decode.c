@@ -76,7 +76,7 @@ int qk_decode_phases(int on, double *out) {
    down, which every expert's equal in shape and groups (the binding checks). */
 static int64_t mlp_layers(const qk_decoder_layer *L, const qk_w4_layer **out) {
     if (!L->router) {
-        out[0] = &L->gate_up, out[1] = &L->down;
+        out[0] = &L->gate_up, out[1] = &L->down, out[2] = NULL;
         return 2;
     }
     out[0] = L->experts, out[1] = L->experts + 1, out[2] = L->experts + 2;
@@ -216,7 +216,7 @@ static inline float dot(const float *a, const float *b, int64_t n) {
     int64_t e = 0;
     for (; e + 16 <= n; e += 16)
         for (int l = 0; l < 16; l++) acc[l] += a[e + l] * b[e + l];
-    for (int l = 0; e < n; e++, l++) acc[l] += a[e] * b[e];
+    for (int l = 0; e < n && l < 16; e++, l++) acc[l] += a[e] * b[e];  /* l < 16 always */
     for (int w = 8; w; w >>= 1)
         for (int l = 0; l < w; l++) acc[l] += acc[l + w];
     return acc[0];

@@ -27,7 +27,7 @@
 #define I6_GROUP 32
 #define I6_GROUP_BYTES 384
 #define I6_MAX_M 16
-#define I6_MB 8
+#define I6_MB HEAD_MB
 #define I6_PF_GROUPS 6  /* software prefetch distance: 2.3 KB ahead in the tile's stream */
 
 int qk_i6i8_gemv_available(void) {
@@ -92,7 +92,7 @@ int qk_i6i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
 #else
     if (M < 1 || M > I6_MAX_M || K < I6_GROUP || K % I6_GROUP || N < 1) return 1;
     const int64_t G = K / I6_GROUP;
-    /* codes [chunk of <= 8 rows][word j][row][4]; per group and row t and 32 t sum(q) */
+    /* the activations' codes and per group {t, 32 t sum(q)}: `head_rows_i8` */
     int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64 + 64));
     float *xt = (float *)aligned_alloc(64, (size_t)((M * G * 2 * 4 + 63) / 64 * 64 + 64));
     if (!xq || !xt) {
@@ -102,26 +102,7 @@ int qk_i6i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
     }
     #pragma omp parallel num_threads(n_threads)
     {
-        #pragma omp for schedule(static)
-        for (int64_t gm = 0; gm < G * M; gm++) {
-            const int64_t g = gm / M, m = gm % M, m0 = m - m % I6_MB;
-            const int64_t mb = M - m0 < I6_MB ? M - m0 : I6_MB;
-            __m512i q[8];
-            int32_t sum;
-            const float t = quantize_block_i8(x + m * x_stride + g * I6_GROUP, I6_GROUP, q, &sum);
-            int8_t *dst = xq + m0 * K + (m - m0) * 4;
-            for (int i = 0; i < I6_GROUP / 16; i++) {
-                int32_t words[4];
-                _mm_storeu_si128((__m128i *)words, _mm512_cvtepi32_epi8(q[i]));
-                for (int u = 0; u < 4; u++) {
-                    const int64_t j = g * (I6_GROUP / 4) + 4 * i + u;
-                    memcpy(dst + j * mb * 4, &words[u], 4);
-                }
-            }
-            float *o = xt + (m0 * G + g * mb + (m - m0)) * 2;
-            o[0] = t;
-            o[1] = 32.0f * t * (float)sum;
-        }
+        head_rows_i8(x, M, K, x_stride, I6_GROUP, 32.0f, xq, xt);
         #pragma omp for schedule(static)
         for (int64_t tl = 0; tl < (N + 15) / 16; tl++) {
             const uint8_t *wt = w + tl * G * I6_GROUP_BYTES;
