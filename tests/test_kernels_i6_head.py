@@ -34,17 +34,30 @@ def test_rounding_keeps_each_group_within_half_a_step() -> None:
 
 
 def test_the_layout_is_six_bits_a_weight_and_a_scale_per_32() -> None:
-    packed = I6Weight(torch.randn(37, 64))  # 37 rows: 3 tiles, the last padded
+    weight = torch.randn(37, 64)
+    packed = I6Weight(weight)  # 37 rows: 3 tiles, the last padded
     assert packed.packed.shape == (3, 2, 2, 3, 16, 4)  # tile, group, quad, vector, row, element
     assert packed.nbytes() == 3 * 2 * 384 + 3 * 2 * 16 * 2
+    want_codes, want_scales = round_i6(weight)
+    codes = packed.codes()
+    assert torch.equal(codes, want_codes) and torch.equal(packed.row_scales(), want_scales)
     # row 16 * 1 + 5, element 32 * 1 + 16 * 1 + 4 * 2 + 3 (group 1, quad 1, word 2, byte 3)
-    u = int(packed.codes[21, 59]) + 32
+    u = int(codes[21, 59]) + 32
     a, b, c = packed.packed[1, 1, 1]  # the quad's three 64-byte vectors, as [row][element]
     assert int(b[5, 3]) & 15 == u & 15  # words 2 and 3: the low nibbles of vector b
     assert (int(c[5, 3]) >> 4) & 3 == u >> 4  # word 2's top bits: bits 4-5 of vector c
-    assert int(a[5, 3]) == (int(packed.codes[21, 48 + 3]) + 32) & 15 | (
-        ((int(packed.codes[21, 52 + 3]) + 32) & 15) << 4
+    assert int(a[5, 3]) == (int(codes[21, 48 + 3]) + 32) & 15 | (
+        ((int(codes[21, 52 + 3]) + 32) & 15) << 4
     )
+
+
+def test_a_weight_taller_than_one_rounding_chunk_packs_every_row() -> None:
+    from quantkit.fused_kernels.cpu import i6_gemv as module
+
+    weight = torch.randn(module._ROWS + 21, 32)  # a second chunk of 21 rows, its tile padded
+    packed = I6Weight(weight)
+    codes, scales = round_i6(weight)
+    assert torch.equal(packed.codes(), codes) and torch.equal(packed.row_scales(), scales)
 
 
 def _reference(x: torch.Tensor, packed: I6Weight) -> torch.Tensor:
@@ -54,9 +67,9 @@ def _reference(x: torch.Tensor, packed: I6Weight) -> torch.Tensor:
     b = x.view(m, k // 32, 32)
     t = b.abs().amax(-1, keepdim=True) / 127
     q = torch.round(b * torch.where(t > 0, 1 / t, torch.zeros_like(t))).clamp(-127, 127)
-    codes = packed.codes.double().view(packed.out_features, k // 32, 32)
+    codes = packed.codes().double().view(packed.out_features, k // 32, 32)
     sums = torch.einsum("mgk,ngk->mng", q.double(), codes)
-    return (sums * t.double().squeeze(-1)[:, None, :] * packed.row_scales.double()[None]).sum(-1)
+    return (sums * t.double().squeeze(-1)[:, None, :] * packed.row_scales().double()[None]).sum(-1)
 
 
 @needs_vnni
