@@ -32,6 +32,7 @@ import torch
 
 from quantkit.evals.common import run_main
 from quantkit.fused_kernels.cpu.decode import PHASES, decode_phases
+from quantkit.perf.roofline import expert_read_share
 
 __all__ = ["Breakdown", "format_breakdown", "measure", "weight_bytes_by_phase"]
 
@@ -57,10 +58,10 @@ class Breakdown:
 def weight_bytes_by_phase(model: Any, batch: int = 1) -> dict[str, float]:
     """Bytes each GEMV phase reads per step of `batch` rows (every layer's quantized
     projections of it; of a mixture of experts' the share the rows' top-k read on average,
-    as `perf.roofline.model_read_bytes` counts it)."""
+    as `perf.roofline.model_read_bytes` counts it: `expert_read_share`)."""
     out = dict.fromkeys(("qkv", "o", "gate_up", "down"), 0.0)
     moe = model.config.moe
-    share = 1.0 if moe is None else 1.0 - (1.0 - moe.top_k / moe.experts) ** batch
+    share = 1.0 if moe is None else expert_read_share(moe, batch)
     for name, module in model.model.layers.named_modules():
         phase = _PROJECTION_PHASE.get(name.rsplit(".", 1)[-1])
         if phase is not None and hasattr(module, "weight_bytes"):

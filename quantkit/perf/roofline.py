@@ -351,6 +351,13 @@ def _nbytes(t: Any) -> int:
     return t.numel() * t.element_size()
 
 
+def expert_read_share(moe: Any, batch: int = 1) -> float:
+    """The share of a mixture-of-experts layer's E experts a decode step of `batch` rows reads
+    on average, each row its top k and the router spreading tokens evenly: 1 - (1 - k/E)^batch
+    (k/E at one row)."""
+    return 1 - (1 - moe.top_k / moe.experts) ** max(batch, 1)
+
+
 def model_read_bytes(model: CausalLM, *, batch: int = 1) -> WeightBytes:
     """What one decode step of `batch` rows reads from a loaded model's real tensors, by part.
 
@@ -399,7 +406,7 @@ def model_read_bytes(model: CausalLM, *, batch: int = 1) -> WeightBytes:
                 other += _nbytes(p)
     unread = 0
     if moe is not None and expert_bytes:
-        read = moe.experts * (1 - (1 - moe.top_k / moe.experts) ** max(batch, 1))
+        read = moe.experts * expert_read_share(moe, batch)
         unread = round(expert_bytes * (1 - read / moe.experts))
     other += _nbytes(model.model.norm.weight)
     embed = model.model.embed_tokens.weight
