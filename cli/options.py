@@ -23,7 +23,7 @@ from quantkit.batching.types import check_prefix_cache_mb
 from quantkit.errors import GenerationError
 from quantkit.format.dtypes import DTYPES
 from quantkit.models.kv_cache import KV_DTYPE_NAMES
-from quantkit.runtime.head import HEAD_DTYPES, HEAD_FORMATS
+from quantkit.runtime.head import HEAD_CHOICES
 from quantkit.runtime.loader import LoadedModel, load_model
 from quantkit.runtime.options import ACT_DTYPE_NAMES, RuntimeOptions
 from quantkit.runtime.speculate import SpecConfig, parse_speculate
@@ -113,7 +113,7 @@ def _declarations(serving: bool) -> list[Callable[[Any], Any]]:
         ),
         click.option(
             "--head-dtype",
-            type=click.Choice(["auto", *HEAD_DTYPES, *HEAD_FORMATS]),
+            type=click.Choice(["auto", *HEAD_CHOICES]),
             default="auto",
             show_default=True,
             help="dtype of the lm_head matmul, for an INT4/FP8 model on a CPU; auto = int8 on "

@@ -48,6 +48,8 @@ HEAD_DTYPES = {**DTYPES, "int8": torch.int8}
 # Heads that are not a torch dtype: int6, 6-bit codes with an fp16 scale per row and 32
 # elements (`Int6Head`), named by `--head-dtype int6` only.
 HEAD_FORMATS = ("int6",)
+# Every name a head choice may take, and what `set_head_dtype` is given for it.
+HEAD_CHOICES: dict[str, torch.dtype | str] = {**HEAD_DTYPES, **{f: f for f in HEAD_FORMATS}}
 
 
 # Rows up to which a bf16 head on fp32 activations takes the C GEMV (`cpu.bf16_gemv`) rather
@@ -117,7 +119,7 @@ class Int6Head(nn.Module):
     quantkit.evals.studies.head_quality`): fp32 head 22.632, int8 with int8 activations (the
     VNNI default) 22.673, int6 22.764 (+0.40% over int8) for 23.0 MB a step instead of 28.5.
     A scale per row instead of per 32 cost 1.8% (fake-quantized, 8192 tokens). Needs a CPU with
-    AVX512-VNNI (`set_int6_head` checks)."""
+    AVX512-VNNI (`set_head_dtype` checks)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -139,29 +141,22 @@ class Int6Head(nn.Module):
         return out.view(*lead, self.out_features)
 
 
-def set_int6_head(model: CausalLM) -> None:
-    """Run `model`'s lm_head in 6 bits (`Int6Head`; a tied head stops being tied). Raises a
-    `GenerationError` where it cannot run: not on a CPU with AVX512-VNNI, a hidden size that
-    is not a multiple of 32, or a head the checkpoint stores quantized."""
-    head = model.lm_head
-    if isinstance(head, Int6Head):
+def _int6_head(model: CausalLM) -> None:
+    """`set_head_dtype`'s int6: an `Int6Head` from the head's weight, where the kernel runs (a
+    CPU with AVX512-VNNI) and the hidden size is a multiple of 32; else a `GenerationError`."""
+    if isinstance(model.lm_head, Int6Head):
         return
-    if isinstance(head, QuantLinear):
-        raise GenerationError(
-            f"head dtype: the checkpoint's lm_head is quantized ({head.scheme.kind}), expected "
-            f"auto or the model's dtype, got int6"
-        )
     if model.device.type != "cpu" or not i6_gemv_available():
         raise GenerationError(
             f"head dtype int6: expected a CPU with AVX512-VNNI, got {model.device.type}"
             + (" without it" if model.device.type == "cpu" else "")
         )
-    width = head.weight.shape[1]
+    width = model.lm_head.weight.shape[1]
     if width % GROUP:
         raise GenerationError(
             f"head dtype int6: expected a hidden size that is a multiple of {GROUP}, got {width}"
         )
-    model.lm_head = Int6Head(head.weight)
+    model.lm_head = Int6Head(model.lm_head.weight)
 
 
 def logits_of_rows(model: CausalLM, hidden: torch.Tensor, *, row_invariant: bool) -> torch.Tensor:
@@ -219,11 +214,12 @@ def int8_head_faster() -> bool:
     return i8_gemv_available()
 
 
-def set_head_dtype(model: CausalLM, dtype: torch.dtype) -> None:
-    """Run `model`'s lm_head in `dtype` (a copy of the weight; the embedding table is kept as it
-    is, so a tied head stops being tied). No-op when the head already has that dtype."""
-    if dtype not in HEAD_DTYPES.values():
-        raise GenerationError(f"head dtype: expected one of {', '.join(HEAD_DTYPES)}, got {dtype}")
+def set_head_dtype(model: CausalLM, dtype: torch.dtype | str) -> None:
+    """Run `model`'s lm_head in `dtype`, a torch dtype of `HEAD_DTYPES` or "int6" (`Int6Head`)
+    (a copy of the weight; the embedding table is kept as it is, so a tied head stops being
+    tied). No-op when the head already has that dtype."""
+    if dtype not in HEAD_DTYPES.values() and dtype not in HEAD_FORMATS:
+        raise GenerationError(f"head dtype: expected one of {', '.join(HEAD_CHOICES)}, got {dtype}")
     if isinstance(model.lm_head, QuantLinear):
         if dtype != model.dtype:
             raise GenerationError(
@@ -231,6 +227,7 @@ def set_head_dtype(model: CausalLM, dtype: torch.dtype) -> None:
                 f"expected auto or the model's dtype, got {dtype}"
             )
         return
-    if model.lm_head.weight.dtype == dtype:
-        return
-    model.lm_head = CastHead(model.lm_head.weight, dtype)
+    if dtype == "int6":
+        _int6_head(model)
+    elif model.lm_head.weight.dtype != dtype:
+        model.lm_head = CastHead(model.lm_head.weight, dtype)

@@ -20,7 +20,7 @@ from quantkit.runtime.fast_path import (
     set_act_dtype,
 )
 from quantkit.runtime.fusion import fuse_projections
-from quantkit.runtime.head import HEAD_DTYPES, auto_head_dtype, set_head_dtype, set_int6_head
+from quantkit.runtime.head import HEAD_CHOICES, auto_head_dtype, set_head_dtype
 from quantkit.runtime.options import RuntimeOptions
 from quantkit.runtime.quant_linear import QuantLinear
 from quantkit.sources.resolve import resolve_model
@@ -91,11 +91,9 @@ def load_model(
 def _apply_precision(model: CausalLM, options: RuntimeOptions, *, quantized: bool) -> None:
     """The lm_head's dtype, then the C step's activation dtype ("model" leaves each as is)."""
     for choice, auto, apply, named in (
-        (options.head_dtype, auto_head_dtype, set_head_dtype, HEAD_DTYPES),
+        (options.head_dtype, auto_head_dtype, set_head_dtype, HEAD_CHOICES),
         (options.act_dtype, auto_act_dtype, set_act_dtype, ACT_DTYPES),
     ):
-        if choice == "int6" and apply is set_head_dtype:
-            set_int6_head(model)
-        elif choice != "model":
+        if choice != "model":
             dtype = auto(model, quantized=quantized) if choice == "auto" else named[choice]
             apply(model, dtype)

@@ -14,7 +14,7 @@ import torch
 
 from quantkit.format.dtypes import DTYPES, dtype_named
 from quantkit.models.kv_cache import KV_DTYPE_NAMES
-from quantkit.runtime.head import HEAD_DTYPES, HEAD_FORMATS
+from quantkit.runtime.head import HEAD_CHOICES
 
 Auto = Literal["auto"]
 ACT_DTYPE_NAMES = ("float32", "bfloat16", "int8")
@@ -39,7 +39,7 @@ class RuntimeOptions:
     def __post_init__(self) -> None:
         for what, value, allowed in (
             ("dtype", self.dtype, ("auto", *DTYPES)),
-            ("head dtype", self.head_dtype, ("auto", "model", *HEAD_DTYPES, *HEAD_FORMATS)),
+            ("head dtype", self.head_dtype, ("auto", "model", *HEAD_CHOICES)),
             ("activation dtype", self.act_dtype, ("auto", "model", *ACT_DTYPE_NAMES)),
             ("kv dtype", self.kv_dtype, ("auto", *KV_DTYPE_NAMES)),
         ):
