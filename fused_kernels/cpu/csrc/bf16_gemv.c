@@ -245,14 +245,10 @@ int qk_i8i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
 #else
     if (M < 1 || M > I8I8_MAX_M || K % block || block % 32 || block > 128) return 1;
     const int64_t nb = K / block, W = K / 4, wpb = block / 4;
-    /* codes [chunk of <= 8 rows][word j][row][4], per block and row t and 128 t sum(q) */
-    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)(M * K + 64));
-    float *xt = (float *)aligned_alloc(64, (size_t)(M * nb * 2 * 4 + 64));
-    if (!xq || !xt) {
-        free(xq);
-        free(xt);
-        return 2;
-    }
+    /* the activations' codes and per block {t, 128 t sum(q)}: `head_rows_i8` */
+    int8_t *xq;
+    float *xt;
+    if (head_rows_alloc(M, K, nb, &xq, &xt)) return 2;
     #pragma omp parallel num_threads(n_threads)
     {
         head_rows_i8(x, M, K, x_stride, block, 128.0f, xq, xt);

@@ -208,6 +208,17 @@ static inline void head_rows_i8(const float *x, int64_t M, int64_t K, int64_t x_
     }
 }
 
+/* `head_rows_i8`'s buffers for M rows of K elements in nb blocks (sizes rounded up to whole
+   64-byte lines, as aligned_alloc asks); 0, or 2 with neither allocated. */
+static inline int head_rows_alloc(int64_t M, int64_t K, int64_t nb, int8_t **xq, float **xt) {
+    *xq = (int8_t *)aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64 + 64));
+    *xt = (float *)aligned_alloc(64, (size_t)((M * nb * 2 * 4 + 63) / 64 * 64 + 64));
+    if (*xq && *xt) return 0;
+    free(*xq);
+    free(*xt);
+    return 2;
+}
+
 /* 4 int8 codes (one int32) broadcast to the 16 lanes, for vpdpbusd. */
 static inline __m512i bcast_i32(const int8_t *p) {
     int32_t v;

@@ -93,13 +93,9 @@ int qk_i6i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
     if (M < 1 || M > I6_MAX_M || K < I6_GROUP || K % I6_GROUP || N < 1) return 1;
     const int64_t G = K / I6_GROUP;
     /* the activations' codes and per group {t, 32 t sum(q)}: `head_rows_i8` */
-    int8_t *xq = (int8_t *)aligned_alloc(64, (size_t)((M * K + 63) / 64 * 64 + 64));
-    float *xt = (float *)aligned_alloc(64, (size_t)((M * G * 2 * 4 + 63) / 64 * 64 + 64));
-    if (!xq || !xt) {
-        free(xq);
-        free(xt);
-        return 2;
-    }
+    int8_t *xq;
+    float *xt;
+    if (head_rows_alloc(M, K, G, &xq, &xt)) return 2;
     #pragma omp parallel num_threads(n_threads)
     {
         head_rows_i8(x, M, K, x_stride, I6_GROUP, 32.0f, xq, xt);
