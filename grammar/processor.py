@@ -50,7 +50,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -62,6 +62,7 @@ from quantkit.grammar.budget import WINDOW, CompletionPlan
 from quantkit.grammar.compiler import CompiledGrammar
 from quantkit.grammar.verdict import Verdict
 from quantkit.grammar.vocabulary import byte_tokens
+from quantkit.runtime.kept_argmax import kept_argmax
 
 __all__ = ["GrammarLogitsProcessor"]
 
@@ -141,6 +142,9 @@ class GrammarLogitsProcessor:
         step skips the mask, its pass over the logits and the key screen. Counted in
         `unmasked`.
     """
+
+    # Writes only buffers of its own (`_buffer`), never the logits it is given.
+    keeps_logits = True
 
     def __init__(
         self,
@@ -428,7 +432,20 @@ class GrammarLogitsProcessor:
 
     def _pick(self, logits: torch.Tensor, plans: dict[int, tuple[str, bytes]]
               ) -> torch.Tensor | None:  # fmt: skip
-        rows = None
+        # The rows' arg-maxes as the head kept them (`kept_argmax`): where a row's is allowed,
+        # the logits are never read here (a numpy view of them cost 9 us cold inside generate).
+        kept = None if self._host is False else kept_argmax(logits)
+        view: list[np.ndarray] = []  # the logits as numpy, made when first needed
+
+        def rows() -> np.ndarray:
+            if not view:
+                # One kind of logits a generation: told once (torch's device checks cost).
+                if self._host is None:
+                    self._host = _host_float(logits)
+                view.append(logits.detach().numpy() if self._host else
+                            logits.float().cpu().numpy())  # fmt: skip
+            return view[0]
+
         refused: dict[int, list[int]] = {}
         only: dict[int, int] = {}
         for row, guide in enumerate(self._guides):
@@ -439,28 +456,24 @@ class GrammarLogitsProcessor:
             plan = ("none", b"")
             if self.max_new_tokens is not None:  # llguidance rows: `_steer_walk`'s plan
                 plan = plans[row] = self._walk_plan(row, guide)
-            if rows is None:
-                # One kind of logits a generation: told once (torch's device checks cost).
-                if self._host is None:
-                    self._host = _host_float(logits)
-                rows = logits.detach().numpy() if self._host else logits.float().cpu().numpy()
             if plan[0] != "none":
                 self.steered.add(row)
             if plan[0] == "end":  # only an EOS (`_steer_walk`), where it is complete
                 if not guide.is_finished():
                     return None
-                token = max(self._eos, key=lambda t: (rows[row][t], -t))
-                if not math.isfinite(rows[row].item(token)):
+                scores = rows()[row]
+                token = max(self._eos, key=lambda t: (scores[t], -t))
+                if not math.isfinite(scores.item(token)):
                     return None
                 only[row] = token
                 continue
             if plan[0] == "path":
-                token = self._along(guide, plan[1], rows[row])
+                token = self._along(guide, plan[1], rows()[row])
                 if token is None:
                     return None
                 only[row] = token
                 continue
-            found = self._probe(guide, rows[row])
+            found = self._probe(guide, lambda r=row: rows()[r], None if kept is None else kept[row])
             if found is None:
                 return None
             if found:
@@ -468,9 +481,9 @@ class GrammarLogitsProcessor:
         if not refused and not only:
             return logits
         out = self._buffer(logits)
-        if out is None or rows is None:
+        if out is None:
             return None  # not CPU float32 logits: the mask decides
-        np.copyto(out.numpy(), rows)
+        np.copyto(out.numpy(), rows())
         target = out.numpy()
         for row, tokens in refused.items():
             target[row, tokens] = -np.inf
@@ -480,16 +493,24 @@ class GrammarLogitsProcessor:
             target[row, token] = value
         return out
 
-    def _probe(self, guide: Any, scores: np.ndarray) -> list[int] | None:
+    def _probe(self, guide: Any, scores: Callable[[], np.ndarray], best: int | None
+               ) -> list[int] | None:  # fmt: skip
         """The tokens refused ahead of the row's best allowed token (the sampler's arg-max
         order: higher score first, then the lower id), asking about at most `_PROBES`; None
         where one is not told (`Verdict.UNKNOWN`), an EOS or padding comes first, or none of
-        those asked is allowed."""
+        those asked is allowed. scores: the row's logits, asked for only where needed; best:
+        the row's arg-max where the head kept it (`kept_argmax`, its value finite), so the row
+        is not read unless that token is refused."""
         refused: list[int] = []
-        work = scores
-        token = int(work.argmax())
+        work = None
+        token = best
+        if token is None:
+            work = scores()
+            token = int(work.argmax())
         for _ in range(_PROBES):
-            if token >= self.vocabulary.size or not math.isfinite(work.item(token)):
+            if token >= self.vocabulary.size or (
+                work is not None and not math.isfinite(work.item(token))
+            ):
                 return None  # padding (never allowed), or nothing left with a score
             found = self._verdict(guide, token)
             if found == Verdict.ALLOWED:
@@ -497,7 +518,8 @@ class GrammarLogitsProcessor:
             if found != Verdict.REFUSED:
                 return None
             if not refused:
-                work = scores.copy()
+                work = scores().copy()
+            assert work is not None  # copied above at the first refusal
             refused.append(token)
             work[token] = -np.inf
             token = int(work.argmax())

@@ -63,6 +63,8 @@ class ReasoningGate:
     """A logits processor for one row: thinking first, then `inner` (a grammar processor, or
     None for free text). `prompt_open`: the prompt already ends in the opening marker."""
 
+    keeps_logits = True  # its input is copied before any write, and `inner` keeps it too
+
     def __init__(self, inner: Any, vocabulary: TokenVocabulary, fmt: ReasoningFormat, *,
                  max_new_tokens: int, budget: int | None = None, prompt_open: bool = False,
                  reserve: int | None = None) -> None:  # fmt: skip

@@ -332,6 +332,7 @@ FUNCTIONS: dict[str, Fn] = {
         y=c_void_p,
         y_stride=c_int64,
         n_threads=c_int,
+        best=c_void_p,
     ),
     # i6_gemv.c
     "qk_i6i8_gemv_available": fn(c_int),
@@ -347,6 +348,7 @@ FUNCTIONS: dict[str, Fn] = {
         y=c_void_p,
         y_stride=c_int64,
         n_threads=c_int,
+        best=c_void_p,
     ),
     # int8.c
     "qk_w8a8_available": fn(c_int),

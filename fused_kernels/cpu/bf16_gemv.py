@@ -13,7 +13,7 @@ import torch
 
 from quantkit.errors import KernelUnavailableError
 from quantkit.fused_kernels.cpu import abi as cpu_abi
-from quantkit.fused_kernels.cpu.launch import int8_block, interleave16
+from quantkit.fused_kernels.cpu.launch import best_pointer, int8_block, interleave16
 
 __all__ = [
     "I8I8Weight",
@@ -78,10 +78,13 @@ class I8I8Weight:
         return 0 if not self.block else self.words.numel() * 4 + self.scale.numel() * 4
 
 
-def i8i8_gemv(x: torch.Tensor, weight: I8I8Weight) -> torch.Tensor:
+def i8i8_gemv(
+    x: torch.Tensor, weight: I8I8Weight, *, best: torch.Tensor | None = None
+) -> torch.Tensor:
     """fp32 [M, N] = q(x) [M, K] @ (W8 * scale[:, None]).T: x (fp32 [M, K], contiguous rows,
     M <= `I8I8_MAX_M`) quantized to int8 per `weight.block` elements, multiplied in
-    integers (`qk_i8i8_gemv`)."""
+    integers (`qk_i8i8_gemv`). best: int64 [M], set to each row's arg-max of the result as
+    the kernel stored it (the first of equal values; -1 where a row holds a NaN)."""
     if not i8i8_gemv_available():
         raise KernelUnavailableError("int8 x int8 GEMV: expected a CPU with AVX512-VNNI, got none")
     lib = _library()
@@ -101,7 +104,7 @@ def i8i8_gemv(x: torch.Tensor, weight: I8I8Weight) -> torch.Tensor:
     y = torch.empty(m, n, dtype=torch.float32)
     status = lib.qk_i8i8_gemv(
         x.data_ptr(), m, k, x.stride(0), weight.words.data_ptr(), weight.scale.data_ptr(), n,
-        weight.block, y.data_ptr(), n, torch.get_num_threads(),
+        weight.block, y.data_ptr(), n, torch.get_num_threads(), best_pointer(best, m),
     )  # fmt: skip
     _status(status, "int8 x int8 GEMV")
     return y

@@ -118,10 +118,17 @@ def _pack(u: torch.Tensor) -> torch.Tensor:
     return torch.stack([a, b, c], dim=3)
 
 
-def i6_gemv(x: torch.Tensor, weight: I6Weight, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def i6_gemv(
+    x: torch.Tensor,
+    weight: I6Weight,
+    *,
+    out: torch.Tensor | None = None,
+    best: torch.Tensor | None = None,
+) -> torch.Tensor:
     """fp32 [M, N] = q(x) [M, K] @ (C * s).T: x fp32 [M, K] on the CPU with contiguous rows,
     1 <= M <= `I6_MAX_M`, quantized to int8 per block of 32. Written into `out` (fp32 [M, N],
-    contiguous rows) when given."""
+    contiguous rows) when given. best: int64 [M], each row's arg-max as stored
+    (`bf16_gemv.i8i8_gemv`'s)."""
     if not i6_gemv_available():
         raise KernelUnavailableError("6-bit head GEMV: expected a CPU with AVX512-VNNI, got none")
     if x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or not x.is_cpu:
@@ -142,7 +149,7 @@ def i6_gemv(x: torch.Tensor, weight: I6Weight, *, out: torch.Tensor | None = Non
                          f"{tuple(out.shape)}")  # fmt: skip
     status = _library().qk_i6i8_gemv(
         x.data_ptr(), m, k, x.stride(0), weight.packed.data_ptr(), weight.scales.data_ptr(), n,
-        out.data_ptr(), out.stride(0), torch.get_num_threads(),
+        out.data_ptr(), out.stride(0), torch.get_num_threads(), cpu_launch.best_pointer(best, m),
     )  # fmt: skip
     cpu_launch.check_status(status, "6-bit head GEMV")
     return out

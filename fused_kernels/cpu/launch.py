@@ -154,3 +154,19 @@ def _rebuild(
     cls: type[BoundGemvLayer], tensors: tuple, kwargs: dict[str, Any], variant: str | None
 ) -> BoundGemvLayer:
     return cls(*tensors, **kwargs, variant=variant)
+
+
+def best_pointer(best: torch.Tensor | None, rows: int) -> int | None:
+    """The address of `best` (int64 [rows], contiguous, on the CPU) for a head GEMV's arg-max,
+    or None; ValueError for anything else."""
+    if best is None:
+        return None
+    if (
+        best.dtype != torch.int64
+        or tuple(best.shape) != (rows,)
+        or not best.is_contiguous()
+        or not best.is_cpu
+    ):
+        raise ValueError(f"best: expected int64 [{rows}] on the CPU, got {best.dtype} "
+                         f"{tuple(best.shape)} on {best.device}")  # fmt: skip
+    return best.data_ptr()

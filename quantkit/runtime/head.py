@@ -40,6 +40,7 @@ from quantkit.fused_kernels.cpu.i6_gemv import (
     i6_gemv_available,
 )
 from quantkit.models.decoder import CausalLM
+from quantkit.runtime.kept_argmax import keep
 from quantkit.runtime.quant_linear import QuantLinear
 
 # int8: the head's rows rounded to int8 with a scale per row (absmax / 127) when the model
@@ -69,6 +70,10 @@ class CastHead(nn.Module):
     (`i8i8_gemv`, over a copy of W8 with 16 rows interleaved): at 8 rows the fp32 one is
     bound by its FMAs. Elsewhere x stays fp32: the C int8 GEMV, or W8 * s dequantized for the
     BLAS (more rows than the GEMVs take)."""
+
+    # Whether the int8 GEMV keeps each row's arg-max as it stores the logits (`kept_argmax`);
+    # off under a final soft-cap (`set_head_dtype`).
+    keeps_argmax = True
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
         super().__init__()
@@ -100,7 +105,11 @@ class CastHead(nn.Module):
             if x2.stride(-1) != 1:
                 x2 = x2.contiguous()
             if self._i8i8 is not None:
-                return i8i8_gemv(x2, self._i8i8).view(*x.shape[:-1], -1)
+                if not self.keeps_argmax:
+                    return i8i8_gemv(x2, self._i8i8).view(*x.shape[:-1], -1)
+                best = torch.empty(rows, dtype=torch.int64)
+                y = keep(i8i8_gemv(x2, self._i8i8, best=best), best)
+                return y.view(*x.shape[:-1], -1)
             if self.scale is not None:
                 return i8_gemv(x2, self.weight, self.scale).view(*x.shape[:-1], -1)
             return bf16_gemv(x2, self.weight).view(*x.shape[:-1], -1)
@@ -121,6 +130,8 @@ class Int6Head(nn.Module):
     A scale per row instead of per 32 cost 1.8% (fake-quantized, 8192 tokens). Needs a CPU with
     AVX512-VNNI (`set_head_dtype` checks)."""
 
+    keeps_argmax = True  # as `CastHead.keeps_argmax`
+
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.packed = I6Weight(weight.detach())
@@ -136,8 +147,12 @@ class Int6Head(nn.Module):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        best = torch.empty(x2.shape[0], dtype=torch.int64) if self.keeps_argmax else None
         for r in range(0, x2.shape[0], I6_MAX_M):
-            i6_gemv(x2[r : r + I6_MAX_M], self.packed, out=out[r : r + I6_MAX_M])
+            i6_gemv(x2[r : r + I6_MAX_M], self.packed, out=out[r : r + I6_MAX_M],
+                    best=None if best is None else best[r : r + I6_MAX_M])  # fmt: skip
+        if best is not None:
+            keep(out, best)
         return out.view(*lead, self.out_features)
 
 
@@ -231,3 +246,7 @@ def set_head_dtype(model: CausalLM, dtype: torch.dtype | str) -> None:
         _int6_head(model)
     elif model.lm_head.weight.dtype != dtype:
         model.lm_head = CastHead(model.lm_head.weight, dtype)
+    # A final soft-cap rewrites the logits in place after the head (`CausalLM.logits`): the
+    # arg-max the kernel kept would then name the wrong token.
+    if isinstance(model.lm_head, CastHead | Int6Head):
+        model.lm_head.keeps_argmax = model.config.final_softcap is None

@@ -27,6 +27,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from quantkit.errors import GenerationError
+from quantkit.runtime.kept_argmax import forget, kept_argmax
 
 __all__ = [
     "LogitsProcessor",
@@ -56,6 +57,8 @@ class LogitsProcessor(Protocol):
     logits: [B, V] for the next position.
     Returns new logits [B, V] (the grammar layer sets disallowed tokens to -inf). A processor
     may keep per-row state (a grammar guide), so the caller calls it exactly once per step.
+    One that never writes its input in place says so with `keeps_logits = True`: the arg-max
+    the head kept for those logits stays usable (`kept_argmax`; see `apply_processors`).
     """
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor: ...
@@ -71,6 +74,7 @@ class RepetitionPenalty:
     """
 
     penalty: float
+    keeps_logits = True  # a new tensor each call, the input untouched
 
     def __post_init__(self) -> None:
         if not (self.penalty > 0 and math.isfinite(self.penalty)):
@@ -101,6 +105,8 @@ class PresenceFrequencyPenalty:
     processor is built with, so it works whichever way the caller aligns the rows; every row
     must hold that same prompt (one request: the server builds one per request).
     """
+
+    keeps_logits = True  # a new tensor each call, the input untouched
 
     def __init__(self, presence: float, frequency: float, prompt: Sequence[int]) -> None:
         for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
@@ -196,8 +202,12 @@ def default_processors(params: SamplingParams) -> list[LogitsProcessor]:
 def apply_processors(
     processors: list[LogitsProcessor], input_ids: torch.Tensor, logits: torch.Tensor
 ) -> torch.Tensor:
-    """Run `processors` in order, each on the previous one's output."""
+    """Run `processors` in order, each on the previous one's output. A processor that does
+    not say it leaves its input alone (`keeps_logits`) may write it in place: the arg-max the
+    head kept for those logits is dropped first (`kept_argmax.forget`)."""
     for processor in processors:
+        if not getattr(processor, "keeps_logits", False):
+            forget(logits)
         logits = processor(input_ids, logits)
     return logits
 
@@ -297,10 +307,14 @@ def sample(
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(-1)` (the first of tied maxima; a NaN counts as the maximum). On the CPU
+    the arg-max the head's kernel kept while writing these logits (`kept_argmax`), else
     through NumPy, whose argmax gives the same index: torch's took 85 us for one 49k-vocabulary
     row against 4 us, a percent of a SmolLM2 INT4 decode step."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32:
         return logits.argmax(dim=-1)
+    kept = kept_argmax(logits)
+    if kept is not None:
+        return torch.tensor(kept, dtype=torch.int64)
     return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
 
 

@@ -236,21 +236,31 @@ static inline __attribute__((always_inline)) void i8i8_tile(
 
 int qk_i8i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const uint8_t *wr,
                  const float *scale, int64_t N, int64_t block, float *y, int64_t y_stride,
-                 int n_threads)
+                 int n_threads, int64_t *best)
 {
 #if !defined(__AVX512VNNI__)
     (void)x; (void)M; (void)K; (void)x_stride; (void)wr; (void)scale; (void)N; (void)block;
-    (void)y; (void)y_stride; (void)n_threads;
+    (void)y; (void)y_stride; (void)n_threads; (void)best;
     return 4;
 #else
-    if (M < 1 || M > I8I8_MAX_M || K % block || block % 32 || block > 128) return 1;
+    if (M < 1 || M > I8I8_MAX_M || K % block || block % 32 || block > 128 || n_threads < 1)
+        return 1;
     const int64_t nb = K / block, W = K / 4, wpb = block / 4;
     /* the activations' codes and per block {t, 128 t sum(q)}: `head_rows_i8` */
     int8_t *xq;
     float *xt;
     if (head_rows_alloc(M, K, nb, &xq, &xt)) return 2;
+    best1 *parts = best ? (best1 *)malloc(sizeof(best1) * (size_t)(n_threads * M)) : NULL;
+    if (best && !parts) {
+        free(xq);
+        free(xt);
+        return 2;
+    }
+    for (int64_t i = 0; best && i < n_threads * M; i++) parts[i] = (best1){-INFINITY, -1, 0};
     #pragma omp parallel num_threads(n_threads)
     {
+        best16 seen[I8I8_MAX_M];  /* the arg-max as stored, when asked (`best16`) */
+        for (int64_t m = 0; best && m < M; m++) best16_init(&seen[m]);
         head_rows_i8(x, M, K, x_stride, block, 128.0f, xq, xt);
         #pragma omp for schedule(static)
         for (int64_t tl = 0; tl < (N + 15) / 16; tl++) {
@@ -266,12 +276,18 @@ int qk_i8i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
 #undef TILE
                 /* a row's 16 results straight into y, one masked store (as the INT4 tile) */
                 const int64_t n0 = tl * 16;
-                for (int64_t i = 0; i < mb; i++)
-                    _mm512_mask_storeu_ps(y + (m0 + i) * y_stride + n0, tail_mask(N - n0),
-                                          _mm512_mul_ps(res[i], s));
+                for (int64_t i = 0; i < mb; i++) {
+                    const __m512 v = _mm512_mul_ps(res[i], s);
+                    _mm512_mask_storeu_ps(y + (m0 + i) * y_stride + n0, tail_mask(N - n0), v);
+                    if (best) best16_put(&seen[m0 + i], v, n0, tail_mask(N - n0));
+                }
             }
         }
+        for (int64_t m = 0; best && m < M; m++)
+            parts[omp_get_thread_num() * M + m] = best16_row(&seen[m]);
     }
+    if (best) best_merge(parts, n_threads, M, best);
+    free(parts);
     free(xq);
     free(xt);
     return 0;

@@ -246,6 +246,61 @@ static inline __mmask16 tail_mask(int64_t left) {
     if (left <= 0) return 0;
     return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
 }
+
+/* The arg-max of the logits a head GEMV stores, kept as it stores them (`best`), so that a
+   greedy step need not read the whole row back from memory afterwards (the weights streamed
+   since have evicted it: ~25 us for 49152 logits on a 2-core Zen 5, against none here). Per
+   thread and row: each lane's largest value so far and its column (strictly greater: the
+   first of equal values), and whether a NaN went by. `best16_row` merges a thread's lanes,
+   `best_merge` the threads: the largest value, the lowest column among equal ones, as
+   numpy's argmax; -1 where a NaN was stored or the largest is infinite (the caller reads
+   the whole row then), so a kept arg-max's value is always finite. */
+typedef struct { __m512 v; __m512i col; __mmask16 nan; } best16;
+typedef struct { float v; int64_t col; int nan; } best1;
+
+static inline void best16_init(best16 *b) {
+    b->v = _mm512_set1_ps(-INFINITY);
+    b->col = _mm512_set1_epi32(-1);
+    b->nan = 0;
+}
+
+/* Take the 16 values y of columns n0 .. n0 + 15 (the lanes in `valid`). */
+static inline void best16_put(best16 *b, __m512 y, int64_t n0, __mmask16 valid) {
+    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __mmask16 gt = _mm512_mask_cmp_ps_mask(valid, y, b->v, _CMP_GT_OQ);
+    b->v = _mm512_mask_mov_ps(b->v, gt, y);
+    b->col = _mm512_mask_mov_epi32(b->col, gt, _mm512_add_epi32(_mm512_set1_epi32((int)n0), lanes));
+    b->nan |= _mm512_mask_cmp_ps_mask(valid, y, y, _CMP_UNORD_Q);
+}
+
+static inline best1 best16_row(const best16 *b) {
+    best1 r;
+    r.v = _mm512_reduce_max_ps(b->v);
+    const __mmask16 top = _mm512_cmp_ps_mask(b->v, _mm512_set1_ps(r.v), _CMP_EQ_OQ);
+    r.col = _mm512_mask_reduce_min_epi32(top, b->col);
+    r.nan = b->nan != 0;
+    return r;
+}
+
+/* The threads' rows (`parts`, [threads][M], threads that took no tile hold col -1) into
+   best [M]. */
+static inline void best_merge(const best1 *parts, int threads, int64_t M, int64_t *best) {
+    for (int64_t m = 0; m < M; m++) {
+        float v = -INFINITY;
+        int64_t col = -1;
+        int nan = 0;
+        for (int t = 0; t < threads; t++) {
+            const best1 *p = parts + t * M + m;
+            nan |= p->nan;
+            if (p->col < 0) continue;
+            if (col < 0 || p->v > v || (p->v == v && p->col < col)) {
+                v = p->v;
+                col = p->col;
+            }
+        }
+        best[m] = nan || isinf(v) ? -1 : col;
+    }
+}
 #elif defined(__AVX2__)
 #define VEC 8
 typedef __m256 vf;

@@ -186,10 +186,12 @@ int qk_i8i8_gemv_available(void);
 /* y [M, N] (fp32) = q(x) [M, K] @ (W8 * scale[:, None]).T with x quantized to int8 per block
    of `block` elements (32, 64 or 128, dividing K) and W8 held as wr: uint8 W8 + 128, 16 rows
    interleaved, [ceil(N / 16)][K / 4][16] words (word j of lane l: row 16 t + l's elements
-   4j..4j+3), scale fp32 [ceil(N / 16) * 16]. M <= 16. */
+   4j..4j+3), scale fp32 [ceil(N / 16) * 16]. M <= 16. best: NULL, or [M] set to each row's
+   arg-max as y holds it (the first of equal values; -1 where a row holds a NaN or nothing
+   above -inf), kept as the tiles are stored. */
 int qk_i8i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const uint8_t *wr,
                  const float *scale, int64_t N, int64_t block, float *y, int64_t y_stride,
-                 int n_threads);
+                 int n_threads, int64_t *best);
 
 /* ---- i6_gemv.c (library qk_i6_gemv): the 6-bit lm_head. Return value: 0, 1 = a bad
    argument, 2 = out of memory, 4 = not in this build. ---- */
@@ -199,9 +201,11 @@ int qk_i6i8_gemv_available(void);
 
 /* y [M, N] (fp32) = q(x) [M, K] @ (C * s).T with x quantized to int8 per block of 32 and the
    weight held as w: 6-bit codes u = C + 32 of 16 interleaved rows, [ceil(N / 16)][K / 32][384]
-   bytes (i6_gemv.c's layout), scale fp16 [ceil(N / 16)][K / 32][16]. M <= 16, K % 32 == 0. */
+   bytes (i6_gemv.c's layout), scale fp16 [ceil(N / 16)][K / 32][16]. M <= 16, K % 32 == 0.
+   best: as `qk_i8i8_gemv`'s. */
 int qk_i6i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const uint8_t *w,
-                 const uint16_t *scale, int64_t N, float *y, int64_t y_stride, int n_threads);
+                 const uint16_t *scale, int64_t N, float *y, int64_t y_stride, int n_threads,
+                 int64_t *best);
 
 /* ---- int8.c (library qk_int8_cpu): the W8A8 INT8 linear. Return value: 0, 1 = a bad
    argument, 2 = out of memory, 4 = not in this build. ---- */

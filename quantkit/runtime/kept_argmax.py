@@ -1,0 +1,75 @@
+"""Each row's arg-max of a step's logits, kept by the head's C kernel as it stored them.
+
+A greedy step needs one index of the logits row: the arg-max. Read back after the head, the row
+is cold: the head streamed its weights (28 MB for SmolLM2's int8 head) through every cache after
+writing the first logits, and one numpy arg-max over 49152 of them took 25-32 us inside
+`generate` against 2.2 us on the same row hot (2-core Zen 5), a tenth of the grammar's whole
+per-token cost. The int8 and int6 head GEMVs (`qk_i8i8_gemv`, `qk_i6i8_gemv`) keep each row's
+largest value and its column while they store the tiles, at no measurable cost, and the head
+keeps the result with the logits tensor it returns (`keep`: one slot, the last call's).
+`kept_argmax` hands it back only for those very logits, unchanged: the tensor the head returned
+or a view of all of it (the decode
+loop's `[:, -1]`), not written since: outside inference mode its version counter must be
+where the head left it; inference tensors keep none, so whatever may write logits in place
+drops the kept value first (`forget`: `sampling.apply_processors` before any processor not
+marked `keeps_logits`; a head under a final soft-cap, which `CausalLM.logits` applies in
+place, keeps none). Anything else (a copy, a masked tensor, another head) gets None and the
+caller takes the arg-max itself. The kept index is numpy's: the first of
+equal maxima; a row with a NaN is not kept (numpy's arg-max takes the NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["forget", "keep", "kept_argmax"]
+
+# The last head call's: (logits, their address, shape and strides, each row's arg-max, version),
+# one slot replaced by every call, its Python values read once here (in the head's step, not
+# in the grammar's). Holding the logits keeps their memory from being reused, so a tensor over
+# the same address, shape and strides is these logits or a view of all of them (inference
+# mode tracks no view bases).
+_kept: tuple[torch.Tensor, int, torch.Size, tuple[int, ...], list[int], int | None] | None = None
+
+
+def keep(logits: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """Keep `best` (int64 [M]: each row's arg-max, -1 where not kept) for `logits` [M, V], the
+    tensor the head kernel wrote; `logits` itself."""
+    global _kept
+    if not torch.compiler.is_compiling():
+        found = best.tolist()
+        if min(found) < 0:
+            _kept = None
+            return logits
+        # Inference tensors keep no version counter: there `forget` is the only guard.
+        version = None if logits.is_inference() else logits._version
+        _kept = (logits, logits.data_ptr(), logits.shape, logits.stride(), found, version)
+    return logits
+
+
+def _same(logits: torch.Tensor, kept: tuple) -> bool:  # type: ignore[type-arg]
+    return (
+        logits.data_ptr() == kept[1]
+        and logits.shape == kept[2]
+        and logits.stride() == kept[3]
+        and (kept[5] is None or logits._version == kept[5])
+    )
+
+
+def forget(logits: torch.Tensor) -> None:
+    """Drop the arg-max kept for `logits`, if any: something may write them in place next
+    (`sampling.apply_processors` before a processor not known to leave its input alone)."""
+    global _kept
+    kept = _kept
+    if kept is not None and _same(logits, kept):
+        _kept = None
+
+
+def kept_argmax(logits: torch.Tensor) -> list[int] | None:
+    """Each row's arg-max of `logits` [B, V] as the head kept it (its value finite), or None
+    where it kept none for exactly these values (not the last head call's tensor or a view of
+    all of it, written since, or a row it could not tell)."""
+    kept = _kept
+    if kept is None or not _same(logits, kept):
+        return None
+    return kept[4]
