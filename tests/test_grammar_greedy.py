@@ -136,6 +136,7 @@ def test_verdicts_never_contradict_the_mask(vocab) -> None:
                 row.row.fill(raw)
                 grammar = np.unpackbits(raw.view(np.uint8), bitorder="little")[: vocab.size]
                 forced = bytes(row.row.matcher.compute_ff_bytes())
+                refused, any_allowed = [], False
                 for token in range(vocab.size):
                     if token in EOS:  # the processor's own decision (never asked)
                         continue
@@ -153,8 +154,13 @@ def test_verdicts_never_contradict_the_mask(vocab) -> None:
                     told[verdict] += 1
                     if verdict == Verdict.ALLOWED:
                         assert bits[token], (token, vocab.token_bytes.get(token))
+                        any_allowed = True
                     elif verdict == Verdict.REFUSED:
-                        assert not bits[token] or lenient, (token, vocab.token_bytes.get(token))
+                        refused.append(token)
+                # A refusal holds wherever another token is allowed (`Verdict.REFUSED`): a
+                # runaway rule's curb acts once a token it keeps is in the mask.
+                for token in refused if any_allowed else ():
+                    assert not bits[token] or lenient, (token, vocab.token_bytes.get(token))
                 row.lenient = lenient  # as `fill` left it (an allowed verdict resets it)
                 allowed = [t for t in np.flatnonzero(bits) if t not in EOS]
                 if not allowed or row.is_finished() and rng.random() < 0.2:
@@ -162,6 +168,72 @@ def test_verdicts_never_contradict_the_mask(vocab) -> None:
                 assert row.advance(int(rng.choice(allowed)))
     assert told[Verdict.ALLOWED] > 500 and told[Verdict.REFUSED] > 500
     assert told[Verdict.UNKNOWN] > 0
+
+
+def _fed(vocab: TokenVocabulary, schema: Any, text: str) -> Any:
+    """A JSON row of `schema` advanced through `text`, one single-byte token a byte."""
+    row = llg(schema, vocab).new_row()
+    by_byte = {data: t for t, data in vocab.token_bytes.items() if len(data) == 1}
+    for byte in text.encode():
+        assert row.advance(by_byte[bytes([byte])]), (text, chr(byte))
+    return row
+
+
+def _mask_keeps(row: Any, vocab: TokenVocabulary, piece: str) -> bool:
+    line = np.zeros((vocab.size + 31) // 32, dtype=np.int32)
+    row.fill(line)
+    token = vocab_token(vocab, piece)
+    return bool((int(line.view(np.uint32)[token >> 5]) >> (token & 31)) & 1)
+
+
+def vocab_token(vocab: TokenVocabulary, piece: str) -> int:
+    return next(t for t, data in vocab.token_bytes.items() if data == piece.encode())
+
+
+def test_runaway_rules_are_told_without_the_mask(vocab) -> None:
+    """A looping string: where its closing quote is allowed the curb keeps only the tokens
+    that close it, so a token going on is refused and the quote allowed (no mask asked);
+    where the schema holds the string open (minLength) nothing is curbed, and a token going
+    on is allowed. Each verdict is what the mask says."""
+    loop = '{"name":"' + "befx" * 7
+    row = _fed(vocab, {"type": "object", "properties": {"name": {"type": "string"}}}, loop)
+    assert row.runaway.rule(row.state) is not None
+    assert row.verdict(vocab_token(vocab, "b")) == Verdict.REFUSED
+    assert row.verdict(vocab_token(vocab, '"')) == Verdict.ALLOWED
+    assert not _mask_keeps(row, vocab, "b") and _mask_keeps(row, vocab, '"')
+    held = {"type": "object", "properties": {"name": {"type": "string", "minLength": 40}}}
+    row = _fed(vocab, held, loop)
+    assert row.runaway.rule(row.state) is not None and not row.row.takes_byte(ord('"'))
+    assert row.verdict(vocab_token(vocab, "b")) == Verdict.ALLOWED
+    assert _mask_keeps(row, vocab, "b")
+    # a number past its limit: the curb keeps what ends it
+    row = _fed(vocab, {"type": "object", "properties": {"n": {"type": "number"}}},
+               '{"n":' + "1" * 16)  # fmt: skip
+    assert row.verdict(vocab_token(vocab, "1")) == Verdict.REFUSED
+    assert row.verdict(vocab_token(vocab, "}")) == Verdict.ALLOWED
+    assert not _mask_keeps(row, vocab, "1") and _mask_keeps(row, vocab, "}")
+
+
+def test_a_verdict_holds_its_token_until_the_row_moves() -> None:
+    """An allowed verdict consumes its token in the matcher (one llguidance call tells and
+    takes it); advancing by that token takes nothing more, and anything else first rolls it
+    back: the row reads as it was."""
+    vocab = vocab_of(PIECES)
+    row = llg({"type": "object", "properties": {"a": {"type": "integer"}}}, vocab).new_row()
+    llg_row = row.row
+    brace, one = vocab_token(vocab, "{"), vocab_token(vocab, '"a":')
+    assert row.verdict(brace) == Verdict.ALLOWED and llg_row.tried == brace
+    assert not row.is_finished() and llg_row.tried is None  # read: rolled back
+    assert row.verdict(brace) == Verdict.ALLOWED
+    assert row.advance(brace) and llg_row.tried is None
+    assert row.verdict(one) == Verdict.ALLOWED and llg_row.tried == one
+    assert row.advance(vocab_token(vocab, '"a":'))
+    assert bytes(llg_row.text) == b'{"a":'
+    digit = vocab_token(vocab, "7")
+    assert row.verdict(digit) == Verdict.ALLOWED
+    assert row.advance(vocab_token(vocab, "8"))  # another token: the held one rolled back
+    assert bytes(llg_row.text) == b'{"a":8'
+    assert row.verdict(vocab_token(vocab, "a")) == Verdict.REFUSED and llg_row.tried is None
 
 
 @pytest.mark.slow

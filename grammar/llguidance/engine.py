@@ -211,7 +211,14 @@ class LlgRow:
         first_walks: dict[int, tuple[bytes, bool]] | None = None,
         start_walk: tuple[bytes, bool, bool] | None = None,
     ) -> None:
-        self.matcher, self.walk = matcher, walk
+        self._matcher, self.walk = matcher, walk
+        # A greedy step's verdict consumes its token (`verdict`): `tried` is that token until
+        # the row is advanced by it (kept) or anything else reads the matcher (rolled back).
+        self.tried: int | None = None
+        # The bytes the grammar forces from the matcher's state, once asked (None: not asked
+        # since the state last changed): a verdict needs them, and a step's `forced_tokens`
+        # asked them already in the same state.
+        self._ff: bytes | None = None
         self.text = bytearray()  # the row's last bytes (at least `_TAIL`): a walk's tail
         self.written = 0  # bytes advanced by, in all
         # Walks from the start state, shared by the rows of one grammar; None once advanced.
@@ -226,9 +233,26 @@ class LlgRow:
         if matcher.is_error():
             raise GrammarError(f"llguidance: {matcher.get_error()}")
 
+    @property
+    def matcher(self) -> Any:
+        """The llguidance matcher, advanced by exactly the tokens the row was (a token a
+        verdict tried is rolled back first)."""
+        if self.tried is not None:
+            self.untry()
+        return self._matcher
+
+    def untry(self) -> None:
+        """Roll back the token the last verdict consumed, if it is still held."""
+        if self.tried is not None:
+            self.tried = None
+            self._matcher.rollback(1)
+
     def advance(self, token: int) -> bool:
-        if not self.matcher.consume_token(int(token)):
+        if self.tried is not None and self.tried == int(token):
+            self.tried = None  # the verdict consumed it already
+        elif not self.matcher.consume_token(int(token)):
             return False
+        self._ff = None
         self.first_walks = None  # no longer in the start state
         data = self.walk.token_bytes.get(int(token), b"")
         self.text += data
@@ -242,32 +266,68 @@ class LlgRow:
 
     def verdict(self, token: int) -> Verdict:
         """Whether `fill`'s mask keeps `token` here (not asked of an EOS, which the processor
-        allows by completion), told without the mask: the matcher tries it and is left as it
-        was. Where the grammar forces bytes, llguidance's mask keeps the allowed tokens that
-        begin with all of them, and of the tokens that write only some of them (after `{`
-        with `"a":` forced, `{` against `{"a":`) some but not all: those are `UNKNOWN`.
+        allows by completion), told without the mask: the matcher tries it, and holds an
+        allowed token (`tried`) until the row is advanced by it or read otherwise. Where the
+        grammar forces bytes, llguidance's mask keeps the allowed tokens that begin with all
+        of them, and of the tokens that write only some of them (after `{` with `"a":`
+        forced, `{` against `{"a":`) some but not all: those are `UNKNOWN`.
         Checked against the mask over SmolLM2's vocabulary along 30 JSONSchemaBench outputs:
         at their 545 forced states every allowed token beginning with the forced bytes had its
         bit, as had 329 of the 349 writing only some of them (not the 20 others: `{` at the
         start of a document); at 607 other states of 12 outputs the matcher and the mask
         agreed on every token."""
         matcher = self.matcher
-        if matcher.validate_tokens([int(token)]) != 1:
+        forced = self._ff
+        if forced is None:
+            forced = self._ff = bytes(matcher.compute_ff_bytes())
+        # One llguidance call tells and takes the token (a greedy step's pick is the first
+        # token allowed, and the row is advanced by it next): held in `tried`, rolled back
+        # where the row is advanced otherwise or read before.
+        if matcher.try_consume_tokens([int(token)]) != 1:
             return Verdict.REFUSED
-        forced = matcher.compute_ff_bytes()
         if not forced or self.walk.token_bytes.get(int(token), b"").startswith(forced):
+            self.tried = int(token)
             return Verdict.ALLOWED
+        matcher.rollback(1)
         return Verdict.UNKNOWN
 
     def is_finished(self) -> bool:
         return bool(self.matcher.is_accepting())
 
+    def takes_byte(self, byte: int) -> bool:
+        """Whether the matcher, before any token a verdict holds, takes `byte` next (its
+        one-byte token; True where the vocabulary has none). Where it refuses the byte, it
+        refuses every token beginning with it, so no mask keeps one."""
+        token = self.walk.byte_token.get(byte)
+        if token is None:
+            return True
+        matcher, held = self._matcher, self.tried
+        if held is not None:
+            matcher.rollback(1)
+        try:
+            return matcher.validate_tokens([token]) == 1
+        finally:
+            if held is not None and not matcher.consume_token(held):
+                raise AssertionError(f"llguidance refused token {held} again")
+
+    def copy_after(self, token: int) -> Any:
+        """A copy of the matcher advanced by `token` (None where it refuses it); the held
+        one where the last verdict tried that token."""
+        if self.tried is not None and self.tried == token:
+            return self._matcher.deep_copy()
+        copy = self.matcher.deep_copy()
+        return copy if copy.consume_token(int(token)) else None
+
     def forced_tokens(self) -> list[int]:
         """The tokens the grammar forces next (canonical, safe to append without sampling).
         Where it forces no byte, none, without asking for tokens (a few us against ~10)."""
-        if not self.matcher.compute_ff_bytes():
+        matcher = self.matcher
+        forced = self._ff
+        if forced is None:
+            forced = self._ff = bytes(matcher.compute_ff_bytes())
+        if not forced:
             return []
-        return list(self.matcher.compute_ff_tokens())
+        return list(matcher.compute_ff_tokens())
 
     def closing_path(
         self,

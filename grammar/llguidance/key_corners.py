@@ -21,6 +21,7 @@ arg-max over the masked logits (~15 us for 49k); inside a key, one mask per name
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -69,7 +70,7 @@ class KeyCorners:
             token = int(scores.argmax())
             if scores[token] == -np.inf:
                 return cleared  # nothing allowed is left with a finite score
-            if not self._cornered(state, matcher, token):
+            if not self._cornered(state, lambda t=token: _after(matcher, t), token):
                 return cleared  # safe
             if int(np.bitwise_count(words).sum()) <= 1:
                 return cleared  # never the last token: a dead end is worse than a repeat
@@ -78,21 +79,22 @@ class KeyCorners:
             cleared.append(token)
         return cleared
 
-    def clear_of(self, state: DistinctItems, matcher: Any, token: int) -> bool:
+    def clear_of(self, state: DistinctItems, after: Callable[[], Any], token: int) -> bool:
         """Whether `screen` would keep `token` were it the best allowed token: it leads into
-        no corner (told by the same search)."""
-        return not _has_written_keys(state) or not self._cornered(state, matcher, token)
+        no corner (told by the same search). after: a copy of the row's matcher advanced by
+        `token` (None where it refuses it), asked only where a key is in question."""
+        return not _has_written_keys(state) or not self._cornered(state, after, token)
 
-    def _cornered(self, state: DistinctItems, matcher: Any, token: int) -> bool:
+    def _cornered(self, state: DistinctItems, after: Callable[[], Any], token: int) -> bool:
         """Whether `token` (allowed here) leads into a corner: it leaves a key whose text so
         far begins a written key's name, and every way on from there that the grammar allows
-        ends as a written key (`_dead`, on a copy of `matcher`)."""
+        ends as a written key (`_dead`, on `after()`, a copy of the matcher past `token`)."""
         near = self._near(state, token)
         if near is None:
             return False
         name, written, quote = near
-        copy = matcher.deep_copy()
-        if not copy.consume_token(token):
+        copy = after()
+        if copy is None:
             return False
         opener = self.byte_token.get(_QUOTE)
         if quote and (opener is None or not copy.consume_token(opener)):
@@ -154,6 +156,12 @@ class KeyCorners:
                                                             seen):  # fmt: skip
                 return False
         return True
+
+
+def _after(matcher: Any, token: int) -> Any:
+    """A copy of `matcher` advanced by `token`, or None where it refuses it."""
+    copy = matcher.deep_copy()
+    return copy if copy.consume_token(token) else None
 
 
 def _has_written_keys(state: DistinctItems) -> bool:

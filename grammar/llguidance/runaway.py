@@ -30,6 +30,7 @@ items (`distinct_items.DistinctItems`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import numpy as np
 
@@ -91,6 +92,7 @@ class RunawayTokens:
             if data[0] == ord("]"):
                 self.close_array[at] |= bit
         self.not_number, self.not_opens = ~self.number, ~self.opens
+        self.nothing = np.zeros(words, dtype=np.uint32)  # what the "again" rule keeps
 
     def curb(
         self, state: DistinctItems, words: np.ndarray, *, finished: bool = False
@@ -99,10 +101,20 @@ class RunawayTokens:
         return curb(state, words, self, finished=finished)
 
     def rule(
-        self, state: DistinctItems, *, finished: bool = False
+        self, state: DistinctItems, *, finished: bool | Callable[[], bool] = False
     ) -> tuple[str, np.ndarray | None] | None:
         """`rule` with these tokens: whether a row's `fill` would curb anything here."""
         return rule(state, self, finished=finished)
+
+    def lead(self, keep: np.ndarray | None) -> int | None:
+        """The byte every token of a rule's `keep` line begins with (a string's closing quote,
+        an array's `]`), or None where the kept tokens share none (the number and depth rules
+        keep all but some)."""
+        if keep is self.quote or keep is self.last_quote:
+            return ord('"')
+        if keep is self.close_array:
+            return ord("]")
+        return None
 
     @classmethod
     def of(cls, vocabulary: TokenVocabulary) -> RunawayTokens:
@@ -231,11 +243,13 @@ def curb(
 
 
 def rule(
-    state: DistinctItems, tokens: RunawayTokens, *, finished: bool = False
+    state: DistinctItems, tokens: RunawayTokens, *, finished: bool | Callable[[], bool] = False
 ) -> tuple[str, np.ndarray | None] | None:
     """The runaway rule that applies to the row's text here and the tokens it keeps (a mask
-    line; None: none, the row ends), or None where no rule applies (see `curb`)."""
-    if finished and not state.stack and not state.in_string:
+    line; None: none, the row ends), or None where no rule applies (see `curb`). finished may
+    be a function, asked only at the top level (outside every container and string)."""
+    top = not state.stack and not state.in_string
+    if top and (finished() if callable(finished) else finished):
         if ends_twice(state.text[-2 * AGAIN_LONGEST - 8 :]):
             return "again", None
         return None
