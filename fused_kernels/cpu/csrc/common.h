@@ -282,6 +282,24 @@ static inline best1 best16_row(const best16 *b) {
     return r;
 }
 
+/* The per-thread rows `best_merge` reads, for a GEMV asked for its arg-max (best not NULL):
+   [threads][M], each "nothing yet" (col -1, as a thread that takes no tile leaves it); *parts
+   NULL where not asked. 0, or 2 out of memory. */
+static inline int best_parts_alloc(const int64_t *best, int threads, int64_t M, best1 **parts) {
+    *parts = NULL;
+    if (!best) return 0;
+    *parts = (best1 *)malloc(sizeof(best1) * (size_t)(threads * M));
+    if (!*parts) return 2;
+    for (int64_t i = 0; i < threads * M; i++) (*parts)[i] = (best1){-INFINITY, -1, 0};
+    return 0;
+}
+
+/* This thread's rows into `parts` (nothing where NULL), once its tiles are stored. */
+static inline void best_parts_put(best1 *parts, const best16 *seen, int64_t M) {
+    for (int64_t m = 0; parts && m < M; m++)
+        parts[omp_get_thread_num() * M + m] = best16_row(&seen[m]);
+}
+
 /* The threads' rows (`parts`, [threads][M], threads that took no tile hold col -1) into
    best [M]. */
 static inline void best_merge(const best1 *parts, int threads, int64_t M, int64_t *best) {

@@ -98,13 +98,12 @@ int qk_i6i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
     int8_t *xq;
     float *xt;
     if (head_rows_alloc(M, K, G, &xq, &xt)) return 2;
-    best1 *parts = best ? (best1 *)malloc(sizeof(best1) * (size_t)(n_threads * M)) : NULL;
-    if (best && !parts) {
+    best1 *parts;
+    if (best_parts_alloc(best, n_threads, M, &parts)) {
         free(xq);
         free(xt);
         return 2;
     }
-    for (int64_t i = 0; best && i < n_threads * M; i++) parts[i] = (best1){-INFINITY, -1, 0};
     #pragma omp parallel num_threads(n_threads)
     {
         best16 seen[I6_MAX_M];  /* the arg-max as stored, when asked (`best16`) */
@@ -129,8 +128,7 @@ int qk_i6i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
                 }
             }
         }
-        for (int64_t m = 0; best && m < M; m++)
-            parts[omp_get_thread_num() * M + m] = best16_row(&seen[m]);
+        best_parts_put(parts, seen, M);
     }
     if (best) best_merge(parts, n_threads, M, best);
     free(parts);
