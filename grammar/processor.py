@@ -190,6 +190,7 @@ class GrammarLogitsProcessor:
         self._width: int | None = None
         self._bits: np.ndarray | None = None
         self._out: torch.Tensor | None = None  # the masked logits, reused step to step
+        self._out_np = np.empty((0, 0), dtype=np.float32)  # its numpy view (`_buffer`)
         self._between_s = 0.0  # time in `forced_tokens` since the last call
         self._walked: dict[int, tuple[str, bytes]] = {}  # steering planned by `_greedy`
         self._host: bool | None = None  # whether the logits read as numpy views (`_greedy`)
@@ -377,13 +378,14 @@ class GrammarLogitsProcessor:
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
-        if logits.dim() != 2 or input_ids.dim() != 2 or input_ids.shape[0] != logits.shape[0]:
+        shape, ids_shape = logits.shape, input_ids.shape  # read once: torch calls cost, cold
+        if len(shape) != 2 or len(ids_shape) != 2 or ids_shape[0] != shape[0]:
             raise GrammarError(
                 f"grammar processor: expected input_ids [B, T] and logits [B, V], got "
-                f"{tuple(input_ids.shape)} and {tuple(logits.shape)}"
+                f"{tuple(ids_shape)} and {tuple(shape)}"
             )
-        batch, vocab = logits.shape
-        width = input_ids.shape[1]
+        batch, vocab = shape
+        width = ids_shape[1]
         if self._width is None:
             self._start(batch, vocab)
         else:
@@ -483,8 +485,8 @@ class GrammarLogitsProcessor:
         out = self._buffer(logits)
         if out is None:
             return None  # not CPU float32 logits: the mask decides
-        np.copyto(out.numpy(), rows())
-        target = out.numpy()
+        target = self._out_np
+        np.copyto(target, rows())
         for row, tokens in refused.items():
             target[row, tokens] = -np.inf
         for row, token in only.items():
@@ -556,17 +558,22 @@ class GrammarLogitsProcessor:
         out = self._out
         if out is None or out.shape != logits.shape:
             out = self._out = torch.empty(logits.shape, dtype=torch.float32)
+            self._out_np = out.numpy()  # made once: a numpy view cost 9 us cold a step
         return out
 
     def _screen(self, out: torch.Tensor, bits: np.ndarray) -> None:
         """Keys that could only end as a repeat: each JSON row's screen on its masked logits
         (`llguidance.key_corners`), after the mask, so that its arg-maxes see allowed tokens
         only; what it clears is -inf in `out` too."""
-        view = _host_float(out)
+        own = out is self._out  # the C pass's buffer: its numpy view is made already
+        view = own or _host_float(out)
         for row, guide in enumerate(self._guides):
             if guide is None or self._done[row] or not hasattr(guide, "screen"):
                 continue
-            scores = out[row].numpy() if view else out[row].float().cpu().numpy()
+            if own:
+                scores = self._out_np[row]
+            else:
+                scores = out[row].numpy() if view else out[row].float().cpu().numpy()
             cleared = guide.screen(bits[row], scores)
             if cleared and not view:
                 out[row, cleared] = float("-inf")

@@ -612,6 +612,8 @@ class DistinctRow:
         """The grammar's forced tokens, up to the first that would end a duplicate item or
         key."""
         forced = self.row.forced_tokens()
+        if not forced:  # most steps: nothing forced, nothing to check
+            return forced
         stop = self.state.first_repeat([self.ending.token_bytes.get(t, b"") for t in forced])
         return forced if stop is None else forced[:stop]
 
