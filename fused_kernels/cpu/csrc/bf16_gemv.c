@@ -247,20 +247,13 @@ int qk_i8i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
         return 1;
     const int64_t nb = K / block, W = K / 4, wpb = block / 4;
     /* the activations' codes and per block {t, 128 t sum(q)}: `head_rows_i8` */
-    int8_t *xq;
-    float *xt;
-    if (head_rows_alloc(M, K, nb, &xq, &xt)) return 2;
-    best1 *parts;
-    if (best_parts_alloc(best, n_threads, M, &parts)) {
-        free(xq);
-        free(xt);
-        return 2;
-    }
+    head_work h;
+    if (head_work_alloc(M, K, nb, best, n_threads, &h)) return 2;
     #pragma omp parallel num_threads(n_threads)
     {
         best16 seen[I8I8_MAX_M];  /* the arg-max as stored, when asked (`best16`) */
         for (int64_t m = 0; best && m < M; m++) best16_init(&seen[m]);
-        head_rows_i8(x, M, K, x_stride, block, 128.0f, xq, xt);
+        head_rows_i8(x, M, K, x_stride, block, 128.0f, h.xq, h.xt);
         #pragma omp for schedule(static)
         for (int64_t tl = 0; tl < (N + 15) / 16; tl++) {
             const int32_t *w = (const int32_t *)wr + tl * W * 16;
@@ -268,26 +261,21 @@ int qk_i8i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
             for (int64_t m0 = 0; m0 < M; m0 += I8I8_MB) {
                 const int64_t mb = M - m0 < I8I8_MB ? M - m0 : I8I8_MB;
                 __m512 res[I8I8_MB];
-                const int8_t *xc = xq + m0 * K;
-                const float *tc = xt + m0 * nb * 2;
+                const int8_t *xc = h.xq + m0 * K;
+                const float *tc = h.xt + m0 * nb * 2;
 #define TILE(MB) i8i8_tile(MB, w, xc, tc, W, wpb, res)
                 QK_ROWS_1_TO_8(mb, TILE);
 #undef TILE
                 /* a row's 16 results straight into y, one masked store (as the INT4 tile) */
                 const int64_t n0 = tl * 16;
-                for (int64_t i = 0; i < mb; i++) {
-                    const __m512 v = _mm512_mul_ps(res[i], s);
-                    _mm512_mask_storeu_ps(y + (m0 + i) * y_stride + n0, tail_mask(N - n0), v);
-                    if (best) best16_put(&seen[m0 + i], v, n0, tail_mask(N - n0));
-                }
+                for (int64_t i = 0; i < mb; i++)
+                    head_store16(y + (m0 + i) * y_stride, n0, N, _mm512_mul_ps(res[i], s),
+                                 best ? &seen[m0 + i] : NULL);
             }
         }
-        best_parts_put(parts, seen, M);
+        best_parts_put(h.parts, seen, M);
     }
-    if (best) best_merge(parts, n_threads, M, best);
-    free(parts);
-    free(xq);
-    free(xt);
+    head_work_end(&h, n_threads, M, best);
     return 0;
 #endif
 }

@@ -319,6 +319,39 @@ static inline void best_merge(const best1 *parts, int threads, int64_t M, int64_
         best[m] = nan || isinf(v) ? -1 : col;
     }
 }
+
+/* What a head GEMV (`qk_i8i8_gemv`, `qk_i6i8_gemv`) allocates: the activations' codes and block
+   terms (`head_rows_alloc`) and, where its arg-max is asked for (best not NULL), the threads'
+   rows (`best_parts_alloc`). 0, or 2 out of memory with nothing left allocated. */
+typedef struct { int8_t *xq; float *xt; best1 *parts; } head_work;
+
+static inline int head_work_alloc(int64_t M, int64_t K, int64_t nb, const int64_t *best,
+                                  int threads, head_work *h) {
+    h->parts = NULL;
+    if (head_rows_alloc(M, K, nb, &h->xq, &h->xt)) return 2;
+    if (best_parts_alloc(best, threads, M, &h->parts)) {
+        free(h->xq);
+        free(h->xt);
+        return 2;
+    }
+    return 0;
+}
+
+/* The threads' arg-max rows into best (where asked), and the buffers freed. */
+static inline void head_work_end(head_work *h, int threads, int64_t M, int64_t *best) {
+    if (best) best_merge(h->parts, threads, M, best);
+    free(h->parts);
+    free(h->xq);
+    free(h->xt);
+}
+
+/* A row's 16 results of the tile at column n0 into y_row (the lanes short of N), and into the
+   row's arg-max where it is kept (seen not NULL). */
+static inline void head_store16(float *y_row, int64_t n0, int64_t N, __m512 v, best16 *seen) {
+    const __mmask16 k = tail_mask(N - n0);
+    _mm512_mask_storeu_ps(y_row + n0, k, v);
+    if (seen) best16_put(seen, v, n0, k);
+}
 #elif defined(__AVX2__)
 #define VEC 8
 typedef __m256 vf;

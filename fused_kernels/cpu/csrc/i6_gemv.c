@@ -95,20 +95,13 @@ int qk_i6i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
         return 1;
     const int64_t G = K / I6_GROUP;
     /* the activations' codes and per group {t, 32 t sum(q)}: `head_rows_i8` */
-    int8_t *xq;
-    float *xt;
-    if (head_rows_alloc(M, K, G, &xq, &xt)) return 2;
-    best1 *parts;
-    if (best_parts_alloc(best, n_threads, M, &parts)) {
-        free(xq);
-        free(xt);
-        return 2;
-    }
+    head_work h;
+    if (head_work_alloc(M, K, G, best, n_threads, &h)) return 2;
     #pragma omp parallel num_threads(n_threads)
     {
         best16 seen[I6_MAX_M];  /* the arg-max as stored, when asked (`best16`) */
         for (int64_t m = 0; best && m < M; m++) best16_init(&seen[m]);
-        head_rows_i8(x, M, K, x_stride, I6_GROUP, 32.0f, xq, xt);
+        head_rows_i8(x, M, K, x_stride, I6_GROUP, 32.0f, h.xq, h.xt);
         #pragma omp for schedule(static)
         for (int64_t tl = 0; tl < (N + 15) / 16; tl++) {
             const uint8_t *wt = w + tl * G * I6_GROUP_BYTES;
@@ -116,24 +109,20 @@ int qk_i6i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
             for (int64_t m0 = 0; m0 < M; m0 += I6_MB) {
                 const int64_t mb = M - m0 < I6_MB ? M - m0 : I6_MB;
                 __m512 res[I6_MB];
-                const int8_t *xc = xq + m0 * K;
-                const float *tc = xt + m0 * G * 2;
+                const int8_t *xc = h.xq + m0 * K;
+                const float *tc = h.xt + m0 * G * 2;
 #define TILE(MB) i6_tile(MB, wt, st, xc, tc, G, res)
                 QK_ROWS_1_TO_8(mb, TILE);
 #undef TILE
                 const int64_t n0 = tl * 16;
-                for (int64_t i = 0; i < mb; i++) {
-                    _mm512_mask_storeu_ps(y + (m0 + i) * y_stride + n0, tail_mask(N - n0), res[i]);
-                    if (best) best16_put(&seen[m0 + i], res[i], n0, tail_mask(N - n0));
-                }
+                for (int64_t i = 0; i < mb; i++)
+                    head_store16(y + (m0 + i) * y_stride, n0, N, res[i],
+                                 best ? &seen[m0 + i] : NULL);
             }
         }
-        best_parts_put(parts, seen, M);
+        best_parts_put(h.parts, seen, M);
     }
-    if (best) best_merge(parts, n_threads, M, best);
-    free(parts);
-    free(xq);
-    free(xt);
+    head_work_end(&h, n_threads, M, best);
     return 0;
 #endif
 }
