@@ -347,11 +347,11 @@ class EndingTokens:
             for i, j in zip(at, at[1:], strict=False):
                 self.whole_keys.setdefault(data[i : j + 1], []).append(token)
         self.whole_names = frozenset(self.whole_keys)
-        # Per token, one byte: whether it holds a `"` (`QUOTE`), a `"`, `,`, `]` or `}`
-        # (`ENDS`): a greedy step's checks read these instead of the token's bytes.
-        self.kinds = bytearray(vocabulary.size)
-        for token, data in vocabulary.token_bytes.items():
-            self.kinds[token] = (QUOTE if b'"' in data else 0) | (ENDS if _ENDING(data) else 0)
+        # `quote` and `any_end` as one byte a token (`QUOTE`, `ENDS`): a greedy step's checks
+        # read one token's flags, a bytearray index against a numpy word's shift and mask.
+        lines = np.stack([self.quote, self.any_end]).view(np.uint8)
+        bits = np.unpackbits(lines, axis=1, bitorder="little")[:, : vocabulary.size]
+        self.kinds = bytearray((bits[0] * QUOTE | bits[1] * ENDS).tobytes())
         quoted = sorted((d, t) for t, d in vocabulary.token_bytes.items() if b'"' in d)
         self._quoted, self._quoted_ids = [d for d, _ in quoted], [t for _, t in quoted]
         self._starting: dict[bytes, tuple[int, ...]] = {}

@@ -277,9 +277,7 @@ class LlgRow:
         start of a document); at 607 other states of 12 outputs the matcher and the mask
         agreed on every token."""
         matcher = self.matcher
-        forced = self._ff
-        if forced is None:
-            forced = self._ff = bytes(matcher.compute_ff_bytes())
+        forced = self._forced_bytes()
         # One llguidance call tells and takes the token (a greedy step's pick is the first
         # token allowed, and the row is advanced by it next): held in `tried`, rolled back
         # where the row is advanced otherwise or read before.
@@ -321,13 +319,15 @@ class LlgRow:
     def forced_tokens(self) -> list[int]:
         """The tokens the grammar forces next (canonical, safe to append without sampling).
         Where it forces no byte, none, without asking for tokens (a few us against ~10)."""
-        matcher = self.matcher
-        forced = self._ff
-        if forced is None:
-            forced = self._ff = bytes(matcher.compute_ff_bytes())
-        if not forced:
+        if not self._forced_bytes():
             return []
-        return list(matcher.compute_ff_tokens())
+        return list(self.matcher.compute_ff_tokens())
+
+    def _forced_bytes(self) -> bytes:
+        """The bytes the grammar forces from here (asked once a state: `_ff`)."""
+        if self._ff is None:
+            self._ff = bytes(self.matcher.compute_ff_bytes())
+        return self._ff
 
     def closing_path(
         self,
