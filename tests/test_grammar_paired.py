@@ -36,6 +36,10 @@ def test_an_unknown_revision_is_one_error(tmp_path: Path) -> None:
         base_grammar("no-such-revision-xyz", tmp_path)
     with pytest.raises(EvalError, match="expected --rounds"):
         main(["--base", "HEAD", "--rounds", "0"])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(EvalError, match=r"--schema .*bad.json: expected JSON, got"):
+        main(["--base", "HEAD", "--schema", str(bad)])
 
 
 @pytest.mark.slow

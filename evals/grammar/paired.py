@@ -88,7 +88,13 @@ def _sides(base: ModuleType) -> dict[str, tuple[Any, Any, Any]]:
 
 def _schemas(args: argparse.Namespace) -> list[tuple[str, Any]]:
     if args.schema:
-        return [(Path(f).name, json.loads(Path(f).read_text())) for f in args.schema]
+        found = []
+        for name in args.schema:
+            try:
+                found.append((Path(name).name, json.loads(Path(name).read_text())))
+            except json.JSONDecodeError as e:
+                raise EvalError(f"--schema {name}: expected JSON, got {e}") from e
+        return found
     folder = args.data or default_bench_dir()
     if not (folder / "maskbench" / "data").is_dir():
         raise EvalError(f"expected JSONSchemaBench at {folder}, found nothing")
