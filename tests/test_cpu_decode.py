@@ -429,3 +429,14 @@ def test_a_long_int8_prefill_runs_in_chunks_and_gives_the_one_call_bits(
         whole = path.run(model, ids, pos)
     assert chunked is not None and chunked.shape == whole.shape == (1, 21, whole.shape[-1])
     assert torch.equal(chunked, whole)
+    # only the last position wanted: the chunks before the last leave keys and values, the
+    # last one's last row the same bits, the cache the same
+    with torch.no_grad():
+        caches = [layer.self_attn.cache.k.clone() for layer in model.model.layers]
+        monkeypatch.setattr(path, "max_rows", 8)
+        model.setup_cache(batch=1, max_len=32)
+        last = path.run(model, ids, pos, last_only=True)
+        after = [layer.self_attn.cache.k for layer in model.model.layers]
+    assert last is not None and last.shape == (1, 1, whole.shape[-1])
+    assert torch.equal(last, whole[:, -1:])
+    assert all(torch.equal(a, b) for a, b in zip(after, caches, strict=True))

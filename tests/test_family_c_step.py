@@ -109,6 +109,93 @@ def test_chunked_prefill_equals_the_pytorch_path(family_model) -> None:
     torch.testing.assert_close(out[True], out[False], **TOL, msg=name)
 
 
+def _caches(model) -> list[torch.Tensor]:
+    return [t.clone() for layer in model.model.layers
+            for t in (layer.self_attn.cache.k, layer.self_attn.cache.v)]  # fmt: skip
+
+
+def _last_rows_runs(model, n: int, s: int, seed: int):
+    """A prompt of n random tokens through the step with out_rows None (all), 3, 1 and 0: each
+    run's states, its cache after, and the state of one more token after it; and the prompt's
+    logits through `last_only`."""
+    tokens = torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    path = model.decode_path
+    runs = {}
+    with torch.no_grad():
+        for want in (None, 3, 1, 0):
+            model.setup_cache(batch=1, max_len=s)
+            assert path.reason == "bound", path.reason
+            hidden = path.run_rows(model, tokens, list(range(n)), [0] * n, out_rows=want)
+            caches = _caches(model)
+            after = path.run_rows(model, [11], [n], [0])
+            runs[want] = (hidden, caches, after)
+        ids, pos = torch.tensor([tokens]), torch.arange(n).unsqueeze(0)
+        mask = (torch.arange(s) <= pos[0, :, None]).view(1, 1, n, s)
+        model.setup_cache(batch=1, max_len=s)
+        last = model(ids, positions=pos, mask=mask, last_only=True)
+        model.drop_cache()
+    return runs, last
+
+
+def _check_last_rows(model, runs, last, same) -> None:
+    whole, caches, after = runs[None]
+    for want in (3, 1, 0):
+        hidden, got_caches, got_after = runs[want]
+        if want:
+            same(hidden[-want:], whole[-want:])
+        # every row's keys and values as a whole call writes them: the next step's bits
+        assert all(torch.equal(a, b) for a, b in zip(got_caches, caches, strict=True))
+        assert torch.equal(got_after, after)
+    assert last.shape == (1, 1, model.config.vocab_size)
+    same(last, model.logits(whole[-1:].view(1, 1, -1)))
+
+
+def test_a_prompt_wanting_its_last_rows_gets_them_and_every_key(family_model) -> None:
+    """`out_rows`: the last layer computes, past every row's keys and values, only the last
+    rows' states (a prefill wants its last row's; 0 rows: a long prompt's chunk before its
+    last). The cache holds the same keys and values as after a whole call (so the next step
+    is the same bits), and the rows wanted equal the whole call's: with fp32 activations to
+    rounding (a GEMV's accumulators depend on how many rows it takes), past the window, on
+    every family and mixture of experts."""
+    name, model = family_model
+    runs, last = _last_rows_runs(model, 2 * SLIDING_WINDOW + 6, 48, seed=8)
+    _check_last_rows(model, runs, last,
+                     lambda a, b: torch.testing.assert_close(a, b, **TOL, msg=name))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["llama3", "gemma2", "qwen3_moe"])
+def test_with_int8_activations_the_rows_wanted_are_the_whole_calls_bits(
+    name: str, tmp_path: Path
+) -> None:
+    """With int8 activations (integer sums, each row's operations in the same order whatever
+    the row count) the rows a prompt wants are the whole call's bits: the prefill's logits do
+    not move."""
+    from quantkit.fused_kernels.cpu.decode import int8_activations_available
+    from quantkit.runtime.fast_path import set_act_dtype
+
+    if not int8_activations_available():
+        pytest.skip("needs AVX512-VNNI for the int8 tiles")
+    model = load_model(_checkpoint(name, tmp_path), tokenizer=False).model
+    set_act_dtype(model, torch.int8)
+    runs, last = _last_rows_runs(model, 2 * SLIDING_WINDOW + 6, 48, seed=2)
+    _check_last_rows(model, runs, last, lambda a, b: _assert_equal(a, b, name))
+
+
+def _assert_equal(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
+    assert torch.equal(a, b), (name, (a - b).abs().max().item())
+
+
+def test_out_rows_outside_the_call_is_one_error(family_model) -> None:
+    name, model = family_model
+    path = model.decode_path
+    with torch.no_grad():
+        model.setup_cache(batch=1, max_len=8)
+        for bad in (-1, 4):
+            with pytest.raises(ValueError, match="out_rows: expected 0 to 3"):
+                path.run_rows(model, [5, 6, 7], [0, 1, 2], [0, 0, 0], out_rows=bad)
+        model.drop_cache()
+
+
 @pytest.mark.parametrize("name", ["gemma2", "mistral"])
 def test_a_long_row_split_in_chunks_inside_its_window(name: str, tmp_path: Path) -> None:
     """A row at position 1300 with a 700-position window: its sliding layers attend to

@@ -219,6 +219,7 @@ FUNCTIONS: dict[str, Fn] = {
         sin_=c_void_p,
         act_dt=c_int,
         row_invariant=c_int,
+        out_rows=c_int64,
         work=c_void_p,
         work_floats=c_int64,
         n_threads=c_int,

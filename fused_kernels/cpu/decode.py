@@ -318,6 +318,7 @@ class CpuDecodeStep:
         *,
         slots: Sequence[int] | None = None,
         row_invariant: bool = False,
+        out_rows: int | None = None,
     ) -> torch.Tensor:
         """Run every layer on x [R, H] (fp32, contiguous), updated in place and returned. Row r's
         token sits at cache row `slots[r]` (default r) and position `positions[r]`, and attends
@@ -326,10 +327,18 @@ class CpuDecodeStep:
         [R, ropes x D]: each row's rotary values, table by table. row_invariant: each row's
         result is bit-identical to a one-row call's (the GEMVs take the rows one at a time;
         slower for many rows), which speculative decoding's verification needs to reproduce
-        plain decoding exactly."""
+        plain decoding exactly. out_rows: how many of the last rows' results are wanted (default
+        all): the last layer writes every row's keys and values but computes the rest for those
+        rows only, so the rows before them come back as the layer before the last left them (a
+        prompt wants its last row's; the other rows' keys and values are what it leaves)."""
         rows = len(positions)
         if rows < 1:
             raise ValueError("positions: expected at least one row, got none")
+        out_rows = rows if out_rows is None else out_rows
+        if not 0 <= out_rows <= rows:
+            raise ValueError(
+                f"out_rows: expected 0 to {rows} (the rows of the call), got {out_rows}"
+            )
         slots = range(rows) if slots is None else slots
         rope_width = self.ropes * self.head_dim
         for name, t, n in (("x", x, self.hidden), ("cos", cos, rope_width), ("sin", sin, 0)):
@@ -356,8 +365,8 @@ class CpuDecodeStep:
         work = self._work_for(rows, threads)
         status = self._fn(
             *self._args, x.data_ptr(), rows, slot_t.data_ptr(), pos_t.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), self._act, int(row_invariant), work.data_ptr(),
-            work.numel(), threads,
+            cos.data_ptr(), sin.data_ptr(), self._act, int(row_invariant), out_rows,
+            work.data_ptr(), work.numel(), threads,
         )  # fmt: skip
         check_status(status, "qk_decode_step")
         return x

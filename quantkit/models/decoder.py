@@ -224,10 +224,16 @@ class FastPath(Protocol):
         ...
 
     def run(
-        self, model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor
+        self,
+        model: CausalLM,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        last_only: bool = False,
     ) -> torch.Tensor | None:
         """Hidden states [B, T, H] after every layer (row b at cache row b), or None when the
-        bound step does not apply to this call (then the PyTorch layers run)."""
+        bound step does not apply to this call (then the PyTorch layers run). last_only: only
+        the last position's state is wanted ([B, 1, H] may come back)."""
         ...
 
     def is_current(self) -> bool:
@@ -325,7 +331,13 @@ class CausalLM(nn.Module):
             positions = torch.arange(t, device=input_ids.device).expand(b, t)
         x = None
         if (t == 1 or b == 1) and self.decode_path is not None and _eager_cpu(input_ids):
-            x = self.decode_path.run(self, input_ids, positions)
+            # One prompt whose last position's logits are wanted (a prefill): the path may
+            # return that position's state alone, having computed no more of the others'.
+            last = t > 1 and (last_only or (
+                logits_at is not None and b == 1 and int(logits_at[0]) == t - 1))  # fmt: skip
+            x = self.decode_path.run(self, input_ids, positions, last_only=last)
+            if x is not None and x.shape[1] != t:
+                return self.logits(x)
         if x is None:
             cos, sin = self.rope(positions)
             x = self.embed(input_ids)

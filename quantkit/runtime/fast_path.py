@@ -189,11 +189,20 @@ class CpuDecodePath:
         return "bound"
 
     def run(
-        self, model: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor
+        self,
+        model: CausalLM,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        last_only: bool = False,
     ) -> torch.Tensor | None:
-        """The final hidden states [B, 1, H] after every layer for one new token per row
-        (input_ids, positions [B, 1]; row b at cache row b), or None when the bound step does
-        not apply (no step, or the cache was replaced since binding)."""
+        """The final hidden states [B, T, H] after every layer for one new token per row
+        (input_ids, positions [B, 1]; row b at cache row b) or one prompt (B = 1), or None when
+        the bound step does not apply (no step, or the cache was replaced since binding).
+        last_only: of a prompt, only its last token's state is wanted ([1, 1, H] comes back):
+        the last layer computes the other tokens' keys and values and nothing more for them
+        (1/16 of a 16-layer model's prefill; with int8 activations the last row's state is the
+        same bits)."""
         step = self.step
         if step is None or not self.is_current():
             return None
@@ -201,11 +210,21 @@ class CpuDecodePath:
         if b > step.cache_rows or (t > 1 and (b > 1 or t > self.max_rows and not self.chunks)):
             return None
         ids, pos = input_ids.view(-1).tolist(), positions.reshape(-1).tolist()
+        last_only = last_only and t > 1
         if t <= self.max_rows:
-            return self.run_rows(model, ids, pos, [0] * t if t > 1 else None).view(b, t, -1)
+            hidden = self.run_rows(model, ids, pos, [0] * t if t > 1 else None,
+                                   out_rows=1 if last_only else None)  # fmt: skip
+            return hidden[-1:].view(1, 1, -1) if last_only else hidden.view(b, t, -1)
         n = self.max_rows  # a long prompt: causal prefills of n rows, each over the cache so far
-        parts = [self.run_rows(model, ids[i : i + n], pos[i : i + n], [0] * len(ids[i : i + n]))
-                 for i in range(0, t, n)]  # fmt: skip
+        parts = []
+        for i in range(0, t, n):
+            # last_only: a chunk before the last leaves its keys and values, no state
+            want = None if not last_only else 1 if i + n >= t else 0
+            rows = len(ids[i : i + n])
+            parts.append(self.run_rows(model, ids[i : i + n], pos[i : i + n], [0] * rows,
+                                       out_rows=want))  # fmt: skip
+        if last_only:
+            return parts[-1][-1:].view(1, 1, -1)
         return torch.cat(parts).view(1, t, -1)
 
     @property
@@ -247,15 +266,18 @@ class CpuDecodePath:
         slots: list[int] | None = None,
         *,
         row_invariant: bool = False,
+        out_rows: int | None = None,
     ) -> torch.Tensor:
         """Hidden states [R, 1, H] after every layer: token r fed at cache row slots[r]
         (default r) and position positions[r] (see `CpuDecodeStep`), of the cache bound last
         (the caller vouches that it is still the model's). row_invariant: each row exactly as
-        a one-row call computes it (speculative decoding's verification)."""
+        a one-row call computes it (speculative decoding's verification). out_rows: only the
+        last out_rows rows' states are wanted (`CpuDecodeStep`: the others are not final)."""
         assert self.step is not None
         cos, sin = self._rope_rows(model, torch.tensor(positions))
         x = model.embed(torch.tensor(tokens)).contiguous()
-        self.step(x, positions, cos, sin, slots=slots, row_invariant=row_invariant)
+        self.step(x, positions, cos, sin, slots=slots, row_invariant=row_invariant,
+                  out_rows=out_rows)  # fmt: skip
         return x.unsqueeze(1)
 
     def unbound(self) -> CpuDecodePath:

@@ -153,7 +153,8 @@ int64_t qk_decode_work(const qk_decoder_layer *layers, int64_t n_layers,
                        const qk_decoder_dims *d, int64_t R, int n_threads) {
     int64_t qkv = (d->heads + 2 * d->kv_heads) * d->head_dim;
     const int64_t nch = chunks_of(d->slots, d->slots);
-    const int64_t units = 2 * (R * d->heads + R * d->kv_heads * nch);  /* full, sliding */
+    /* full, sliding, the last layer's rows that are wanted (`out_rows`) */
+    const int64_t units = 3 * (R * d->heads + R * d->kv_heads * nch);
     return decode_gemv_scratch(layers, n_layers, R)
            + R * (d->hidden * 2 + qkv + d->heads * d->head_dim + gu_floats(d))
            + moe_floats(d, R)
@@ -436,7 +437,7 @@ static void rope(float *v, const float *cos_, const float *sin_, int64_t D) {
 int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_decoder_dims *d,
                    float *x, int64_t R, const int64_t *slot, const int64_t *pos,
                    const float *cos_, const float *sin_, int act_dt, int row_invariant,
-                   float *work, int64_t work_floats, int n_threads) {
+                   int64_t out_rows, float *work, int64_t work_floats, int n_threads) {
     const int64_t H = d->hidden, Hq = d->heads, Hkv = d->kv_heads, D = d->head_dim;
     const int64_t I = d->inter, S = d->slots, group = Hq / Hkv, QKV = (Hq + 2 * Hkv) * D;
     const int kv = (int)d->kv_dt;
@@ -447,6 +448,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
     if (n_threads < 1) n_threads = 1;
     if (work_floats < qk_decode_work(layers, n_layers, d, R, n_threads)) return 2;
     if (kv < KV_F32 || kv > KV_FP8) return 4;
+    if (out_rows < 0 || out_rows > R) return 7;
     for (int64_t l = 0; l < n_layers; l++)
         if (layers[l].rope < 0 || layers[l].rope >= ropes) return 5;
     for (int64_t r = 0; r < R; r++)
@@ -477,8 +479,10 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
     float *moe_row = (float *)(count + NE);  /* `moe_one_row`'s buffers */
     (void)moe_row;  /* unused without AVX512-VNNI */
     attend_unit *units = (attend_unit *)(((uintptr_t)(xe + moe_floats(d, R)) + 7) & ~(uintptr_t)7);
-    /* the sliding layers' table after the full layers' (the most units one table takes) */
+    /* the sliding layers' table after the full layers' (the most units one table takes), then
+       the last layer's for its last out_rows rows (where the rows before are not wanted) */
     attend_unit *units_sliding = units + R * Hq + R * Hkv * nch_max;
+    attend_unit *units_tail = units_sliding + R * Hq + R * Hkv * nch_max;
     /* Attention work units: a row's whole GQA group of query heads, which then reads its K/V
        once from memory and again from L1/L2, when that leaves >= 4 units a thread; else one
        head (batch 1: 3 groups would leave a thread idle). Heads handed out one at a time sent
@@ -495,6 +499,18 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
                                              &splits[sl]);
     }
 
+    /* The last layer's rows from R - out_rows on (its keys and values are written for every
+       row): a prefill wants the last row's hidden state, not the others'. Each row's
+       attention and norms are the same operations whatever other rows a call holds, and so are
+       its int8 GEMVs (integer sums), so with int8 activations those rows come out the same
+       bits; fp32 and bf16 GEMVs keep more accumulators for fewer rows (rounding apart). */
+    int64_t n_units_tail = 0;
+    int split_tail = 0;
+    if (out_rows > 0 && out_rows < R)
+        n_units_tail = attention_units(d, out_rows, pos + R - out_rows,
+                                       layers[n_layers - 1].sliding != 0,
+                                       out_rows * Hkv >= 4 * n_threads ? group : 1, units_tail,
+                                       &split_tail);
     if (phases_on) phase_calls++;
     #pragma omp parallel num_threads(n_threads)
     {
@@ -507,8 +523,15 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         mlp_layers(L, mlp);
         const int xg = gemv_x_dt(mlp[0], act_dt);
         const int xd = gemv_x_dt(L->router ? mlp[2] : mlp[1], act_dt);
-        const int64_t sl = L->sliding != 0, n_units = n_units_of[sl];
-        const attend_unit *lunits = sl ? units_sliding : units;
+        const int64_t sl = L->sliding != 0;
+        /* the rows whose output is wanted from the attention on: r0 .. R (all but in a last
+           layer with out_rows < R) */
+        const int tail = l == n_layers - 1 && out_rows < R;
+        const int64_t r0 = tail ? R - out_rows : 0, Rl = R - r0;
+        const int64_t n_units = tail ? n_units_tail : n_units_of[sl];
+        const attend_unit *lunits = tail ? units_tail : sl ? units_sliding : units;
+        const int split = tail ? split_tail : splits[sl];
+        float *xl = x + r0 * H;
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) rmsnorm(x + r * H, L->in_norm, H, eps, h + r * H);
         PHASE_END(PH_NORM);
@@ -535,45 +558,48 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
             }
         }
         PHASE_END(PH_ROPE_KV);
+        if (Rl == 0) break;  /* the last layer's keys and values were all that was wanted */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < n_units; u++) {
             const attend_unit U = lunits[u];
-            const int64_t off = slot[U.r] * row_stride + ((U.i0 / group) * S + U.j0) * E;
+            const int64_t off = slot[r0 + U.r] * row_stride + ((U.i0 / group) * S + U.j0) * E;
             /* the unit's heads (a row's whole group, a chunk of it, or one head); a chunk's
                partials lie nch_max apart a head */
             const int partial = U.part >= 0;
-            attend_heads(kv, qkv + U.r * QKV + U.i0 * D, U.nh, (const uint8_t *)L->k_cache + off,
-                         (const uint8_t *)L->v_cache + off, U.j1 - U.j0, D, scale, cap,
+            attend_heads(kv, qkv + (r0 + U.r) * QKV + U.i0 * D, U.nh,
+                         (const uint8_t *)L->k_cache + off, (const uint8_t *)L->v_cache + off, U.j1 - U.j0, D, scale, cap,
                          scores + omp_get_thread_num() * S * SCORE_ROWS,
-                         partial ? parts + U.part * (D + 2) : att + (U.r * Hq + U.i0) * D,
+                         partial ? parts + U.part * (D + 2) : att + ((r0 + U.r) * Hq + U.i0) * D,
                          partial ? nch_max * (D + 2) : D, partial);
         }
-        if (splits[sl]) {
+        if (split) {
             #pragma omp for schedule(static)
-            for (int64_t ri = 0; ri < R * Hq; ri++) {
-                const int64_t p = pos[ri / Hq], nch = chunks_of(p + 1 - first_key(d, p, sl), S);
-                if (nch >= 2) attend_merge(parts + ri * nch_max * (D + 2), nch, D, att + ri * D);
+            for (int64_t ri = 0; ri < Rl * Hq; ri++) {
+                const int64_t p = pos[r0 + ri / Hq];
+                const int64_t nch = chunks_of(p + 1 - first_key(d, p, sl), S);
+                if (nch >= 2)
+                    attend_merge(parts + ri * nch_max * (D + 2), nch, D, att + (r0 * Hq + ri) * D);
             }
         }
         PHASE_END(PH_ATTENTION);
-        permute_x(att, DT_F32, &L->o, R, Hq * D, xp, xo, row_invariant);
+        permute_x(att + r0 * Hq * D, DT_F32, &L->o, Rl, Hq * D, xp, xo, row_invariant);
         PHASE_END(PH_PERMUTE);
-        gemv_rows(&L->o, xp, xo, R, t, DT_F32, H, row_invariant);
+        gemv_rows(&L->o, xp, xo, Rl, t, DT_F32, H, row_invariant);
         PHASE_END(PH_O);
         #pragma omp for schedule(static)
-        for (int64_t r = 0; r < R; r++) {
+        for (int64_t r = 0; r < Rl; r++) {
             if (L->attn_out_norm) rmsnorm(t + r * H, L->attn_out_norm, H, eps, t + r * H);
-            for (int64_t i = r * H; i < (r + 1) * H; i++) x[i] += t[i];
-            rmsnorm(x + r * H, L->post_norm, H, eps, h + r * H);
+            for (int64_t i = r * H; i < (r + 1) * H; i++) xl[i] += t[i];
+            rmsnorm(xl + r * H, L->post_norm, H, eps, h + r * H);
         }
         PHASE_END(PH_NORM);
         if (L->router) {  /* a mixture of experts, then on to the next layer */
             /* the router's softmax probabilities, each row's top_k and their weights */
             #pragma omp for schedule(static)
-            for (int64_t re = 0; re < R * NE; re++)
+            for (int64_t re = 0; re < Rl * NE; re++)
                 probs[re] = dot(h + (re / NE) * H, L->router + (re % NE) * H, H);
             #pragma omp for schedule(static)
-            for (int64_t r = 0; r < R; r++) {
+            for (int64_t r = 0; r < Rl; r++) {
                 float *p = probs + r * NE, mx = -INFINITY, sum = 0.0f, kept = 0.0f;
                 for (int64_t e = 0; e < NE; e++) mx = fmaxf(mx, p[e]);
                 for (int64_t e = 0; e < NE; e++) sum += (p[e] = expf(p[e] - mx));
@@ -593,21 +619,21 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
             #pragma omp single
             {  /* each expert's rows, in row order */
                 for (int64_t e = 0; e < NE; e++) count[e] = 0;
-                for (int64_t r = 0; r < R; r++)
+                for (int64_t r = 0; r < Rl; r++)
                     for (int64_t k = 0; k < TK; k++) {
                         const int64_t e = sel[r * TK + k], c = count[e]++;
-                        rows_of[e * R + c] = r;
-                        w_of[e * R + c] = wt[r * TK + k];
+                        rows_of[e * Rl + c] = r;
+                        w_of[e * Rl + c] = wt[r * TK + k];
                     }
             }
             #pragma omp for schedule(static)
-            for (int64_t i = 0; i < R * H; i++) acc[i] = 0.0f;
+            for (int64_t i = 0; i < Rl * H; i++) acc[i] = 0.0f;
             PHASE_END(PH_ROUTE);
 #if defined(__AVX512VNNI__)
             /* one row, int8 activations for the experts' gate/up and down (the per-expert loop
                takes expert 0's for every expert too), at most 64 experts a token */
-            if (R == 1 && TK <= 64 && xg == DT_I8 && xd == DT_I8) {
-                moe_one_row(L, d, h, x, acc, xp, sel, wt, moe_row, (int)d->act, timed, &mark);
+            if (Rl == 1 && TK <= 64 && xg == DT_I8 && xd == DT_I8) {
+                moe_one_row(L, d, h, xl, acc, xp, sel, wt, moe_row, (int)d->act, timed, &mark);
                 continue;
             }
 #endif
@@ -619,7 +645,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
                 const qk_w4_layer *G = L->experts + 3 * e;
                 #pragma omp for schedule(static)
                 for (int64_t i = 0; i < n; i++)
-                    memcpy(xe + i * H, h + rows_of[e * R + i] * H, (size_t)H * sizeof(float));
+                    memcpy(xe + i * H, h + rows_of[e * Rl + i] * H, (size_t)H * sizeof(float));
                 PHASE_END(PH_ROUTE);
                 permute_x(xe, DT_F32, G, n, H, xp, xg, row_invariant);
                 PHASE_END(PH_PERMUTE);
@@ -634,43 +660,43 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
                 PHASE_END(PH_DOWN);
                 #pragma omp for schedule(static)
                 for (int64_t i = 0; i < n; i++) {  /* an expert's rows are distinct rows */
-                    const float w = w_of[e * R + i];
-                    add_scaled(acc + rows_of[e * R + i] * H, t + i * H, w, H);
+                    const float w = w_of[e * Rl + i];
+                    add_scaled(acc + rows_of[e * Rl + i] * H, t + i * H, w, H);
                 }
                 PHASE_END(PH_NORM);
             }
             #pragma omp for schedule(static)
-            for (int64_t i = 0; i < R * H; i++) x[i] += acc[i];
+            for (int64_t i = 0; i < Rl * H; i++) xl[i] += acc[i];
             PHASE_END(PH_NORM);
             continue;
         }
-        permute_x(h, DT_F32, &L->gate_up, R, H, xp, xg, row_invariant);
+        permute_x(h, DT_F32, &L->gate_up, Rl, H, xp, xg, row_invariant);
         PHASE_END(PH_PERMUTE);
         int fused = 0;
 #if defined(__AVX512VNNI__)
-        fused = !row_invariant && gate_up_glu(&L->gate_up, xp, xg, R, gu, 2 * I, d->act);
+        fused = !row_invariant && gate_up_glu(&L->gate_up, xp, xg, Rl, gu, 2 * I, d->act);
 #endif
         if (!fused) {
-            gemv_rows(&L->gate_up, xp, xg, R, gu, DT_F32, 2 * I, row_invariant);
+            gemv_rows(&L->gate_up, xp, xg, Rl, gu, DT_F32, 2 * I, row_invariant);
             PHASE_END(PH_GATE_UP);
-            glu_rows(gu, R, I, (int)d->act);
+            glu_rows(gu, Rl, I, (int)d->act);
         } else {
             PHASE_END(PH_GATE_UP);
         }
         PHASE_END(PH_SILU);
-        permute_x(gu, DT_F32, &L->down, R, 2 * I, xp, xd, row_invariant);
+        permute_x(gu, DT_F32, &L->down, Rl, 2 * I, xp, xd, row_invariant);
         PHASE_END(PH_PERMUTE);
-        gemv_rows(&L->down, xp, xd, R, t, DT_F32, H, row_invariant);
+        gemv_rows(&L->down, xp, xd, Rl, t, DT_F32, H, row_invariant);
         PHASE_END(PH_DOWN);
         if (L->ffn_out_norm) {
             #pragma omp for schedule(static)
-            for (int64_t r = 0; r < R; r++) {
+            for (int64_t r = 0; r < Rl; r++) {
                 rmsnorm(t + r * H, L->ffn_out_norm, H, eps, t + r * H);
-                for (int64_t i = r * H; i < (r + 1) * H; i++) x[i] += t[i];
+                for (int64_t i = r * H; i < (r + 1) * H; i++) xl[i] += t[i];
             }
         } else {
             #pragma omp for schedule(static)
-            for (int64_t i = 0; i < R * H; i++) x[i] += t[i];
+            for (int64_t i = 0; i < Rl * H; i++) xl[i] += t[i];
         }
         PHASE_END(PH_NORM);
     }

@@ -129,14 +129,18 @@ int64_t qk_decode_work(const qk_decoder_layer *layers, int64_t n_layers,
 int qk_decode_phases(int on, double *out);
 
 /* Every layer on x [R][H] in place; row_invariant: each row bit-identical to a one-row call.
-   kv_dt in d: the cache format, 0 = fp32, 1 = bf16, 2 = int8, 3 = fp8 e4m3 (decode.c's attend.c).
+   out_rows (0..R): the rows whose output is wanted, the last out_rows; the last layer writes
+   every row's keys and values and computes the rest for those rows only (x's rows before them
+   are left as the layer before the last wrote them). kv_dt in d: the cache format, 0 = fp32,
+   1 = bf16, 2 = int8, 3 = fp8 e4m3 (decode.c's attend.c).
    Return value: 0, 1 = unsupported group layout, 2 = the work buffer is too small, 3 = a slot or
    position outside the cache, 4 = an unknown cache format, 5 = a layer's rope table past
-   d->ropes, 6 = a MoE layer with no experts or top_k not in 1..experts. */
+   d->ropes, 6 = a MoE layer with no experts or top_k not in 1..experts, 7 = out_rows not in
+   0..R. */
 int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_decoder_dims *d,
                    float *x, int64_t R, const int64_t *slot, const int64_t *pos,
                    const float *cos_, const float *sin_, int act_dt, int row_invariant,
-                   float *work, int64_t work_floats, int n_threads);
+                   int64_t out_rows, float *work, int64_t work_floats, int n_threads);
 
 /* ---- fp8.c (library qk_fp8_cpu). Return value: 0, 2 = out of memory. ---- */
 
