@@ -161,6 +161,8 @@ def test_a_prompt_wanting_its_last_rows_gets_them_and_every_key(family_model) ->
     runs, last = _last_rows_runs(model, 2 * SLIDING_WINDOW + 6, 48, seed=8)
     _check_last_rows(model, runs, last,
                      lambda a, b: torch.testing.assert_close(a, b, **TOL, msg=name))  # fmt: skip
+    if not model.decode_path.tail_rows:  # a prompt's logits then come from the whole call
+        assert torch.equal(last, model.logits(runs[None][0][-1:].view(1, 1, -1))), name
 
 
 @pytest.mark.parametrize("name", ["llama3", "gemma2", "qwen3_moe"])
@@ -177,6 +179,7 @@ def test_with_int8_activations_the_rows_wanted_are_the_whole_calls_bits(
         pytest.skip("needs AVX512-VNNI for the int8 tiles")
     model = load_model(_checkpoint(name, tmp_path), tokenizer=False).model
     set_act_dtype(model, torch.int8)
+    assert model.decode_path.tail_rows
     runs, last = _last_rows_runs(model, 2 * SLIDING_WINDOW + 6, 48, seed=2)
     _check_last_rows(model, runs, last, lambda a, b: _assert_equal(a, b, name))
 

@@ -196,8 +196,10 @@ class PathRows:
         n = len(tokens)
         if n > self.max_rows:
             return self.longer.run_chunk(slot, tokens, start)
-        # The chunk's tokens as rows of one call, all at this slot (a causal prefill).
+        # The chunk's tokens as rows of one call, all at this slot (a causal prefill); only the
+        # last row's state is wanted (`tail_rows`: the same bits).
         hidden = self.path.run_rows(
-            self.model, list(tokens), list(range(start, start + n)), [slot] * n
-        )
+            self.model, list(tokens), list(range(start, start + n)), [slot] * n,
+            out_rows=1 if self.path.tail_rows else None,
+        )  # fmt: skip
         return self.model.logits(hidden[-1:])[:, -1]

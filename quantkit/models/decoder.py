@@ -248,10 +248,17 @@ class FastPath(Protocol):
         slots: list[int] | None = None,
         *,
         row_invariant: bool = False,
+        out_rows: int | None = None,
     ) -> torch.Tensor:
         """Hidden states [R, 1, H] after every layer: token r at cache row slots[r] (default
         r), position positions[r]; the caller vouches that the bound cache is the model's.
-        row_invariant: each row bit-identical to a one-row call (speculative verification)."""
+        row_invariant: each row bit-identical to a one-row call (speculative verification).
+        out_rows: only the last out_rows rows' states are wanted (default all)."""
+        ...
+
+    @property
+    def tail_rows(self) -> bool:
+        """Whether `out_rows` leaves the wanted rows' bits as a whole call gives them."""
         ...
 
     def unbound(self) -> FastPath:

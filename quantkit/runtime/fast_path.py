@@ -199,10 +199,10 @@ class CpuDecodePath:
         """The final hidden states [B, T, H] after every layer for one new token per row
         (input_ids, positions [B, 1]; row b at cache row b) or one prompt (B = 1), or None when
         the bound step does not apply (no step, or the cache was replaced since binding).
-        last_only: of a prompt, only its last token's state is wanted ([1, 1, H] comes back):
-        the last layer computes the other tokens' keys and values and nothing more for them
-        (1/16 of a 16-layer model's prefill; with int8 activations the last row's state is the
-        same bits)."""
+        last_only: of a prompt, only its last token's state is wanted ([1, 1, H] may come
+        back): with int8 activations the last layer computes the other tokens' keys and values
+        and nothing more for them (1/16 of a 16-layer model's prefill), the last row's state
+        the same bits (`tail_rows`)."""
         step = self.step
         if step is None or not self.is_current():
             return None
@@ -210,7 +210,7 @@ class CpuDecodePath:
         if b > step.cache_rows or (t > 1 and (b > 1 or t > self.max_rows and not self.chunks)):
             return None
         ids, pos = input_ids.view(-1).tolist(), positions.reshape(-1).tolist()
-        last_only = last_only and t > 1
+        last_only = last_only and t > 1 and self.tail_rows
         if t <= self.max_rows:
             hidden = self.run_rows(model, ids, pos, [0] * t if t > 1 else None,
                                    out_rows=1 if last_only else None)  # fmt: skip
@@ -226,6 +226,15 @@ class CpuDecodePath:
         if last_only:
             return parts[-1][-1:].view(1, 1, -1)
         return torch.cat(parts).view(1, t, -1)
+
+    @property
+    def tail_rows(self) -> bool:
+        """Whether a prompt that wants only its last rows' states has the step compute the
+        last layer for those rows alone (`CpuDecodeStep`'s out_rows): with int8 activations,
+        where a row's bits do not depend on the rows beside it (integer sums), so nothing a
+        prompt gives moves. fp32 and bf16 GEMVs round a row's sums by the row count (more
+        accumulators for fewer rows); there the whole call runs, as before."""
+        return self.act_dtype == torch.int8
 
     @property
     def chunks(self) -> bool:
