@@ -97,6 +97,28 @@ def test_the_check_on_the_text_itself() -> None:
     assert canonical(b'{"b":1.0,"a":[2.0]}') == canonical(b'{"a":[2],"b":1}')
 
 
+def test_where_a_token_leaves_a_key_is_told_as_a_probe_tells_it() -> None:
+    """`key_after`'s shortcuts (no probe where `data` has no quote: inside a value's string,
+    inside a key, or where no key is wanted and no `,` or closing bracket could want one)
+    agree with feeding `data` to a probe, at every byte of a document with keys, nested objects
+    and arrays, escapes and a written key begun again, for pieces of every kind."""
+    doc = b'{"ab":1,"c\\"d":{"x":[1,{"y":2}],"z":"v,\\"}"},"e":[{"a":1},{"a":2}], "ab'
+    pieces = [b"", b"a", b"ab", b"1", b"1,", b",", b", ", b'"', b'",', b'","', b'"a', b"}",
+              b"},", b"]", b"],", b"{", b'{"', b"[", b"[{", b":", b'":', b"\\", b" "]  # fmt: skip
+    told = 0
+    for end in range(len(doc) + 1):
+        state = DistinctItems(keys=True)
+        assert state.feed(doc[:end]), doc[:end]
+        for data in pieces:
+            try:
+                fed = state._key_after_fed(data)
+            except ValueError:  # would end an item that is not JSON: no grammar allows it
+                continue
+            assert state.key_after(data) == fed, (doc[:end], data)
+            told += fed is not None
+    assert told > 50  # keys were in question, not only values
+
+
 def test_narrowing_is_noted_where_other_arrays_could_repeat_items(vocab) -> None:
     mixed = {"type": "object", "properties": {"tags": TAGS, "scores": {"type": "array"}},
              "additionalProperties": False}  # fmt: skip

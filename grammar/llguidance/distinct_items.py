@@ -152,10 +152,23 @@ class DistinctItems:
         come, after a `,`). None when it leaves none (no object, one without keys, a value), or
         when `data` itself would end a repeat. This state is left as it was (as
         `first_repeat`: the probe shares the text, cut back afterwards)."""
-        if self.in_string and _QUOTE not in data:
+        if _QUOTE not in data:  # told without a probe (a probe copies every open container)
             top = self.stack[-1] if self.stack else None
-            if top is None or top.array or top.key != self.string_start:
-                return None  # inside a value's string, and still inside it after `data`
+            if self.in_string:
+                if top is None or top.array or top.key != self.string_start:
+                    return None  # inside a value's string, and still inside it after `data`
+                # inside a key, and still inside it: its text so far is the text and `data`
+                return (top.keys, bytes(self.text[top.key + 1 :]) + data, False) if (
+                    top.keys) else None  # fmt: skip
+            if not _ENDING(data) and (top is None or top.array or not top.want_key):
+                # no `,` to make a key wanted, no `"` to begin one, no bracket closed back to
+                # another container: where no key is wanted now, none is after `data` (an
+                # opening bracket begins a container without keys)
+                return None
+        return self._key_after_fed(data)
+
+    def _key_after_fed(self, data: bytes) -> tuple[set[bytes], bytes, bool] | None:
+        """`key_after` told by feeding `data` to a probe (what its shortcuts must agree with)."""
         frames = [f.copy() for f in self.stack]
         probe = DistinctItems(self.text, frames, self.in_string, self.escaped, self.string_start,
                               self.items, self.keys, self.whole_names, self.writable)  # fmt: skip
