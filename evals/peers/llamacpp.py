@@ -380,21 +380,29 @@ def run_convert(children: Children, source: Path, out: Path, types: list[str]) -
 
 
 def _decode_table(rows: list[Row], runs: int, reference: str = "llama.cpp") -> str:
-    """One line per test and engine; each quantkit engine's median over `reference`'s."""
+    """One line per test and engine; each quantkit engine's median over `reference`'s, and the
+    median of the runs' own ratios ("paired": each run measures the engines back to back, so
+    a host whose memory bandwidth drifts between runs moves both sides of a run's ratio)."""
     cols = "".join(f"{f'run {i + 1}':>9}" for i in range(runs))
     width = max(10, *(len(r.engine) for r in rows))
-    header = f"{'test':<15} {'engine':<{width}}{cols} {'median':>9} {'vs ' + reference:>19}"
+    head = f"vs {reference}"
+    header = f"{'test':<15} {'engine':<{width}}{cols} {'median':>9} {head:>19} {'paired':>7}"
     lines = [header, "-" * len(header)]
-    medians = {(r.test, r.engine): r.median for r in rows}
+    by_key = {(r.test, r.engine): r for r in rows}
     shown = set()
     for row in rows:
         values = "".join(f"{v:>9.1f}" for v in row.tok_s)
-        ratio = ""
+        ratio = paired = ""
         if row.engine.startswith("quantkit"):
-            ratio = f"{row.median / medians[row.test, reference]:.2f}x"
+            ref = by_key[row.test, reference]
+            ratio = f"{row.median / ref.median:.2f}x"
+            pairs = [a / b for a, b in zip(row.tok_s, ref.tok_s, strict=True) if b > 0]
+            paired = f"{statistics.median(pairs):.2f}x" if pairs else ""
         test = "" if row.test in shown else row.test
         shown.add(row.test)
-        lines.append(f"{test:<15} {row.engine:<{width}}{values} {row.median:>9.1f} {ratio:>19}")
+        lines.append(
+            f"{test:<15} {row.engine:<{width}}{values} {row.median:>9.1f} {ratio:>19} {paired:>7}"
+        )
     return "\n".join(lines)
 
 
