@@ -46,6 +46,11 @@ def test_macs_per_token_counts_each_matmul_once(tiny_llama_dir: Path) -> None:
     q, kv = config.num_heads * d, config.num_kv_heads * d
     want = config.num_layers * (h * (q + 2 * kv) + q * h + 3 * h * i)
     assert prefill_tops.macs_per_token(config) == want
+    # the last layer's o and MLP for the last row alone: 9 rows fewer of them at 10 tokens
+    last = q * h + 3 * h * i
+    assert prefill_tops.prefill_macs(config, 10, last_row_only=False) == 10 * want
+    assert prefill_tops.prefill_macs(config, 10, last_row_only=True) == 10 * want - 9 * last
+    assert prefill_tops.prefill_macs(config, 1, last_row_only=True) == want
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +72,9 @@ def test_the_report_gives_each_run_its_gops_and_phases(int4_ckpt: Path, tmp_path
         if r["c_step"]:  # the matmuls are part of the prefill
             assert 0 < run["matmul_s"] <= run["seconds"]
     assert (r["peak_gops"] is not None) == _vnni()
+    full = r["macs_per_token"] * 40
+    assert r["macs"] < full if r["last_row_only"] else r["macs"] == full
+    assert r["last_row_only"] == (r["c_step"] and _vnni())  # int8 activations where VNNI is
 
 
 def test_the_report_refuses_counts_below_one(int4_ckpt: Path, capsys) -> None:

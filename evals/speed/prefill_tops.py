@@ -7,10 +7,12 @@ Prefills --tokens random token ids (`generate`, one new token: the time is the T
 checkpoint loaded as the CLI loads it, with the C step's phase timers on, and reports per run:
 prompt tok/s, the layers' matmul phases (qkv, o, gate_up, down) in int8 GOPS (a product and its
 add count 2; the multiply-adds a token needs are counted from config.json, the active experts'
-only in a mixture of experts), the whole prefill's GOPS, and each as a share of the peak that
-`quantkit.evals.kernels.vnni_peak` measures in the same process at the same thread count. The
-first prefill (kernel builds, weight layouts) is not counted. On a model the C step does not
-run, or without AVX512-VNNI, it says so and reports tok/s only. Results never gate anything.
+only in a mixture of experts; the last layer's o and MLP for the last row alone where the C
+step computes only that row's, `prefill_macs`), the whole prefill's GOPS, and each as a share of
+the peak that `quantkit.evals.kernels.vnni_peak` measures in the same process at the same thread
+count. The first prefill (kernel builds, weight layouts) is not counted. On a model the C step
+does not run, or without AVX512-VNNI, it says so and reports tok/s only. Results never gate
+anything.
 """
 
 from __future__ import annotations
@@ -28,16 +30,33 @@ from quantkit.evals.common import git_commit, print_and_save, run_main
 MATMUL_PHASES = ("qkv", "o", "gate_up", "down")
 
 
-def macs_per_token(config: Any) -> int:
-    """The decoder layers' matmul multiply-adds for one token (q, k, v, o and the MLP; for a
-    mixture of experts its top_k experts and the router), without attention and the head."""
+def _layer_macs(config: Any) -> tuple[int, int, int]:
+    """One token's multiply-adds in one layer: (q, k and v; o; the MLP, for a mixture of experts
+    its top_k experts and the router)."""
     h, d = config.hidden_size, config.head_dim
-    attn = h * d * (2 * config.num_heads + 2 * config.num_kv_heads)
+    qkv = h * d * (config.num_heads + 2 * config.num_kv_heads)
+    o = h * d * config.num_heads
     moe = config.moe
     mlp = 3 * h * config.intermediate_size
     if moe is not None:
         mlp = 3 * h * moe.intermediate * moe.top_k + h * moe.experts
-    return config.num_layers * (attn + mlp)
+    return qkv, o, mlp
+
+
+def macs_per_token(config: Any) -> int:
+    """The decoder layers' matmul multiply-adds for one token (q, k, v, o and the MLP; for a
+    mixture of experts its top_k experts and the router), without attention and the head."""
+    return config.num_layers * sum(_layer_macs(config))
+
+
+def prefill_macs(config: Any, tokens: int, *, last_row_only: bool) -> int:
+    """The layers' matmul multiply-adds of a `tokens`-token prefill. last_row_only: the C step
+    computes the last layer's o and MLP for the last row alone (`CpuDecodePath.tail_rows`), its
+    q, k and v for every row."""
+    if not last_row_only:
+        return macs_per_token(config) * tokens
+    qkv, o, mlp = _layer_macs(config)
+    return macs_per_token(config) * tokens - (o + mlp) * (tokens - 1)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -58,7 +77,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     path = model.decode_path
     why_not = "no C step" if path is None else path.unsupported(model)
     generate(model, [ids], SamplingParams(max_new_tokens=1))  # warm up
-    macs = macs_per_token(config) * args.tokens
+    last_row_only = why_not is None and bool(getattr(path, "tail_rows", False))
+    macs = prefill_macs(config, args.tokens, last_row_only=last_row_only)
     runs = []
     for _ in range(args.repeats):
         decode_phases(True)
@@ -87,6 +107,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "c_step": why_not is None,
         "why_not_c_step": why_not,
         "macs_per_token": macs_per_token(config),
+        "macs": macs,  # what the prefill did: the last layer's last row alone where it may
+        "last_row_only": last_row_only,
         "peak_gops": peak or None,
         "runs": runs,
     }
