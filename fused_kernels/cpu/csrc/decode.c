@@ -153,8 +153,7 @@ int64_t qk_decode_work(const qk_decoder_layer *layers, int64_t n_layers,
                        const qk_decoder_dims *d, int64_t R, int n_threads) {
     int64_t qkv = (d->heads + 2 * d->kv_heads) * d->head_dim;
     const int64_t nch = chunks_of(d->slots, d->slots);
-    /* full, sliding, the last layer's rows that are wanted (`out_rows`) */
-    const int64_t units = 3 * (R * d->heads + R * d->kv_heads * nch);
+    const int64_t units = 2 * (R * d->heads + R * d->kv_heads * nch);  /* full, sliding */
     return decode_gemv_scratch(layers, n_layers, R)
            + R * (d->hidden * 2 + qkv + d->heads * d->head_dim + gu_floats(d))
            + moe_floats(d, R)
@@ -479,10 +478,8 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
     float *moe_row = (float *)(count + NE);  /* `moe_one_row`'s buffers */
     (void)moe_row;  /* unused without AVX512-VNNI */
     attend_unit *units = (attend_unit *)(((uintptr_t)(xe + moe_floats(d, R)) + 7) & ~(uintptr_t)7);
-    /* the sliding layers' table after the full layers' (the most units one table takes), then
-       the last layer's for its last out_rows rows (where the rows before are not wanted) */
+    /* the sliding layers' table after the full layers' (the most units one table takes) */
     attend_unit *units_sliding = units + R * Hq + R * Hkv * nch_max;
-    attend_unit *units_tail = units_sliding + R * Hq + R * Hkv * nch_max;
     /* Attention work units: a row's whole GQA group of query heads, which then reads its K/V
        once from memory and again from L1/L2, when that leaves >= 4 units a thread; else one
        head (batch 1: 3 groups would leave a thread idle). Heads handed out one at a time sent
@@ -499,18 +496,6 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
                                              &splits[sl]);
     }
 
-    /* The last layer's rows from R - out_rows on (its keys and values are written for every
-       row): a prefill wants the last row's hidden state, not the others'. Each row's
-       attention and norms are the same operations whatever other rows a call holds, and so are
-       its int8 GEMVs (integer sums), so with int8 activations those rows come out the same
-       bits; fp32 and bf16 GEMVs keep more accumulators for fewer rows (rounding apart). */
-    int64_t n_units_tail = 0;
-    int split_tail = 0;
-    if (out_rows > 0 && out_rows < R)
-        n_units_tail = attention_units(d, out_rows, pos + R - out_rows,
-                                       layers[n_layers - 1].sliding != 0,
-                                       out_rows * Hkv >= 4 * n_threads ? group : 1, units_tail,
-                                       &split_tail);
     if (phases_on) phase_calls++;
     #pragma omp parallel num_threads(n_threads)
     {
@@ -523,14 +508,15 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         mlp_layers(L, mlp);
         const int xg = gemv_x_dt(mlp[0], act_dt);
         const int xd = gemv_x_dt(L->router ? mlp[2] : mlp[1], act_dt);
-        const int64_t sl = L->sliding != 0;
-        /* the rows whose output is wanted from the attention on: r0 .. R (all but in a last
-           layer with out_rows < R) */
-        const int tail = l == n_layers - 1 && out_rows < R;
-        const int64_t r0 = tail ? R - out_rows : 0, Rl = R - r0;
-        const int64_t n_units = tail ? n_units_tail : n_units_of[sl];
-        const attend_unit *lunits = tail ? units_tail : sl ? units_sliding : units;
-        const int split = tail ? split_tail : splits[sl];
+        const int64_t sl = L->sliding != 0, n_units = n_units_of[sl];
+        const attend_unit *lunits = sl ? units_sliding : units;
+        /* The rows whose output is wanted from the attention on: r0 .. R, all but in the last
+           layer with out_rows < R (a prefill wants its last row's state; the layer writes
+           every row's keys and values). Each row's attention and norms are the same operations
+           whatever other rows a call holds, and so are its int8 GEMVs (integer sums): with int8
+           activations those rows come out the same bits; fp32 and bf16 GEMVs keep more
+           accumulators for fewer rows (rounding apart). */
+        const int64_t r0 = l == n_layers - 1 ? R - out_rows : 0, Rl = R - r0;
         float *xl = x + r0 * H;
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < R; r++) rmsnorm(x + r * H, L->in_norm, H, eps, h + r * H);
@@ -562,23 +548,22 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < n_units; u++) {
             const attend_unit U = lunits[u];
-            const int64_t off = slot[r0 + U.r] * row_stride + ((U.i0 / group) * S + U.j0) * E;
+            if (U.r < r0) continue;  /* a row whose output is not wanted */
+            const int64_t off = slot[U.r] * row_stride + ((U.i0 / group) * S + U.j0) * E;
             /* the unit's heads (a row's whole group, a chunk of it, or one head); a chunk's
                partials lie nch_max apart a head */
             const int partial = U.part >= 0;
-            attend_heads(kv, qkv + (r0 + U.r) * QKV + U.i0 * D, U.nh,
-                         (const uint8_t *)L->k_cache + off, (const uint8_t *)L->v_cache + off, U.j1 - U.j0, D, scale, cap,
+            attend_heads(kv, qkv + U.r * QKV + U.i0 * D, U.nh, (const uint8_t *)L->k_cache + off,
+                         (const uint8_t *)L->v_cache + off, U.j1 - U.j0, D, scale, cap,
                          scores + omp_get_thread_num() * S * SCORE_ROWS,
-                         partial ? parts + U.part * (D + 2) : att + ((r0 + U.r) * Hq + U.i0) * D,
+                         partial ? parts + U.part * (D + 2) : att + (U.r * Hq + U.i0) * D,
                          partial ? nch_max * (D + 2) : D, partial);
         }
-        if (split) {
+        if (splits[sl]) {
             #pragma omp for schedule(static)
-            for (int64_t ri = 0; ri < Rl * Hq; ri++) {
-                const int64_t p = pos[r0 + ri / Hq];
-                const int64_t nch = chunks_of(p + 1 - first_key(d, p, sl), S);
-                if (nch >= 2)
-                    attend_merge(parts + ri * nch_max * (D + 2), nch, D, att + (r0 * Hq + ri) * D);
+            for (int64_t ri = r0 * Hq; ri < R * Hq; ri++) {
+                const int64_t p = pos[ri / Hq], nch = chunks_of(p + 1 - first_key(d, p, sl), S);
+                if (nch >= 2) attend_merge(parts + ri * nch_max * (D + 2), nch, D, att + ri * D);
             }
         }
         PHASE_END(PH_ATTENTION);
