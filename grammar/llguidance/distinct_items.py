@@ -153,13 +153,14 @@ class DistinctItems:
         when `data` itself would end a repeat. This state is left as it was (as
         `first_repeat`: the probe shares the text, cut back afterwards)."""
         if _QUOTE not in data:  # told without a probe (a probe copies every open container)
-            top = self.stack[-1] if self.stack else None
             if self.in_string:
-                if top is None or top.array or top.key != self.string_start:
+                if self.in_value_string():
                     return None  # inside a value's string, and still inside it after `data`
                 # inside a key, and still inside it: its text so far is the text and `data`
+                top = self.stack[-1]
                 return (top.keys, bytes(self.text[top.key + 1 :]) + data, False) if (
                     top.keys) else None  # fmt: skip
+            top = self.stack[-1] if self.stack else None
             if not _ENDING(data) and (top is None or top.array or not top.want_key):
                 # no `,` to make a key wanted, no `"` to begin one, no bracket closed back to
                 # another container: where no key is wanted now, none is after `data` (an

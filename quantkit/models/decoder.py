@@ -340,8 +340,7 @@ class CausalLM(nn.Module):
         if (t == 1 or b == 1) and self.decode_path is not None and _eager_cpu(input_ids):
             # One prompt whose last position's logits are wanted (a prefill): the path may
             # return that position's state alone, having computed no more of the others'.
-            last = t > 1 and (last_only or (
-                logits_at is not None and b == 1 and int(logits_at[0]) == t - 1))  # fmt: skip
+            last = last_only or (logits_at is not None and b == 1 and int(logits_at[0]) == t - 1)
             x = self.decode_path.run(self, input_ids, positions, last_only=last)
             if x is not None and x.shape[1] != t:
                 return self.logits(x)

@@ -218,10 +218,10 @@ class CpuDecodePath:
         n = self.max_rows  # a long prompt: causal prefills of n rows, each over the cache so far
         parts = []
         for i in range(0, t, n):
+            chunk = ids[i : i + n]
             # last_only: a chunk before the last leaves its keys and values, no state
             want = None if not last_only else 1 if i + n >= t else 0
-            rows = len(ids[i : i + n])
-            parts.append(self.run_rows(model, ids[i : i + n], pos[i : i + n], [0] * rows,
+            parts.append(self.run_rows(model, chunk, pos[i : i + n], [0] * len(chunk),
                                        out_rows=want))  # fmt: skip
         if last_only:
             return parts[-1][-1:].view(1, 1, -1)
