@@ -75,6 +75,7 @@ def test_the_report_gives_each_run_its_gops_and_phases(int4_ckpt: Path, tmp_path
     full = r["macs_per_token"] * 40
     assert r["macs"] < full if r["last_row_only"] else r["macs"] == full
     assert r["last_row_only"] == (r["c_step"] and _vnni())  # int8 activations where VNNI is
+    assert ("for the last token only" in printed) == r["last_row_only"]
 
 
 def test_the_report_refuses_counts_below_one(int4_ckpt: Path, capsys) -> None:

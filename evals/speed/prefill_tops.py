@@ -129,6 +129,8 @@ def table(r: dict[str, Any]) -> str:
     ]
     if not r["c_step"]:
         lines[0] += f"; not on the C step ({r['why_not_c_step']}): no phase times"
+    if r["last_row_only"]:  # the GOPS count the work the step does, not the whole prompt's
+        lines[0] += "; the last layer's o and MLP for the last token only"
     for i, run_ in enumerate(r["runs"], 1):
         top = sorted(run_["phases_s"].items(), key=lambda kv: -kv[1])[:4]
         phases = " ".join(f"{k}={v * 1e3:.0f}" for k, v in top if v > 0)
