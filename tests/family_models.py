@@ -93,13 +93,14 @@ MOE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 MOE_FAMILIES = tuple(MOE_CONFIGS)
 
 
-def make_family_model(name: str, path: Path, *, seed: int = 0) -> Path:
-    """Save a random transformers model of family `name` (fp32, perturbed norms) at `path`."""
+def make_family_model(name: str, path: Path, *, seed: int = 0, **sizes: Any) -> Path:
+    """Save a random transformers model of family `name` (fp32, perturbed norms) at `path`;
+    sizes: config arguments that replace the family's (hidden_size, ...)."""
     import transformers
 
     cls, extra = {**FAMILY_CONFIGS, **MOE_CONFIGS}[name]
     torch.manual_seed(seed)
-    config = getattr(transformers, cls)(**{**COMMON, **extra})
+    config = getattr(transformers, cls)(**{**COMMON, **extra, **sizes})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # init leaves norms at identity, biases 0: perturb so both show
         for pname, p in model.named_parameters():

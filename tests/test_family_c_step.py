@@ -33,12 +33,16 @@ pytestmark = [
 TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 
-def _checkpoint(name: str, tmp: Path, **config: object) -> Path:
-    src = make_family_model(name, tmp / "src")
+def _checkpoint(
+    name: str, tmp: Path, group: int = 32, sizes: dict | None = None, **config: object
+) -> Path:
+    """A family's tiny model quantized (INT4, `group`), made with `sizes` and with `config`
+    written over its config.json afterwards."""
+    src = make_family_model(name, tmp / "src", **(sizes or {}))
     if config:
         data = json.loads((src / "config.json").read_text())
         (src / "config.json").write_text(json.dumps({**data, **config}))
-    outcome = quantize_model(src, scheme=QuantScheme("int4", 32))
+    outcome = quantize_model(src, scheme=QuantScheme("int4", group))
     return outcome.save(tmp / "ckpt", source_dir=src)
 
 
@@ -299,11 +303,26 @@ def test_a_prefill_attends_each_head_as_a_decode_step_does(shape, tmp_path: Path
 @pytest.mark.parametrize("name", ["llama3", "gemma2"])
 def test_an_int8_prefill_equals_one_row_steps(name: str, tmp_path: Path) -> None:
     """A prefill of 16 rows or more with int8 activations (not row-invariant: the GEMM tiles,
-    the gate_up with its activation in the tile's epilogue, the query heads of a group
-    together) gives each row the bits a one-row step gives it: every part does each row's
-    operations in the same order."""
+    the gate_up with its activation in the tile's epilogue and the down's input quantized
+    there too, the query heads of a group together) gives each row the bits a one-row step
+    gives it: every part does each row's operations in the same order."""
     model = load_model(_checkpoint(name, tmp_path), tokenizer=False).model
     one, many = _one_row_and_many(model, n=20, seed=1, row_invariant=False)
+    assert torch.equal(one, many)
+
+
+@pytest.mark.parametrize("rows", [16, 29])
+def test_an_int8_prefill_with_128_element_blocks_equals_one_row_steps(
+    rows: int, tmp_path: Path
+) -> None:
+    """Groups of 128: the fused gate_up takes 8 tile pairs (one 128-element block of the
+    down's input) at a time and quantizes each row's block of their products for the down
+    (`gate_up_glu`); over a last row chunk of 5 rows and a whole number of chunks, each row
+    still gets a one-row step's bits."""
+    sizes = {"hidden_size": 128, "intermediate_size": 512}
+    model = load_model(_checkpoint("llama3", tmp_path, group=128, sizes=sizes),
+                       tokenizer=False).model  # fmt: skip
+    one, many = _one_row_and_many(model, n=rows, seed=2, row_invariant=False)
     assert torch.equal(one, many)
 
 

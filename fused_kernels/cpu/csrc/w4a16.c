@@ -704,35 +704,49 @@ static int64_t gemv_scratch(const qk_w4_layer *L, int64_t M) {
     return xp_floats(L, M) + (L->N + RT) * 2 * L->n_groups + 16;
 }
 
+#if defined(__AVX512F__)
+/* The A fp32 values at src as block b of row m (of M) of `quantize_x_i8`: codes, scale and sum
+   where that call puts them (xq, ta, xs: `i8_parts`). A / 16 vectors, no scalar pass. */
+static inline void quantize_block_i8_from(const float *src, int64_t K, int64_t A, int64_t M,
+                                          int8_t *xq, float *ta, float *xs, int64_t b,
+                                          int64_t m, int one_row) {
+    int64_t m0, mb;
+    i8_chunk(m, M, one_row, &m0, &mb);
+    int8_t *dst = xq + m0 * K + (m - m0) * 8 + b * (A / 8) * mb * 8;  /* + word * mb * 8 */
+    const int64_t at = m0 * (K / A) + b * mb + (m - m0);
+    __m512i q[8];
+    int32_t sum;
+    const float t = quantize_block_i8(src, (int)A, q, &sum);
+    /* two words' codes, each as its 4 even then its 4 odd elements */
+    const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13,
+                                            15);
+    for (int i = 0; i < A / 16; i++) {
+        __m128i bytes = _mm512_cvtepi32_epi8(_mm512_permutexvar_epi32(order, q[i]));
+        _mm_storel_epi64((__m128i *)(dst + (2 * i) * mb * 8), bytes);
+        _mm_storeh_pd((double *)(dst + (2 * i + 1) * mb * 8), _mm_castsi128_pd(bytes));
+    }
+    ta[at] = t;
+    xs[at] = t * (float)sum;
+}
+#endif
+
 /* Block b of row m (of M) of `quantize_x_i8`: its codes, scale and sum where that call puts
    them (xq, ta, xs: `i8_parts`). */
 static inline void quantize_block_i8_at(const void *x, int x_dt, int64_t K, int64_t A,
                                         int64_t M, int64_t x_stride, int8_t *xq, float *ta,
                                         float *xs, int64_t b, int64_t m, int one_row) {
+#if defined(__AVX512F__)
+    if (x_dt == DT_F32) {  /* the decode step's case */
+        quantize_block_i8_from((const float *)x + m * x_stride + b * A, K, A, M, xq, ta, xs, b,
+                               m, one_row);
+        return;
+    }
+#endif
     const int64_t nb = K / A;
     int64_t m0, mb;
     i8_chunk(m, M, one_row, &m0, &mb);
     int8_t *dst = xq + m0 * K + (m - m0) * 8 + b * (A / 8) * mb * 8;  /* + word * mb * 8 */
     const int64_t at = m0 * nb + b * mb + (m - m0);
-#if defined(__AVX512F__)
-    if (x_dt == DT_F32) {  /* the decode step's case: A / 16 vectors, no scalar pass */
-        __m512i q[8];
-        int32_t sum;
-        const float t = quantize_block_i8((const float *)x + m * x_stride + b * A, (int)A, q,
-                                          &sum);
-        /* two words' codes, each as its 4 even then its 4 odd elements */
-        const __m512i order = _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11,
-                                                13, 15);
-        for (int i = 0; i < A / 16; i++) {
-            __m128i bytes = _mm512_cvtepi32_epi8(_mm512_permutexvar_epi32(order, q[i]));
-            _mm_storel_epi64((__m128i *)(dst + (2 * i) * mb * 8), bytes);
-            _mm_storeh_pd((double *)(dst + (2 * i + 1) * mb * 8), _mm_castsi128_pd(bytes));
-        }
-        ta[at] = t;
-        xs[at] = t * (float)sum;
-        return;
-    }
-#endif
     float v[128], amax = 0.0f;
     for (int64_t e = 0; e < A; e++) {
         v[e] = load_f(x, m * x_stride + b * A + e, x_dt);
