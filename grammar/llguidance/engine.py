@@ -50,6 +50,7 @@ from quantkit.grammar.llguidance.schema import (
     unique_items_listed,
     without_dependencies,
 )
+from quantkit.grammar.llguidance.warm import warm_keys
 from quantkit.grammar.narrowing import ordered_objects
 from quantkit.grammar.native_threads import run_with_limit
 from quantkit.grammar.verdict import Verdict
@@ -531,6 +532,8 @@ def _build_index(
                      walk=ClosingWalk.of(vocabulary),
                      runaway=RunawayTokens.of(vocabulary) if json_text else None,
                      corners=KeyCorners.of(vocabulary) if keys else None)  # fmt: skip
+    if grammar.kind == "json_schema":  # its keys' forced texts, tokenized ahead (`warm`)
+        warm_keys(grammar.schema, vocabulary.encode)
     row = index.new_row()
     row.closing_path(limit=START_WALK)
     kept = getattr(row, "row", row).last_walk  # the walk, as far as it went (None: no way)
