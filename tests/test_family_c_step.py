@@ -311,6 +311,33 @@ def test_an_int8_prefill_equals_one_row_steps(name: str, tmp_path: Path) -> None
     assert torch.equal(one, many)
 
 
+@pytest.mark.parametrize("heads,kv_heads,hidden", [(4, 1, 64), (6, 2, 96), (4, 2, 64)])
+def test_head_size_128_takes_a_groups_heads_together(
+    heads: int, kv_heads: int, hidden: int, tmp_path: Path
+) -> None:
+    """Head size 128 (Llama-3-8B's, Qwen3's) takes up to 4 query heads of a KV group in one
+    pass over the keys and values (groups of 4, 3 and 2 here): each head's operations are the
+    same whatever heads share its pass, so a prefill's rows equal one-row steps bit for bit
+    with int8 activations, and the C step equals the PyTorch layers."""
+    sizes = {"head_dim": 128, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+             "hidden_size": hidden}  # fmt: skip
+    model = load_model(_checkpoint("llama3", tmp_path, sizes=sizes), tokenizer=False).model
+    ids = torch.randint(3, 500, (1, 24), generator=torch.Generator().manual_seed(5))
+    pos = torch.arange(24).unsqueeze(0)
+    mask = (torch.arange(32) <= pos[0, :, None]).view(1, 1, 24, 32)
+    out, path = {}, model.decode_path
+    for fast in (True, False):
+        model.decode_path = path if fast else None
+        with torch.no_grad():
+            model.setup_cache(batch=1, max_len=32)
+            out[fast] = model(ids, positions=pos, mask=mask)
+            model.drop_cache()
+    model.decode_path = path
+    torch.testing.assert_close(out[True], out[False], **TOL)
+    one, many = _one_row_and_many(model, n=20, seed=3, row_invariant=False)
+    assert torch.equal(one, many)
+
+
 @pytest.mark.parametrize("rows", [16, 29])
 def test_an_int8_prefill_with_128_element_blocks_equals_one_row_steps(
     rows: int, tmp_path: Path
