@@ -286,18 +286,7 @@ def test_a_prefill_attends_each_head_as_a_decode_step_does(shape, tmp_path: Path
     # 700 positions: the rows past 512 split in chunks (flash-decoding), each chunk's heads
     # together as partials; against the PyTorch layers
     model.kv_dtype = None
-    ids = torch.randint(3, 512, (1, 700), generator=torch.Generator().manual_seed(2))
-    pos = torch.arange(700).unsqueeze(0)
-    mask = (torch.arange(704) <= pos[0, :, None]).view(1, 1, 700, 704)
-    out, path = {}, model.decode_path
-    for fast in (True, False):
-        model.decode_path = path if fast else None
-        with torch.no_grad():
-            model.setup_cache(batch=1, max_len=704)
-            out[fast] = model(ids, positions=pos, mask=mask)
-            model.drop_cache()
-    model.decode_path = path
-    torch.testing.assert_close(out[True], out[False], **TOL)
+    _c_step_equals_pytorch(model, n=700, high=512, seed=2, slots=704)
 
 
 @pytest.mark.parametrize("name", ["llama3", "gemma2"])
@@ -322,18 +311,7 @@ def test_head_size_128_takes_a_groups_heads_together(
     sizes = {"head_dim": 128, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
              "hidden_size": hidden}  # fmt: skip
     model = load_model(_checkpoint("llama3", tmp_path, sizes=sizes), tokenizer=False).model
-    ids = torch.randint(3, 500, (1, 24), generator=torch.Generator().manual_seed(5))
-    pos = torch.arange(24).unsqueeze(0)
-    mask = (torch.arange(32) <= pos[0, :, None]).view(1, 1, 24, 32)
-    out, path = {}, model.decode_path
-    for fast in (True, False):
-        model.decode_path = path if fast else None
-        with torch.no_grad():
-            model.setup_cache(batch=1, max_len=32)
-            out[fast] = model(ids, positions=pos, mask=mask)
-            model.drop_cache()
-    model.decode_path = path
-    torch.testing.assert_close(out[True], out[False], **TOL)
+    _c_step_equals_pytorch(model, n=24, high=500, seed=5, slots=32)
     one, many = _one_row_and_many(model, n=20, seed=3, row_invariant=False)
     assert torch.equal(one, many)
 
@@ -373,6 +351,23 @@ def test_a_one_row_moe_step_equals_the_per_expert_loop(name: str, tmp_path: Path
     model = load_model(ckpt, tokenizer=False).model
     one, many = _one_row_and_many(model, n=12, seed=4, row_invariant=True)
     assert torch.equal(one, many)
+
+
+def _c_step_equals_pytorch(model, *, n: int, high: int, seed: int, slots: int) -> None:
+    """An n-token prefill's logits (random ids below `high`) through the C step equal the
+    PyTorch layers' to TOL, each in a fresh cache of `slots`."""
+    ids = torch.randint(3, high, (1, n), generator=torch.Generator().manual_seed(seed))
+    pos = torch.arange(n).unsqueeze(0)
+    mask = (torch.arange(slots) <= pos[0, :, None]).view(1, 1, n, slots)
+    out, path = {}, model.decode_path
+    for fast in (True, False):
+        model.decode_path = path if fast else None
+        with torch.no_grad():
+            model.setup_cache(batch=1, max_len=slots)
+            out[fast] = model(ids, positions=pos, mask=mask)
+            model.drop_cache()
+    model.decode_path = path
+    torch.testing.assert_close(out[True], out[False], **TOL)
 
 
 def _one_row_and_many(model, *, n: int, seed: int, row_invariant: bool):
