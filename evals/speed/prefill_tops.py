@@ -55,7 +55,7 @@ def prefill_macs(config: Any, tokens: int, *, last_row_only: bool) -> int:
     q, k and v for every row."""
     if not last_row_only:
         return macs_per_token(config) * tokens
-    qkv, o, mlp = _layer_macs(config)
+    _, o, mlp = _layer_macs(config)
     return macs_per_token(config) * tokens - (o + mlp) * (tokens - 1)
 
 

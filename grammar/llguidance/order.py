@@ -45,7 +45,7 @@ from itertools import permutations
 from typing import Any
 from urllib.parse import unquote
 
-from quantkit.grammar.llguidance.schema import rewrite_bottom_up
+from quantkit.grammar.llguidance.schema import rewrite_bottom_up, schema_nodes
 from quantkit.grammar.narrowing import objects_note, order_note
 
 __all__ = ["BUDGET", "MAX_PROPERTIES", "Orders", "any_order"]
@@ -61,23 +61,9 @@ _STAY = frozenset({"$defs", "definitions", "$schema", "$id", "id", "$anchor", "$
                    "$comment", "title", "description", "examples", "default"})  # fmt: skip
 
 
-def _refs(node: Any, found: list[str]) -> None:
-    if isinstance(node, dict):
-        ref = node.get("$ref")
-        if isinstance(ref, str):
-            found.append(ref)
-        for key, value in node.items():
-            if key not in ("enum", "const", "default", "examples"):
-                _refs(value, found)
-    elif isinstance(node, list):
-        for value in node:
-            _refs(value, found)
-
-
 def _pointers(schema: Any) -> list[str] | None:
     """Every `$ref` of `schema` as a decoded local pointer ("#/a/b"), or None when one is not."""
-    found: list[str] = []
-    _refs(schema, found)
+    found = [n["$ref"] for n in schema_nodes(schema) if isinstance(n.get("$ref"), str)]
     out = []
     for ref in found:
         if ref != "#" and not ref.startswith("#/"):

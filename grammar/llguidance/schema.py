@@ -41,7 +41,7 @@ are proven exclusive here.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import combinations, permutations
 from math import perm
 from typing import Any
@@ -55,6 +55,7 @@ __all__ = [
     "one_of_exclusive",
     "ref_siblings_dropped",
     "rewrite_bottom_up",
+    "schema_nodes",
     "simplify_not",
     "unique_items_listed",
     "without_dependencies",
@@ -184,23 +185,24 @@ def _closed_without(a: Any, b: Any) -> bool:
     return any(name not in declared for name in a.get("required") or [])
 
 
+def schema_nodes(node: Any) -> Iterator[dict[str, Any]]:
+    """Every object of `schema` (`node`), each before those inside it, in document order, not
+    entering the keywords whose values are JSON data (`_SKIP`)."""
+    if isinstance(node, dict):
+        yield node
+        for k, v in node.items():
+            if k not in _SKIP:
+                yield from schema_nodes(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from schema_nodes(v)
+
+
 def one_of_exclusive(schema: Any) -> bool:
     """Whether every `oneOf` in `schema` has pairwise disjoint branches (so anyOf == oneOf)."""
-    found: list[tuple[list[Any], frozenset[str]]] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            if isinstance(node.get("oneOf"), list):  # the types beside it bound its branches
-                found.append((node["oneOf"], _types({k: v for k, v in node.items() if k in
-                                                     ("type",)})))  # fmt: skip
-            for k, v in node.items():
-                if k not in _SKIP:
-                    walk(v)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v)
-
-    walk(schema)
+    # the types beside a oneOf bound its branches
+    found = [(node["oneOf"], _types({k: v for k, v in node.items() if k in ("type",)}))
+             for node in schema_nodes(schema) if isinstance(node.get("oneOf"), list)]  # fmt: skip
     for branches, context in found:
         if not all(_disjoint(a, b, schema, context) for a, b in combinations(branches, 2)):
             return False

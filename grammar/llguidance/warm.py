@@ -18,6 +18,8 @@ import json
 from collections.abc import Callable
 from typing import Any
 
+from quantkit.grammar.llguidance.schema import schema_nodes
+
 __all__ = ["MAX_NAMES", "forced_texts", "warm_keys"]
 
 # Property names whose keys are tokenized ahead (12 texts each; the encoder keeps 8192).
@@ -35,20 +37,10 @@ _COMMON = ('{"', '":"', '"', '","', '":', ',"')
 def _names(schema: Any) -> list[str]:
     """Every name under a `properties` of `schema`, in first-seen order."""
     found: dict[str, None] = {}
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            props = node.get("properties")
-            if isinstance(props, dict):
-                found.update((n, None) for n in props if isinstance(n, str))
-            for key, value in node.items():
-                if key not in ("enum", "const", "default", "examples"):
-                    walk(value)
-        elif isinstance(node, list):
-            for value in node:
-                walk(value)
-
-    walk(schema)
+    for node in schema_nodes(schema):
+        props = node.get("properties")
+        if isinstance(props, dict):
+            found.update((n, None) for n in props if isinstance(n, str))
     return list(found)
 
 
