@@ -427,6 +427,8 @@ class DistinctRow:
         self.lenient = False  # the last `fill` let a repeated key through (see below)
         self.advanced = 0  # tokens advanced by: the state a verdict's runaway rule was read in
         self._curb: tuple[int, np.ndarray | None] = (-1, None)  # `_curbed`'s, for that state
+        self._memo_at = -1  # `_corner_memo`'s state, and its answers
+        self._memo: dict[int, bool] = {}
 
     def advance(self, token: int) -> bool:
         self.advanced += 1
@@ -495,7 +497,11 @@ class DistinctRow:
         ):
             return Verdict.UNKNOWN
         if self.corners is not None and not self.corners.clear_of(
-            state, lambda: self.row.copy_after(token), token
+            state,
+            lambda: self.row.copy_after(token),
+            token,
+            self.row.holding(token),
+            self._corner_memo(),
         ):
             return Verdict.UNKNOWN
         return Verdict.ALLOWED
@@ -556,7 +562,14 @@ class DistinctRow:
         `line`): `key_corners.KeyCorners.screen`, when this row has one; the tokens cleared."""
         if self.corners is None:
             return []
-        return self.corners.screen(self.state, self.row.matcher, line, scores)
+        return self.corners.screen(self.state, self.row.matcher, line, scores,
+                                   self._corner_memo())  # fmt: skip
+
+    def _corner_memo(self) -> dict[int, bool]:
+        """The key-corner answers found in this state (by token), for `KeyCorners`."""
+        if self._memo_at != self.advanced:
+            self._memo_at, self._memo = self.advanced, {}
+        return self._memo
 
     def closing_path(self, *, limit: int) -> tuple[bytes, bool]:
         """See `LlgRow.closing_path`; the walk writes no repeated key or item either (it

@@ -50,7 +50,7 @@ from quantkit.grammar.llguidance.schema import (
     unique_items_listed,
     without_dependencies,
 )
-from quantkit.grammar.llguidance.warm import warm_keys
+from quantkit.grammar.llguidance.warm import property_names, warm_keys
 from quantkit.grammar.narrowing import ordered_objects
 from quantkit.grammar.native_threads import run_with_limit
 from quantkit.grammar.verdict import Verdict
@@ -309,6 +309,11 @@ class LlgRow:
             if held is not None and not matcher.consume_token(held):
                 raise AssertionError(f"llguidance refused token {held} again")
 
+    def holding(self, token: int) -> Any:
+        """The matcher itself where the last verdict tried `token` and holds it, else None:
+        for a look-ahead that leaves it as it found it (`key_corners.KeyCorners._quick`)."""
+        return self._matcher if self.tried is not None and self.tried == token else None
+
     def copy_after(self, token: int) -> Any:
         """A copy of the matcher advanced by `token` (None where it refuses it); the held
         one where the last verdict tried that token."""
@@ -534,6 +539,10 @@ def _build_index(
                      corners=KeyCorners.of(vocabulary) if keys else None)  # fmt: skip
     if grammar.kind == "json_schema":  # its keys' forced texts, tokenized ahead (`warm`)
         warm_keys(grammar.schema, vocabulary.encode)
+        if index.corners is not None:
+            index = dataclasses.replace(
+                index, corners=index.corners.with_names(property_names(grammar.schema))
+            )
     row = index.new_row()
     row.closing_path(limit=START_WALK)
     kept = getattr(row, "row", row).last_walk  # the walk, as far as it went (None: no way)

@@ -20,7 +20,7 @@ from typing import Any
 
 from quantkit.grammar.llguidance.schema import schema_nodes
 
-__all__ = ["MAX_NAMES", "forced_texts", "warm_keys"]
+__all__ = ["MAX_NAMES", "forced_texts", "property_names", "warm_keys"]
 
 # Property names whose keys are tokenized ahead (12 texts each; the encoder keeps 8192).
 MAX_NAMES = 256
@@ -34,7 +34,7 @@ _OPENERS = ('"', "[", "{", "")
 _COMMON = ('{"', '":"', '"', '","', '":', ',"')
 
 
-def _names(schema: Any) -> list[str]:
+def property_names(schema: Any) -> list[str]:
     """Every name under a `properties` of `schema`, in first-seen order."""
     found: dict[str, None] = {}
     for node in schema_nodes(schema):
@@ -50,7 +50,7 @@ def forced_texts(schema: Any) -> list[str]:
     value opening (`name":"`, `name":[`, `name":{`, `name":`), each also after `,"` and
     `","` (`","name":"`)."""
     texts = list(_COMMON)
-    for name in _names(schema)[:MAX_NAMES]:
+    for name in property_names(schema)[:MAX_NAMES]:
         key = json.dumps(name)[1:] + ":"  # the name as JSON writes it, its closing quote, colon
         texts += [lead + key + opener for lead in _LEADS for opener in _OPENERS]
     return texts
