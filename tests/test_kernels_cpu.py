@@ -338,21 +338,22 @@ def test_cpu_int8_activations_multiply_the_quantized_rows(case: tuple) -> None:
 def test_cpu_int8_tile_rows_do_not_depend_on_the_others() -> None:
     """The 16-row int8 tile sums integers per block, so a row's result is the same bits in a
     call of 1, 3, 6 or 8 rows (the chunks take 1, 2 and 4 accumulators a row) and in the
-    prefill tile's calls of 16 rows and more (tiles in pairs, chunks of 6 rows, the last
-    shorter), and the interleaved copy is the packed words transposed per 16 rows (70 rows: a
-    padded tile)."""
+    prefill tile's calls of 16 rows and more (tiles in pairs, 4 pairs a unit over groups of 4
+    chunks of 6 rows, the last shorter), and the interleaved copy is the packed words
+    transposed per 16 rows (70 rows: a padded tile)."""
     from quantkit.fused_kernels.cpu.decode import int8_activations_available
 
     if not int8_activations_available():
         pytest.skip("int8 activations need a CPU with AVX512-VNNI")
-    # g128 too: its 128-element blocks take the prefill tile's unrolled loop
-    for k, group in ((576, 64), (1536, 128)):
-        wp, scale, zp, g = make_layer(70, k, group, False, seed=4)
+    # g128 too: its 128-element blocks take the prefill tile's unrolled loop; 176 rows: 11
+    # tiles, a unit of 4 pairs, one of 1 and a tile alone, over 53 rows (groups of 24, 24, 5)
+    for n, k, group in ((70, 576, 64), (70, 1536, 128), (176, 576, 64)):
+        wp, scale, zp, g = make_layer(n, k, group, False, seed=4)
         layer = cpu.CpuInt4Layer(PackedInt4(wp, scale, zp, k, g))
-        x = torch.randn(23, k, generator=torch.Generator().manual_seed(5))
-        alone = torch.cat([layer(x[i : i + 1], int8_activations=True) for i in range(23)])
-        for m in (3, 6, 8, 16, 17, 23):
-            assert torch.equal(layer(x[:m], int8_activations=True), alone[:m]), (group, m)
+        x = torch.randn(53, k, generator=torch.Generator().manual_seed(5))
+        alone = torch.cat([layer(x[i : i + 1], int8_activations=True) for i in range(53)])
+        for m in (3, 6, 8, 16, 17, 23, 53):
+            assert torch.equal(layer(x[:m], int8_activations=True), alone[:m]), (n, group, m)
     wp, scale, zp, g = make_layer(70, 576, 64, False, seed=4)
     layer = cpu.CpuInt4Layer(PackedInt4(wp, scale, zp, 576, g))
     layer(x[:1, :576], int8_activations=True)
