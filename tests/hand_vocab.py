@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import Any
 
 from quantkit.grammar.acceptance import accepts_tokens
 from quantkit.grammar.compiler import CompiledGrammar, compile_grammar
@@ -30,6 +31,16 @@ def accepts(compiled: CompiledGrammar, value: object) -> bool:
 def llguidance(schema: object, vocab: TokenVocabulary) -> CompiledGrammar:
     """`schema` compiled by llguidance (with every rewrite the engine makes) for `vocab`."""
     return compile_grammar(schema_grammar(schema), vocab, engine="llguidance", timeout_s=10)
+
+
+def fed_row(vocab: TokenVocabulary, schema: object, text: str) -> Any:
+    """A row of `schema` compiled by llguidance, advanced through `text` one single-byte token
+    a byte."""
+    row = llguidance(schema, vocab).new_row()
+    by_byte = {data: t for t, data in vocab.token_bytes.items() if len(data) == 1}
+    for byte in text.encode():
+        assert row.advance(by_byte[bytes([byte])]), (text, chr(byte))
+    return row
 
 
 def agrees(compiled: CompiledGrammar, schema: object, valid: Sequence[object],

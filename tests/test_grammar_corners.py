@@ -12,7 +12,7 @@ import pytest
 
 from quantkit.grammar.llguidance.key_corners import KeyCorners
 from quantkit.grammar.vocabulary import TokenVocabulary
-from tests.hand_vocab import EOS, vocab_of
+from tests.hand_vocab import EOS, fed_row, vocab_of
 from tests.hand_vocab import llguidance as llg
 
 PIECES = [*'{}[]":,abcdefghijklmnopqrstuvwxyz0123456789', '","', '":', ',"', '"ab"', "ab",
@@ -37,14 +37,6 @@ CASES: list[tuple[dict[str, Any], list[str]]] = [
 @pytest.fixture(scope="module")
 def vocab() -> TokenVocabulary:
     return vocab_of(PIECES)
-
-
-def _fed(vocab: TokenVocabulary, schema: Any, text: str) -> Any:
-    row = llg(schema, vocab).new_row()
-    by_byte = {data: t for t, data in vocab.token_bytes.items() if len(data) == 1}
-    for byte in text.encode():
-        assert row.advance(by_byte[bytes([byte])]), (text, chr(byte))
-    return row
 
 
 def _mask(matcher: Any, vocab: TokenVocabulary) -> bytes:
@@ -72,7 +64,7 @@ def test_the_shortcuts_tell_what_the_full_search_tells(vocab) -> None:
     try:
         for schema, texts in CASES:
             for text in texts:
-                row = _fed(vocab, schema, text)
+                row = fed_row(vocab, schema, text)
                 corners, state, llg_row = row.corners, row.state, row.row
                 matcher = llg_row.matcher
                 assert corners is not None and corners is not full

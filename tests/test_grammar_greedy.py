@@ -14,7 +14,7 @@ from quantkit.grammar.constraints import validate_json
 from quantkit.grammar.processor import GrammarLogitsProcessor
 from quantkit.grammar.verdict import Verdict
 from quantkit.grammar.vocabulary import TokenVocabulary
-from tests.hand_vocab import EOS, vocab_of
+from tests.hand_vocab import EOS, fed_row, vocab_of
 from tests.hand_vocab import llguidance as llg
 
 PIECES = [*'{}[]":,abcdefghijklmnopqrstuvwxyz0123456789.-', '"a":', '{"a":', "ab", "00",
@@ -170,15 +170,6 @@ def test_verdicts_never_contradict_the_mask(vocab) -> None:
     assert told[Verdict.UNKNOWN] > 0
 
 
-def _fed(vocab: TokenVocabulary, schema: Any, text: str) -> Any:
-    """A JSON row of `schema` advanced through `text`, one single-byte token a byte."""
-    row = llg(schema, vocab).new_row()
-    by_byte = {data: t for t, data in vocab.token_bytes.items() if len(data) == 1}
-    for byte in text.encode():
-        assert row.advance(by_byte[bytes([byte])]), (text, chr(byte))
-    return row
-
-
 def _mask_keeps(row: Any, vocab: TokenVocabulary, piece: str) -> bool:
     line = np.zeros((vocab.size + 31) // 32, dtype=np.int32)
     row.fill(line)
@@ -196,18 +187,18 @@ def test_runaway_rules_are_told_without_the_mask(vocab) -> None:
     where the schema holds the string open (minLength) nothing is curbed, and a token going
     on is allowed. Each verdict is what the mask says."""
     loop = '{"name":"' + "befx" * 7
-    row = _fed(vocab, {"type": "object", "properties": {"name": {"type": "string"}}}, loop)
+    row = fed_row(vocab, {"type": "object", "properties": {"name": {"type": "string"}}}, loop)
     assert row.runaway.rule(row.state) is not None
     assert row.verdict(vocab_token(vocab, "b")) == Verdict.REFUSED
     assert row.verdict(vocab_token(vocab, '"')) == Verdict.ALLOWED
     assert not _mask_keeps(row, vocab, "b") and _mask_keeps(row, vocab, '"')
     held = {"type": "object", "properties": {"name": {"type": "string", "minLength": 40}}}
-    row = _fed(vocab, held, loop)
+    row = fed_row(vocab, held, loop)
     assert row.runaway.rule(row.state) is not None and not row.row.takes_byte(ord('"'))
     assert row.verdict(vocab_token(vocab, "b")) == Verdict.ALLOWED
     assert _mask_keeps(row, vocab, "b")
     # a number past its limit: the curb keeps what ends it
-    row = _fed(vocab, {"type": "object", "properties": {"n": {"type": "number"}}},
+    row = fed_row(vocab, {"type": "object", "properties": {"n": {"type": "number"}}},
                '{"n":' + "1" * 16)  # fmt: skip
     assert row.verdict(vocab_token(vocab, "1")) == Verdict.REFUSED
     assert row.verdict(vocab_token(vocab, "}")) == Verdict.ALLOWED
