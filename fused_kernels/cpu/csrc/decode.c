@@ -302,6 +302,34 @@ static inline void add_scaled(float *a, const float *t, float w, int64_t n) {
 }
 
 #if defined(__AVX512VNNI__)
+/* Whether a prefill's norm can go straight to Q's int8 codes (`norm_row_i8`): int8 rows in
+   the prefill tile's chunks (not row-invariant, I8_GEMM_ROWS rows or more) over Q's whole
+   input. */
+static int norm_to_i8(const qk_w4_layer *Q, int xq_dt, int64_t M, int64_t H, int row_invariant) {
+    return xq_dt == DT_I8 && !row_invariant && M >= I8_GEMM_ROWS && Q->K == H &&
+           i8_block(Q) <= 128;
+}
+
+/* Row m of M: rmsnorm(x, w) rounded straight to Q's int8 codes at xp (`i8_parts(xp, M, H,
+   A)`), a block at a time on the stack: the values `rmsnorm` writes, then the codes
+   `quantize_x_i8` makes of them, so the same bits without the normed rows written out and
+   read back (a prefill's qkv and gate_up input). */
+static void norm_row_i8(const float *x, const float *w, int64_t H, float eps,
+                        const qk_w4_layer *Q, int64_t M, int64_t m, float *xp) {
+    const int64_t A = i8_block(Q);
+    int8_t *xq;
+    float *ta, *xs;
+    i8_parts(xp, M, H, A, &xq, &ta, &xs);
+    const float r = 1.0f / sqrtf(dot(x, x, H) / (float)H + eps);  /* as `rmsnorm` */
+    float v[128] __attribute__((aligned(64)));
+    for (int64_t b = 0; b < H / A; b++) {
+        for (int64_t e = 0; e < A; e++) v[e] = x[b * A + e] * r * w[b * A + e];
+        quantize_block_i8_from(v, H, A, M, xq, ta, xs, b, m, 0);
+    }
+}
+#endif
+
+#if defined(__AVX512VNNI__)
 /* Row chunks of a prefill's fused gate_up with the down's quantization (`gate_up_glu`) taken
    together: each tile pair's weights go once over their rows. 1B shape, 512 tokens, in-process
    A/B against the unfused pass (median per-round ratio of 8-12 rounds): 4 chunks 0.983-0.987,
@@ -567,10 +595,21 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
            accumulators for fewer rows (rounding apart). */
         const int64_t r0 = l == n_layers - 1 ? R - out_rows : 0, Rl = R - r0;
         float *xl = x + r0 * H;
-        #pragma omp for schedule(static)
-        for (int64_t r = 0; r < R; r++) rmsnorm(x + r * H, L->in_norm, H, eps, h + r * H);
+        int norm_i8 = 0;  /* the norm rounded straight to the qkv's int8 codes */
+#if defined(__AVX512VNNI__)
+        norm_i8 = norm_to_i8(&L->qkv, xq, R, H, row_invariant);
+        if (norm_i8) {
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < R; r++)
+                norm_row_i8(x + r * H, L->in_norm, H, eps, &L->qkv, R, r, xp);
+        }
+#endif
+        if (!norm_i8) {
+            #pragma omp for schedule(static)
+            for (int64_t r = 0; r < R; r++) rmsnorm(x + r * H, L->in_norm, H, eps, h + r * H);
+        }
         PHASE_END(PH_NORM);
-        permute_x(h, DT_F32, &L->qkv, R, H, xp, xq, row_invariant);
+        if (!norm_i8) permute_x(h, DT_F32, &L->qkv, R, H, xp, xq, row_invariant);
         PHASE_END(PH_PERMUTE);
         gemv_rows(&L->qkv, xp, xq, R, qkv, DT_F32, QKV, row_invariant);
         PHASE_END(PH_QKV);
@@ -620,10 +659,20 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         PHASE_END(PH_PERMUTE);
         gemv_rows(&L->o, xp, xo, Rl, t, DT_F32, H, row_invariant);
         PHASE_END(PH_O);
+        int mlp_i8 = 0;  /* the norm rounded straight to the gate_up's int8 codes */
+#if defined(__AVX512VNNI__)
+        mlp_i8 = !L->router && norm_to_i8(&L->gate_up, xg, Rl, H, row_invariant);
+#endif
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < Rl; r++) {
             if (L->attn_out_norm) rmsnorm(t + r * H, L->attn_out_norm, H, eps, t + r * H);
             for (int64_t i = r * H; i < (r + 1) * H; i++) xl[i] += t[i];
+#if defined(__AVX512VNNI__)
+            if (mlp_i8) {
+                norm_row_i8(xl + r * H, L->post_norm, H, eps, &L->gate_up, Rl, r, xp);
+                continue;
+            }
+#endif
             rmsnorm(xl + r * H, L->post_norm, H, eps, h + r * H);
         }
         PHASE_END(PH_NORM);
@@ -704,7 +753,7 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
             PHASE_END(PH_NORM);
             continue;
         }
-        permute_x(h, DT_F32, &L->gate_up, Rl, H, xp, xg, row_invariant);
+        if (!mlp_i8) permute_x(h, DT_F32, &L->gate_up, Rl, H, xp, xg, row_invariant);
         PHASE_END(PH_PERMUTE);
         int fused = 0;
 #if defined(__AVX512VNNI__)
