@@ -313,7 +313,9 @@ static int norm_to_i8(const qk_w4_layer *Q, int xq_dt, int64_t M, int64_t H, int
 /* Row m of M: rmsnorm(x, w) rounded straight to Q's int8 codes at xp (`i8_parts(xp, M, H,
    A)`), a block at a time on the stack: the values `rmsnorm` writes, then the codes
    `quantize_x_i8` makes of them, so the same bits without the normed rows written out and
-   read back (a prefill's qkv and gate_up input). */
+   read back (a prefill's qkv and gate_up input). 512-token prefill, alternating in one
+   process: the norm and rounding phases 15.6 -> 12.3 ms (1B shape, median ratio 0.995),
+   74.1 -> 56.8 ms (Qwen3-8B shape, 1.000). */
 static void norm_row_i8(const float *x, const float *w, int64_t H, float eps,
                         const qk_w4_layer *Q, int64_t M, int64_t m, float *xp) {
     const int64_t A = i8_block(Q);
