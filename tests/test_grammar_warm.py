@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
+
 from quantkit.grammar.llguidance import warm
 from quantkit.grammar.llguidance.engine import _greedy_encoder
 from tests.hand_vocab import llguidance, vocab_of
@@ -96,3 +98,28 @@ def test_compile_tokenizes_the_keys_before_the_steps_ask() -> None:
     keys = [t for t in asked if b'":' in t]
     assert keys and forced, asked  # the walk met forced keys
     assert set(keys) <= at_compile
+
+
+def test_a_rows_first_mask_is_the_compiles_and_then_its_own() -> None:
+    """The compile makes the start state's mask; a row's first fill copies it (the matcher's
+    own mask there, bit for bit, also with a verdict's token held), and once the row advances
+    its fills are its matcher's again."""
+    vocab = vocab_of(list('{}[]":,abcdefghijklmnopqrstuvwxyz0123456789'))
+    compiled = llguidance(SCHEMA, vocab)
+    row = compiled.new_row().row
+    start = compiled.index.start_mask
+    assert start is not None and start.any()
+    own = np.zeros_like(start)
+    row.matcher.unsafe_compute_mask_ptr(own.ctypes.data, own.nbytes)
+    assert np.array_equal(own, start)
+    brace = next(t for t, d in vocab.token_bytes.items() if d == b"{")
+    assert row.matcher.try_consume_tokens([brace]) == 1
+    row.tried = brace  # held, as a verdict holds the token it allowed
+    line = np.full_like(start, -1)
+    row.fill(line)
+    assert np.array_equal(line, start) and row.tried is None
+    assert row.advance(brace)
+    row.fill(line)
+    own = np.zeros_like(start)
+    row.matcher.unsafe_compute_mask_ptr(own.ctypes.data, own.nbytes)
+    assert np.array_equal(line, own) and not np.array_equal(line, start)

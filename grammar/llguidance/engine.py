@@ -176,6 +176,9 @@ class LlgIndex:
     first_walks: dict[int, tuple[bytes, bool]] = field(
         default_factory=dict, compare=False, repr=False
     )
+    # The mask of the start state, made by the compile (`LlgRow.fill` copies it into a row's
+    # first step instead of asking the matcher: ~80 us cold inside `generate`).
+    start_mask: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def new_row(self) -> LlgRow | DistinctRow:
         assert self.walk is not None  # set by compile_llguidance
@@ -183,7 +186,7 @@ class LlgIndex:
         if self.start_walk is not None:
             start = (*self.start_walk, self.distinct is not None)
         row = LlgRow(self.template.deep_copy(), self.walk, first_walks=self.first_walks,
-                     start_walk=start)  # fmt: skip
+                     start_walk=start, start_mask=self.start_mask)  # fmt: skip
         if self.distinct is None:
             return row
         distinct = DistinctRow(row, self.distinct, items=self.items, keys=self.keys,
@@ -211,8 +214,11 @@ class LlgRow:
         *,
         first_walks: dict[int, tuple[bytes, bool]] | None = None,
         start_walk: tuple[bytes, bool, bool] | None = None,
+        start_mask: np.ndarray | None = None,
     ) -> None:
         self._matcher, self.walk = matcher, walk
+        # The start state's mask (`LlgIndex.start_mask`) until the row first advances.
+        self._start_mask = start_mask
         # A greedy step's verdict consumes its token (`verdict`): `tried` is that token until
         # the row is advanced by it (kept) or anything else reads the matcher (rolled back).
         self.tried: int | None = None
@@ -255,6 +261,7 @@ class LlgRow:
             return False
         self._ff = None
         self.first_walks = None  # no longer in the start state
+        self._start_mask = None
         data = self.walk.token_bytes.get(int(token), b"")
         self.text += data
         self.written += len(data)
@@ -263,6 +270,11 @@ class LlgRow:
         return True
 
     def fill(self, line: np.ndarray) -> None:
+        start = self._start_mask
+        if start is not None and line.shape == start.shape:
+            self.untry()  # as `matcher` would: the mask is the row's own state's
+            line[:] = start  # the start state's, made by the compile
+            return
         self.matcher.unsafe_compute_mask_ptr(line.ctypes.data, line.nbytes)
 
     def verdict(self, token: int) -> Verdict:
@@ -543,6 +555,9 @@ def _build_index(
             index = dataclasses.replace(
                 index, corners=index.corners.with_names(property_names(grammar.schema))
             )
+    start_mask = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)
+    template.unsafe_compute_mask_ptr(start_mask.ctypes.data, start_mask.nbytes)
+    index = dataclasses.replace(index, start_mask=start_mask)
     row = index.new_row()
     row.closing_path(limit=START_WALK)
     kept = getattr(row, "row", row).last_walk  # the walk, as far as it went (None: no way)
