@@ -37,6 +37,19 @@ def test_forced_texts_name_each_key_with_every_value_opening() -> None:
     assert not any("not_a_name" in t for t in texts)  # enum values are data, not schemas
 
 
+def test_a_name_is_written_as_llguidance_forces_it() -> None:
+    """A name outside ASCII as its UTF-8 (llguidance forces `{"é":`, never `\\u00e9`), an
+    escaped one with JSON's escapes."""
+    texts = warm.forced_texts({"properties": {"é": {}, 'q"x': {}}})
+    assert 'é":' in texts and 'q\\"x":' in texts
+    assert not any("\\u" in t for t in texts)
+    vocab = vocab_of(list('{}":,0123456789') + ["é".encode()])
+    schema = {"type": "object", "properties": {"é": {"type": "integer"}}, "required": ["é"]}
+    row = llguidance(schema, vocab)
+    forced = bytes(row.new_row().row.matcher.compute_ff_bytes())
+    assert forced == b'{"' + warm.json_name("é").encode() + b'":'
+
+
 def test_forced_texts_stop_at_max_names() -> None:
     schema = {"properties": {f"p{i}": {} for i in range(warm.MAX_NAMES + 10)}}
     keys = [t for t in warm.forced_texts(schema) if t.startswith("p") and t.endswith('":"')]

@@ -50,7 +50,7 @@ from quantkit.grammar.llguidance.schema import (
     unique_items_listed,
     without_dependencies,
 )
-from quantkit.grammar.llguidance.warm import property_names, warm_keys
+from quantkit.grammar.llguidance.warm import json_name, property_names, warm_keys
 from quantkit.grammar.narrowing import ordered_objects
 from quantkit.grammar.native_threads import run_with_limit
 from quantkit.grammar.verdict import Verdict
@@ -553,7 +553,10 @@ def _build_index(
         warm_keys(grammar.schema, vocabulary.encode)
         if index.corners is not None:
             index = dataclasses.replace(
-                index, corners=index.corners.with_names(property_names(grammar.schema))
+                index,
+                corners=index.corners.with_names(
+                    json_name(n).encode() for n in property_names(grammar.schema)
+                ),
             )
     start_mask = np.zeros((tokenizer.vocab_size + 31) // 32, dtype=np.int32)
     template.unsafe_compute_mask_ptr(start_mask.ctypes.data, start_mask.nbytes)

@@ -32,7 +32,6 @@ followed by the mask's screen, which asks about the same token. JSONSchemaBench 
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -74,14 +73,15 @@ class KeyCorners:
         # the bytes `_dead` tries before it computes a mask.
         self.names: frozenset[bytes] = frozenset()
 
-    def with_names(self, names: Iterable[str]) -> KeyCorners:
+    def with_names(self, names: Iterable[bytes]) -> KeyCorners:
         """This look-ahead for one schema: `_dead` first tries the next byte of the schema's
         property names that go on from a key's text (one `validate_tokens` each, a few us,
         against ~140 us for a mask inside `generate`); one the grammar allows that leaves the
         written keys proves the key not dead without the mask. The answers are the same:
-        the names only choose which bytes are tried first."""
+        the names only choose which bytes are tried first. names: as written between the
+        quotes (`warm.json_name`), in UTF-8."""
         found = copy.copy(self)
-        found.names = frozenset(json.dumps(n, ensure_ascii=False)[1:-1].encode() for n in names)
+        found.names = frozenset(names)
         return found
 
     @classmethod
@@ -185,12 +185,12 @@ class KeyCorners:
         seen[0] += 1
         if seen[0] > NODES:
             return False
-        if self._leaves_named(matcher, name, written):
+        nexts = _nexts(name, written)
+        if self._leaves_named(matcher, name, written, nexts):
             return False
         scratch = np.zeros(self.words, dtype=np.int32)
         matcher.unsafe_compute_mask_ptr(scratch.ctypes.data, scratch.nbytes)
         bits = scratch.view(np.uint32)
-        nexts = {w[len(name)] for w in written if len(w) > len(name) and w.startswith(name)}
         allowed = (bits[self._single_words] >> self._single_shifts) & 1
         for byte in self._single_bytes[allowed.astype(bool)].tolist():
             if byte == _QUOTE:
@@ -213,22 +213,23 @@ class KeyCorners:
                ) -> bool | None:  # fmt: skip
         """`_cornered`'s answer told on `matcher` itself (past the token) without a copy or a
         mask, or None where `_dead` needs its mask: the opening quote, the forced bytes and
-        `_leaves_named`, as `_cornered` and `_dead` take them. Each byte is validated before
-        it is consumed (a refused one would leave the matcher in error) and all are rolled
-        back, so the matcher ends as it began (a deep copy cost ~10 us inside `generate`)."""
+        `_leaves_named`, as `_cornered` and `_dead` take them. Each byte is taken with
+        `try_consume_tokens` (a refused one leaves the matcher as it was, where
+        `consume_token` would leave it in error) and all are rolled back, so the matcher ends
+        as it began (a deep copy cost ~10 us inside `generate`)."""
         taken = 0
         try:
             if quote:
                 opener = self.byte_token.get(_QUOTE)
-                if opener is None or matcher.validate_tokens([opener]) != 1:
+                if opener is None or matcher.try_consume_tokens([opener]) != 1:
                     return False
-                matcher.consume_token(opener)
                 taken += 1
             found, name, forced = self._follow(matcher, name, written)
             taken += forced
             if found is not None:
                 return found
-            return False if self._leaves_named(matcher, name, written) else None
+            nexts = _nexts(name, written)
+            return False if self._leaves_named(matcher, name, written, nexts) else None
         finally:
             if taken:
                 matcher.rollback(taken)
@@ -236,8 +237,8 @@ class KeyCorners:
     def _follow(self, matcher: Any, name: bytes, written: set[bytes]
                 ) -> tuple[bool | None, bytes, int]:  # fmt: skip
         """Follow the bytes the grammar forces after the key's text `name` (`compute_ff_bytes`,
-        each byte validated before it is consumed: a refused one would leave the matcher in
-        error): (whether the key is dead where they tell, else None; the text after them; the
+        each taken with `try_consume_tokens`, which leaves the matcher as it was where it
+        refuses one): (whether the key is dead where they tell, else None; the text after them; the
         tokens consumed). They tell where they close the key (dead if it is a written one),
         leave every written name, or cannot be followed (not shown dead)."""
         taken = 0
@@ -248,19 +249,19 @@ class KeyCorners:
             if not any(w.startswith(name) for w in written):
                 return False, name, taken  # leaves every written key's name
             token = self.byte_token.get(byte)
-            if token is None or matcher.validate_tokens([token]) != 1:
+            if token is None or matcher.try_consume_tokens([token]) != 1:
                 return False, name, taken  # cannot be followed here: not shown dead
-            matcher.consume_token(token)
             taken += 1
         return None, name, taken
 
-    def _leaves_named(self, matcher: Any, name: bytes, written: set[bytes]) -> bool:
+    def _leaves_named(self, matcher: Any, name: bytes, written: set[bytes], nexts: set[int]
+                      ) -> bool:  # fmt: skip
         """Whether the matcher takes a byte that `_dead`'s mask would show leaves the written
         keys, among the next bytes of the schema's names that go on from `name` and a letter
         (at most `_TRIES` of them, each asked with `validate_tokens`): a name's closing quote
-        where that name is not written, else a byte no written name has next."""
+        where that name is not written, else a byte no written name has next (not in
+        `nexts`, `_nexts`)."""
         size = len(name)
-        nexts = {w[size] for w in written if len(w) > size and w.startswith(name)}
         tries = sorted({n[size] for n in self.names if len(n) > size and n.startswith(name)}
                        - nexts)  # fmt: skip
         if name in self.names and name not in written:
@@ -272,6 +273,11 @@ class KeyCorners:
             if token is not None and matcher.validate_tokens([token]) == 1:
                 return True
         return False
+
+
+def _nexts(name: bytes, written: set[bytes]) -> set[int]:
+    """The bytes the written names that go on from `name` have next."""
+    return {w[len(name)] for w in written if len(w) > len(name) and w.startswith(name)}
 
 
 def _after(matcher: Any, token: int) -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 
 from quantkit.grammar.llguidance.schema import schema_nodes
 
-__all__ = ["MAX_NAMES", "forced_texts", "property_names", "warm_keys"]
+__all__ = ["MAX_NAMES", "forced_texts", "json_name", "property_names", "warm_keys"]
 
 # Property names whose keys are tokenized ahead (12 texts each; the encoder keeps 8192).
 MAX_NAMES = 256
@@ -44,6 +44,12 @@ def property_names(schema: Any) -> list[str]:
     return list(found)
 
 
+def json_name(name: str) -> str:
+    """`name` as a JSON document writes it between its quotes: escaped as JSON escapes, and
+    other characters as they are (llguidance writes `{"é":`, not `{"\\u00e9":`)."""
+    return json.dumps(name, ensure_ascii=False)[1:-1]
+
+
 def forced_texts(schema: Any) -> list[str]:
     """The texts `warm_keys` tokenizes for `schema`: the common separators, then for each
     property name (at most `MAX_NAMES`) its key's text after the opening quote with each
@@ -51,7 +57,7 @@ def forced_texts(schema: Any) -> list[str]:
     `","` (`","name":"`)."""
     texts = list(_COMMON)
     for name in property_names(schema)[:MAX_NAMES]:
-        key = json.dumps(name)[1:] + ":"  # the name as JSON writes it, its closing quote, colon
+        key = json_name(name) + '":'  # the name as JSON writes it, its closing quote, colon
         texts += [lead + key + opener for lead in _LEADS for opener in _OPENERS]
     return texts
 
