@@ -600,15 +600,16 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         int norm_i8 = 0;  /* the norm rounded straight to the qkv's int8 codes */
 #if defined(__AVX512VNNI__)
         norm_i8 = norm_to_i8(&L->qkv, xq, R, H, row_invariant);
-        if (norm_i8) {
-            #pragma omp for schedule(static)
-            for (int64_t r = 0; r < R; r++)
-                norm_row_i8(x + r * H, L->in_norm, H, eps, &L->qkv, R, r, xp);
-        }
 #endif
-        if (!norm_i8) {
-            #pragma omp for schedule(static)
-            for (int64_t r = 0; r < R; r++) rmsnorm(x + r * H, L->in_norm, H, eps, h + r * H);
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < R; r++) {
+#if defined(__AVX512VNNI__)
+            if (norm_i8) {
+                norm_row_i8(x + r * H, L->in_norm, H, eps, &L->qkv, R, r, xp);
+                continue;
+            }
+#endif
+            rmsnorm(x + r * H, L->in_norm, H, eps, h + r * H);
         }
         PHASE_END(PH_NORM);
         if (!norm_i8) permute_x(h, DT_F32, &L->qkv, R, H, xp, xq, row_invariant);
