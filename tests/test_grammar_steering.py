@@ -149,6 +149,37 @@ def test_the_budget_closes_a_document_that_would_run_on(vocab, budget: int) -> N
     assert not ended  # without the budget the same model runs on
 
 
+def test_a_steered_greedy_row_takes_the_masks_token_as_the_only_finite_one(vocab) -> None:
+    """Greedy under budget steering: each step's pick is the masked processor's, and where
+    the row is steered to one token the logits come back -inf everywhere else (the reused
+    buffer's last pick cleared, whatever came between)."""
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "minLength": 2},
+        "tags": {"type": "array", "items": {"type": "string"}, "minItems": 2}},
+        "required": ["name", "tags"], "additionalProperties": False}  # fmt: skip
+    fast = GrammarLogitsProcessor(llg(schema, vocab), max_new_tokens=40, greedy=True)
+    plain = GrammarLogitsProcessor(llg(schema, vocab), max_new_tokens=40)
+    scores = torch.zeros(vocab.size)
+    for rank, piece in enumerate("abcdefghij"):
+        scores[_id(piece)] = 100.0 - rank
+    scores -= torch.arange(vocab.size) * 1e-3
+    ids, single = torch.zeros((1, 1), dtype=torch.long), 0
+    for _ in range(40):
+        out = fast(ids, scores[None].clone())
+        token = int(out.argmax())
+        assert token == int(plain(ids, scores[None].clone()).argmax())
+        finite = torch.isfinite(out[0]).nonzero().flatten().tolist()
+        if len(finite) == 1:
+            assert finite == [token] and out[0, token] == scores[token]
+            single += 1
+        if token in EOS:
+            break
+        ids = torch.cat([ids, torch.tensor([[token]])], 1)
+    else:
+        raise AssertionError("no EOS within the budget")
+    assert fast.steered == {0} and single >= 3
+
+
 def test_the_budget_on_a_regex_and_random_logits(vocab) -> None:
     compiled = compile_grammar(regex_grammar('"[a-j ]*"'), vocab, engine="llguidance",
                                timeout_s=10)  # fmt: skip
