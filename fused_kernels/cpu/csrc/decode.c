@@ -301,14 +301,20 @@ static inline void add_scaled(float *a, const float *t, float w, int64_t n) {
     for (int64_t j = 0; j < n; j++) a[j] += t[j] * w;
 }
 
-#if defined(__AVX512VNNI__)
 /* Whether a prefill's norm can go straight to Q's int8 codes (`norm_row_i8`): int8 rows in
    the prefill tile's chunks (not row-invariant, I8_GEMM_ROWS rows or more) over Q's whole
-   input. */
+   input; never in a build without the int8 tile. */
 static int norm_to_i8(const qk_w4_layer *Q, int xq_dt, int64_t M, int64_t H, int row_invariant) {
+#if defined(__AVX512VNNI__)
     return xq_dt == DT_I8 && !row_invariant && M >= I8_GEMM_ROWS && Q->K == H &&
            i8_block(Q) <= 128;
+#else
+    (void)Q, (void)xq_dt, (void)M, (void)H, (void)row_invariant;
+    return 0;
+#endif
 }
+
+#if defined(__AVX512VNNI__)
 
 /* Row m of M: rmsnorm(x, w) rounded straight to Q's int8 codes at xp (`i8_parts(xp, M, H,
    A)`), a block at a time on the stack: the values `rmsnorm` writes, then the codes
@@ -330,6 +336,21 @@ static void norm_row_i8(const float *x, const float *w, int64_t H, float eps,
     }
 }
 #endif
+
+/* Row m of M normed: rounded straight to Q's int8 codes at xp where `to_i8` (`norm_to_i8`),
+   else written to out (`rmsnorm`). */
+static inline void norm_row(const float *x, const float *w, int64_t H, float eps, int to_i8,
+                            const qk_w4_layer *Q, int64_t M, int64_t m, float *xp, float *out) {
+#if defined(__AVX512VNNI__)
+    if (to_i8) {
+        norm_row_i8(x, w, H, eps, Q, M, m, xp);
+        return;
+    }
+#else
+    (void)to_i8, (void)Q, (void)M, (void)m, (void)xp;
+#endif
+    rmsnorm(x, w, H, eps, out);
+}
 
 #if defined(__AVX512VNNI__)
 /* Row chunks of a prefill's fused gate_up with the down's quantization (`gate_up_glu`) taken
@@ -597,20 +618,11 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
            accumulators for fewer rows (rounding apart). */
         const int64_t r0 = l == n_layers - 1 ? R - out_rows : 0, Rl = R - r0;
         float *xl = x + r0 * H;
-        int norm_i8 = 0;  /* the norm rounded straight to the qkv's int8 codes */
-#if defined(__AVX512VNNI__)
-        norm_i8 = norm_to_i8(&L->qkv, xq, R, H, row_invariant);
-#endif
+        /* the norm rounded straight to the qkv's int8 codes */
+        const int norm_i8 = norm_to_i8(&L->qkv, xq, R, H, row_invariant);
         #pragma omp for schedule(static)
-        for (int64_t r = 0; r < R; r++) {
-#if defined(__AVX512VNNI__)
-            if (norm_i8) {
-                norm_row_i8(x + r * H, L->in_norm, H, eps, &L->qkv, R, r, xp);
-                continue;
-            }
-#endif
-            rmsnorm(x + r * H, L->in_norm, H, eps, h + r * H);
-        }
+        for (int64_t r = 0; r < R; r++)
+            norm_row(x + r * H, L->in_norm, H, eps, norm_i8, &L->qkv, R, r, xp, h + r * H);
         PHASE_END(PH_NORM);
         if (!norm_i8) permute_x(h, DT_F32, &L->qkv, R, H, xp, xq, row_invariant);
         PHASE_END(PH_PERMUTE);
@@ -662,21 +674,15 @@ int qk_decode_step(const qk_decoder_layer *layers, int64_t n_layers, const qk_de
         PHASE_END(PH_PERMUTE);
         gemv_rows(&L->o, xp, xo, Rl, t, DT_F32, H, row_invariant);
         PHASE_END(PH_O);
-        int mlp_i8 = 0;  /* the norm rounded straight to the gate_up's int8 codes */
-#if defined(__AVX512VNNI__)
-        mlp_i8 = !L->router && norm_to_i8(&L->gate_up, xg, Rl, H, row_invariant);
-#endif
+        /* the norm rounded straight to the gate_up's int8 codes (a mixture of experts' router
+           reads the normed rows) */
+        const int mlp_i8 = !L->router && norm_to_i8(&L->gate_up, xg, Rl, H, row_invariant);
         #pragma omp for schedule(static)
         for (int64_t r = 0; r < Rl; r++) {
             if (L->attn_out_norm) rmsnorm(t + r * H, L->attn_out_norm, H, eps, t + r * H);
             for (int64_t i = r * H; i < (r + 1) * H; i++) xl[i] += t[i];
-#if defined(__AVX512VNNI__)
-            if (mlp_i8) {
-                norm_row_i8(xl + r * H, L->post_norm, H, eps, &L->gate_up, Rl, r, xp);
-                continue;
-            }
-#endif
-            rmsnorm(xl + r * H, L->post_norm, H, eps, h + r * H);
+            norm_row(xl + r * H, L->post_norm, H, eps, mlp_i8, &L->gate_up, Rl, r, xp,
+                     h + r * H);
         }
         PHASE_END(PH_NORM);
         if (L->router) {  /* a mixture of experts, then on to the next layer */
