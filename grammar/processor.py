@@ -412,7 +412,6 @@ class GrammarLogitsProcessor:
                 self._timed(started)
                 return picked
         bits = self._fill(logits)
-        self._hot = None  # the mask pass writes the buffer whole
         out = _apply_mask(logits, bits, self._buffer(logits))
         self._screen(out, bits)
         self._timed(started)
@@ -487,13 +486,13 @@ class GrammarLogitsProcessor:
                 refused[row] = found
         if not refused and not only:
             return logits
-        out = self._buffer(logits)
+        hot = not refused and len(self._guides) == 1  # one row, steered to one token
+        out = self._buffer(logits, whole=not hot)
         if out is None:
             return None  # not CPU float32 logits: the mask decides
-        if not refused and len(self._guides) == 1:  # one row, steered to one token
+        if hot:
             token = only[0]
             return self._one_hot(out, token, rows()[0].item(token))
-        self._hot = None  # written whole below
         target = self._out_np
         np.copyto(target, rows())
         for row, tokens in refused.items():
@@ -560,18 +559,21 @@ class GrammarLogitsProcessor:
                 return None
         return None
 
-    def _buffer(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """The reused output of the C mask pass (CPU float32 logits), or None. The kind of
-        logits is told once a generation and the shape read once a call (torch's attribute
-        calls cost several us each, cold inside `generate`)."""
+    def _buffer(self, logits: torch.Tensor, *, whole: bool = True) -> torch.Tensor | None:
+        """The reused output of the C mask pass (CPU float32 logits), or None. whole: the
+        caller writes all of it (no one-hot row is kept in it after, `_hot`); else only
+        `_one_hot` writes it. The kind of logits is told once a generation and the shape read
+        once a call (torch's attribute calls cost several us each, cold inside `generate`)."""
         if self._f32 is None:
             self._f32 = logits.device.type == "cpu" and logits.dtype == torch.float32
         if not self._f32:
             return None
         out = self._out
-        if out is None or self._out_np.shape != self._shape:
+        fresh = out is None or self._out_np.shape != self._shape
+        if fresh:
             out = self._out = torch.empty(self._shape, dtype=torch.float32)
             self._out_np = out.numpy()  # made once: a numpy view cost 9 us cold a step
+        if whole or fresh:
             self._hot = None
         return out
 
