@@ -118,16 +118,19 @@ def test_every_kind_of_unmasked_step_was_taken(decoded) -> None:
 def test_verdicts_never_contradict_the_mask(vocab) -> None:
     """At every state of random documents: the grammar's own verdict is the mask's bit (for
     every token but the EOS), `UNKNOWN` only where bytes are forced, and there `ALLOWED` only
-    for tokens that write them all; the JSON row's (distinct keys and items, runaways,
-    corners) never allows what its mask leaves out, nor refuses what it keeps (a repeated
-    key let through where nothing else is left aside)."""
+    for tokens that write them all or, where no token is forced (`forced_tokens` asked
+    first, as the decode loop does), their first bytes (in the start state the compile's
+    mask tells); the JSON row's (distinct keys and
+    items, runaways, corners) never allows what its mask leaves out, nor refuses what it
+    keeps (a repeated key let through where nothing else is left aside)."""
     told = {verdict: 0 for verdict in Verdict}
+    first_bytes = 0  # tokens allowed that write only the first of the forced bytes
     for index, schema in enumerate(SCHEMAS):
         compiled = llg(schema, vocab)
         for seed in range(4):
             row = compiled.new_row()
             rng = np.random.default_rng(100 * index + seed)
-            for _ in range(40):
+            for step in range(40):
                 line = np.zeros((vocab.size + 31) // 32, dtype=np.int32)
                 row.fill(line)
                 lenient = row.lenient
@@ -136,6 +139,7 @@ def test_verdicts_never_contradict_the_mask(vocab) -> None:
                 row.row.fill(raw)
                 grammar = np.unpackbits(raw.view(np.uint8), bitorder="little")[: vocab.size]
                 forced = bytes(row.row.matcher.compute_ff_bytes())
+                none_forced = not row.row.forced_tokens()  # asked as the decode loop does
                 refused, any_allowed = [], False
                 for token in range(vocab.size):
                     if token in EOS:  # the processor's own decision (never asked)
@@ -145,7 +149,10 @@ def test_verdicts_never_contradict_the_mask(vocab) -> None:
                         assert forced and grammar[token], token
                     elif own == Verdict.ALLOWED:
                         assert grammar[token], token
-                        assert vocab.token_bytes[token].startswith(forced), token
+                        data = vocab.token_bytes[token]
+                        if not data.startswith(forced) and step:  # the start's mask is known
+                            assert none_forced and forced.startswith(data), token
+                            first_bytes += 1
                     else:
                         assert not grammar[token], token
                     if not forced:
@@ -167,7 +174,7 @@ def test_verdicts_never_contradict_the_mask(vocab) -> None:
                     break
                 assert row.advance(int(rng.choice(allowed)))
     assert told[Verdict.ALLOWED] > 500 and told[Verdict.REFUSED] > 500
-    assert told[Verdict.UNKNOWN] > 0
+    assert told[Verdict.UNKNOWN] > 0 and first_bytes > 0
 
 
 def _mask_keeps(row: Any, vocab: TokenVocabulary, piece: str) -> bool:
@@ -229,9 +236,10 @@ def test_a_verdict_holds_its_token_until_the_row_moves() -> None:
 
 @pytest.mark.slow
 def test_allows_on_the_embedded_vocabulary_where_the_mask_writes_forced_bytes_whole() -> None:
-    """With SmolLM2's vocabulary llguidance's mask keeps only `{"` where `{"` is forced, while
-    its matcher would take `{`: the verdict there is `UNKNOWN` (the mask decides), and at every
-    state of a document it never allows a token the mask leaves out, nor refuses one it keeps."""
+    """With SmolLM2's vocabulary llguidance's mask keeps only `{"` where `{"` is forced at the
+    start, while its matcher would take `{`: the verdict there reads the start state's mask
+    (`REFUSED`), and at every state of a document it never allows a token the mask leaves out,
+    nor refuses one it keeps; after a key, with `":"` forced and no token, `":` is allowed."""
     from quantkit.grammar.compiler import compile_grammar
     from quantkit.grammar.constraints import schema_grammar
     from quantkit.sources.resolve import DEFAULT_MODEL, resolve_model
@@ -246,13 +254,18 @@ def test_allows_on_the_embedded_vocabulary_where_the_mask_writes_forced_bytes_wh
     ).new_row()
     brace = tok.convert_tokens_to_ids("{")
     assert row.row.matcher.validate_tokens([brace]) == 1  # the matcher takes it ...
-    checked = 0
+    checked, first_bytes = 0, 0
+    by_bytes = {data: token for token, data in vocab.token_bytes.items()}
     for token in tok.encode('{"name":"Ada Lovelace","age":36}', add_special_tokens=False):
         line = np.zeros((vocab.size + 31) // 32, dtype=np.int32)
         row.fill(line)
         bits = np.unpackbits(line.view(np.uint8), bitorder="little")[: vocab.size]
-        if checked == 0:  # ... the mask does not: not told for this token
-            assert not bits[brace] and row.verdict(brace) == Verdict.UNKNOWN
+        forced = bytes(row.row.matcher.compute_ff_bytes())
+        if forced and not row.forced_tokens():  # as the decode loop asks after each token
+            heads = [by_bytes[forced[:n]] for n in range(1, len(forced)) if forced[:n] in by_bytes]
+            first_bytes += sum(row.verdict(t) == Verdict.ALLOWED and bits[t] for t in heads)
+        if checked == 0:  # ... the mask does not: the start state's mask tells
+            assert not bits[brace] and row.verdict(brace) == Verdict.REFUSED
         for candidate in range(vocab.size):
             if candidate == tok.eos_token_id:
                 continue
@@ -264,3 +277,4 @@ def test_allows_on_the_embedded_vocabulary_where_the_mask_writes_forced_bytes_wh
                 assert not bits[candidate], (candidate, vocab.token_bytes.get(candidate))
         assert row.advance(token)
     assert checked > 10_000  # the string's states allow most of the vocabulary
+    assert first_bytes > 0  # `"` and `":` after `{"name` and `"age`
