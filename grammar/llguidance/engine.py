@@ -226,9 +226,9 @@ class LlgRow:
         # since the state last changed): a verdict needs them, and a step's `forced_tokens`
         # asked them already in the same state.
         self._ff: bytes | None = None
-        # Whether `forced_tokens` asked llguidance in this state and it forces no token (then
-        # its mask keeps every token that writes the first bytes of the forced ones: `verdict`).
-        self._ff_none = False
+        # Whether llguidance forces no token in this state (then its mask keeps every token
+        # that writes the first bytes of the forced ones: `verdict`); None: not asked yet.
+        self._ff_none: bool | None = None
         self.text = bytearray()  # the row's last bytes (at least `_TAIL`): a walk's tail
         self.written = 0  # bytes advanced by, in all
         # Walks from the start state, shared by the rows of one grammar; None once advanced.
@@ -262,7 +262,7 @@ class LlgRow:
             self.tried = None  # the verdict consumed it already
         elif not self.matcher.consume_token(int(token)):
             return False
-        self._ff, self._ff_none = None, False
+        self._ff, self._ff_none = None, None
         self.first_walks = None  # no longer in the start state
         self._start_mask = None
         data = self.walk.token_bytes.get(int(token), b"")
@@ -291,8 +291,9 @@ class LlgRow:
         forced after a key), its mask keeps all where it forces no token (it then masks with
         the forced bytes as the prefix, and every token that is a prefix of them is allowed),
         and where it forces tokens only the first of those: so such a token is `ALLOWED`
-        where `forced_tokens` found none in this state, else `UNKNOWN` (`{` against a forced
-        `{"` at the start of a document, where the mask keeps `{"` alone).
+        where llguidance forces no token in this state (asked once a state, if
+        `forced_tokens` has not), else `UNKNOWN` (`{` against a forced `{"` at the start of a
+        document, where the mask keeps `{"` alone).
         Checked against the mask over SmolLM2's vocabulary along 30 JSONSchemaBench outputs:
         at their 545 forced states every allowed token beginning with the forced bytes had its
         bit; along random walks through the JSONSchemaBench sample's schemas (8 a category,
@@ -311,13 +312,16 @@ class LlgRow:
             return Verdict.ALLOWED
         matcher = self.matcher
         forced = self._forced_bytes()
+        data = self.walk.token_bytes.get(token, b"")
+        head = bool(forced) and not data.startswith(forced) and forced.startswith(data)
+        if head and self._ff_none is None:  # asked once a state (`forced_tokens` may have)
+            self._ff_none = not matcher.compute_ff_tokens()
         # One llguidance call tells and takes the token (a greedy step's pick is the first
         # token allowed, and the row is advanced by it next): held in `tried`, rolled back
         # where the row is advanced otherwise or read before.
         if matcher.try_consume_tokens([token]) != 1:
             return Verdict.REFUSED
-        data = self.walk.token_bytes.get(token, b"")
-        if not forced or data.startswith(forced) or (self._ff_none and forced.startswith(data)):
+        if not forced or data.startswith(forced) or (head and self._ff_none):
             self.tried = token
             return Verdict.ALLOWED
         matcher.rollback(1)
