@@ -120,9 +120,9 @@ def test_verdicts_never_contradict_the_mask(vocab) -> None:
     every token but the EOS), `UNKNOWN` only where bytes are forced, and there `ALLOWED` only
     for tokens that write them all or, where no token is forced (`forced_tokens` asked
     first, as the decode loop does), their first bytes (in the start state the compile's
-    mask tells); the JSON row's (distinct keys and
-    items, runaways, corners) never allows what its mask leaves out, nor refuses what it
-    keeps (a repeated key let through where nothing else is left aside)."""
+    mask tells); the JSON row's (distinct keys and items, runaways, corners) never allows
+    what its mask leaves out, nor refuses what it keeps (a repeated key let through where
+    nothing else is left aside)."""
     told = {verdict: 0 for verdict in Verdict}
     first_bytes = 0  # tokens allowed that write only the first of the forced bytes
     for index, schema in enumerate(SCHEMAS):

@@ -226,9 +226,10 @@ class LlgRow:
         # since the state last changed): a verdict needs them, and a step's `forced_tokens`
         # asked them already in the same state.
         self._ff: bytes | None = None
-        # Whether llguidance forces no token in this state (then its mask keeps every token
-        # that writes the first bytes of the forced ones: `verdict`); None: not asked yet.
-        self._ff_none: bool | None = None
+        # The tokens the grammar forces from here, once asked (None: not asked since the state
+        # last changed): `forced_tokens` returns them, and where there are none `verdict`
+        # allows a token writing the first forced bytes.
+        self._ff_tokens: list[int] | None = None
         self.text = bytearray()  # the row's last bytes (at least `_TAIL`): a walk's tail
         self.written = 0  # bytes advanced by, in all
         # Walks from the start state, shared by the rows of one grammar; None once advanced.
@@ -262,7 +263,7 @@ class LlgRow:
             self.tried = None  # the verdict consumed it already
         elif not self.matcher.consume_token(int(token)):
             return False
-        self._ff, self._ff_none = None, None
+        self._ff, self._ff_tokens = None, None
         self.first_walks = None  # no longer in the start state
         self._start_mask = None
         data = self.walk.token_bytes.get(int(token), b"")
@@ -314,14 +315,13 @@ class LlgRow:
         forced = self._forced_bytes()
         data = self.walk.token_bytes.get(token, b"")
         head = bool(forced) and not data.startswith(forced) and forced.startswith(data)
-        if head and self._ff_none is None:  # asked once a state (`forced_tokens` may have)
-            self._ff_none = not matcher.compute_ff_tokens()
+        head = head and not self._forced_token_list()  # asked before the token is tried
         # One llguidance call tells and takes the token (a greedy step's pick is the first
         # token allowed, and the row is advanced by it next): held in `tried`, rolled back
         # where the row is advanced otherwise or read before.
         if matcher.try_consume_tokens([token]) != 1:
             return Verdict.REFUSED
-        if not forced or data.startswith(forced) or (head and self._ff_none):
+        if not forced or data.startswith(forced) or head:
             self.tried = token
             return Verdict.ALLOWED
         matcher.rollback(1)
@@ -364,9 +364,13 @@ class LlgRow:
         Where it forces no byte, none, without asking for tokens (a few us against ~10)."""
         if not self._forced_bytes():
             return []
-        found = list(self.matcher.compute_ff_tokens())
-        self._ff_none = not found
-        return found
+        return list(self._forced_token_list())
+
+    def _forced_token_list(self) -> list[int]:
+        """llguidance's forced tokens from here (asked once a state: `_ff_tokens`)."""
+        if self._ff_tokens is None:
+            self._ff_tokens = list(self.matcher.compute_ff_tokens())
+        return self._ff_tokens
 
     def _forced_bytes(self) -> bytes:
         """The bytes the grammar forces from here (asked once a state: `_ff`)."""
