@@ -4,9 +4,11 @@ decoding: the processor asks about the model's best tokens in turn and takes the
 
 - `ALLOWED`: the row's mask keeps the token, and would keep it were it the best token the mask
   keeps (the checks made on the masked logits pass for it).
-- `REFUSED`: the mask leaves the token out, wherever another token is `ALLOWED` (a repeated
-  key is let through only where nothing else is left, so a refusal on that ground holds once a
-  token after it is allowed; a caller stops at the first `ALLOWED` token or asks the mask).
+- `REFUSED`: the mask leaves the token out, or the checks on the masked logits clear it where
+  it is the best token the mask keeps, wherever another token is `ALLOWED` (a repeated key is
+  let through only where nothing else is left, and the key screen never clears the last token
+  allowed, so a refusal on those grounds holds once a token after it is allowed; a caller
+  stops at the first `ALLOWED` token or asks the mask).
 - `UNKNOWN`: not told for this one token (the mask decides).
 """
 

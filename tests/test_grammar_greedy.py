@@ -125,6 +125,7 @@ def test_verdicts_never_contradict_the_mask(vocab) -> None:
     nothing else is left aside)."""
     told = {verdict: 0 for verdict in Verdict}
     first_bytes = 0  # tokens allowed that write only the first of the forced bytes
+    corners = 0  # tokens refused that the mask keeps and the key screen clears
     for index, schema in enumerate(SCHEMAS):
         compiled = llg(schema, vocab)
         for seed in range(4):
@@ -165,16 +166,29 @@ def test_verdicts_never_contradict_the_mask(vocab) -> None:
                     elif verdict == Verdict.REFUSED:
                         refused.append(token)
                 # A refusal holds wherever another token is allowed (`Verdict.REFUSED`): a
-                # runaway rule's curb acts once a token it keeps is in the mask.
+                # runaway rule's curb acts once a token it keeps is in the mask, and a token
+                # the mask keeps that leads into a corner is cleared by the key screen.
                 for token in refused if any_allowed else ():
-                    assert not bits[token] or lenient, (token, vocab.token_bytes.get(token))
+                    if bits[token] and not lenient:
+                        assert _screen_clears(row, line, bits, token), vocab.token_bytes.get(token)
+                        corners += 1
                 row.lenient = lenient  # as `fill` left it (an allowed verdict resets it)
                 allowed = [t for t in np.flatnonzero(bits) if t not in EOS]
                 if not allowed or row.is_finished() and rng.random() < 0.2:
                     break
                 assert row.advance(int(rng.choice(allowed)))
     assert told[Verdict.ALLOWED] > 500 and told[Verdict.REFUSED] > 500
-    assert told[Verdict.UNKNOWN] > 0 and first_bytes > 0
+    assert told[Verdict.UNKNOWN] > 0 and first_bytes > 0 and corners > 0
+
+
+def _screen_clears(row: Any, line: np.ndarray, bits: np.ndarray, token: int) -> bool:
+    """Whether the key screen clears `token` as the best of the tokens the mask `line` keeps
+    (`bits`, unpacked), searched afresh: a copy of the matcher, no answers kept from the
+    verdicts."""
+    scores = np.where(bits > 0, 0.0, -np.inf).astype(np.float32)
+    scores[token] = 1.0
+    cleared = row.corners.screen(row.state, row.row.matcher, line.copy(), scores, None)
+    return token in cleared
 
 
 def _mask_keeps(row: Any, vocab: TokenVocabulary, piece: str) -> bool:

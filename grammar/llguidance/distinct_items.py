@@ -462,8 +462,9 @@ class DistinctRow:
         runaway rule curbs this state, a token it would take out is refused (wherever another
         token is allowed, that one survives the curb, so the curb acts and takes this one
         out), without asking the grammar; `ALLOWED` only where it ends no repeated key or
-        item and the key-corner screen would keep it as the best token, and `UNKNOWN` where
-        one of those applies otherwise. An `ALLOWED` token sets what `fill` sets (`cleared`,
+        item and the key-corner screen would keep it as the best token, `REFUSED` where the
+        screen would clear it (it leads into a corner), and `UNKNOWN` where a repeat is in
+        question otherwise. An `ALLOWED` token sets what `fill` sets (`cleared`,
         `lenient`), as `fill` would."""
         keep = self._curbed()
         if keep is not None and not (int(keep[token >> 5]) >> (token & 31)) & 1:
@@ -483,7 +484,10 @@ class DistinctRow:
         """`verdict`'s checks of the row's own on a token its grammar allows (and its matcher
         holds, tried): the repeated key or item, the key corners. Inside a string value, a
         token without a `"` stays inside it: it ends no key or item and begins no key (the most
-        common step of a JSON output)."""
+        common step of a JSON output). A token that leads into a corner is `REFUSED`: the
+        screen clears it wherever it is the best token allowed and another is allowed too,
+        which a later `ALLOWED` token shows (`,"` after an object's last key with every key
+        written: one of the demo schema's 42 steps, masked before)."""
         state = self.state
         kind = self.ending.kinds[token]
         if state.in_string and not kind & QUOTE and state.in_value_string():
@@ -503,7 +507,7 @@ class DistinctRow:
             self.row.holding(token),
             self._corner_memo(),
         ):
-            return Verdict.UNKNOWN
+            return Verdict.REFUSED
         return Verdict.ALLOWED
 
     def _curbed(self) -> np.ndarray | None:
