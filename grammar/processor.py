@@ -426,8 +426,7 @@ class GrammarLogitsProcessor:
         """Greedy: logits whose arg-max in every row is the token the mask would leave as the
         best, found without the mask, or None (then the mask decides). Each constrained row
         is asked about its best tokens in turn (`_probe`), or, where budget steering is in
-        play, about the tokens along its path (`_along`), or, where a runaway curb acts,
-        about the tokens it keeps (`_best_of`). Where every row's best token is
+        play, about the tokens along its path (`_along`). Where every row's best token is
         allowed, `logits` as they came; else a copy with, per row, the tokens refused ahead of
         the pick at -inf (a steered row: everything but the pick). Not for outlines rows
         (their budget plans)."""
@@ -480,22 +479,7 @@ class GrammarLogitsProcessor:
                     return None
                 only[row] = token
                 continue
-            curb = guide.curb_tokens() if hasattr(guide, "curb_tokens") else None
-            if curb is not None:  # a runaway curb: the pick is among the tokens it keeps
-                token = self._best_of(guide, curb, rows()[row])
-                if token is None:
-                    return None
-                only[row] = token
-                continue
-            found, spent = self._probe(guide, lambda r=row: rows()[r],
-                                       None if kept is None else kept[row])  # fmt: skip
-            if spent and hasattr(guide, "candidates"):  # every probe refused
-                among = guide.candidates()  # where bytes are forced: the tokens writing them
-                token = None if among is None else self._best_of(guide, among, rows()[row])
-                if token is None:
-                    return None
-                only[row] = token
-                continue
+            found = self._probe(guide, lambda r=row: rows()[r], None if kept is None else kept[row])
             if found is None:
                 return None
             if found:
@@ -520,14 +504,13 @@ class GrammarLogitsProcessor:
         return out
 
     def _probe(self, guide: Any, scores: Callable[[], np.ndarray], best: int | None
-               ) -> tuple[list[int] | None, bool]:  # fmt: skip
+               ) -> list[int] | None:  # fmt: skip
         """The tokens refused ahead of the row's best allowed token (the sampler's arg-max
         order: higher score first, then the lower id), asking about at most `_PROBES`; None
         where one is not told (`Verdict.UNKNOWN`), an EOS or padding comes first, or none of
-        those asked is allowed; with it, whether all `_PROBES` were refused. scores: the row's
-        logits, asked for only where needed; best: the row's arg-max where the head kept it
-        (`kept_argmax`, its value finite), so the row is not read unless that token is
-        refused."""
+        those asked is allowed. scores: the row's logits, asked for only where needed; best:
+        the row's arg-max where the head kept it (`kept_argmax`, its value finite), so the row
+        is not read unless that token is refused."""
         refused: list[int] = []
         work = None
         token = best
@@ -538,47 +521,18 @@ class GrammarLogitsProcessor:
             if token >= self.vocabulary.size or (
                 work is not None and not math.isfinite(work.item(token))
             ):
-                return None, False  # padding (never allowed), or nothing left with a score
+                return None  # padding (never allowed), or nothing left with a score
             found = self._verdict(guide, token)
             if found == Verdict.ALLOWED:
-                return refused, False
+                return refused
             if found != Verdict.REFUSED:
-                return None, False
+                return None
             if not refused:
                 work = scores().copy()
             assert work is not None  # copied above at the first refusal
             refused.append(token)
             work[token] = -np.inf
             token = int(work.argmax())
-        return None, True
-
-    def _best_of(self, guide: Any, tokens: np.ndarray, scores: np.ndarray) -> int | None:
-        """The row's pick among `tokens` (ascending ids), outside of which its mask keeps
-        none (but an EOS): those a runaway curb keeps (`curb_tokens`), or, where bytes are
-        forced, those beginning with the first of them (`candidates`). The best of them its
-        verdict allows, asking about at most `_PROBES` in the sampler's order; None where one
-        is not told, none of those asked is allowed, a score is not finite, or the document
-        is complete (an EOS, which the mask then adds, competes). Where one is allowed, every
-        token outside `tokens` is out of the mask (a curb acts once a token it keeps is
-        allowed): the pick is the mask's best. Probing the model's best tokens spends its
-        `_PROBES` on words these states refuse (a looping string's next word, the text after
-        a key whose `":` is forced), and the mask decided."""
-        # past the vocabulary: padding, never allowed (ids ascending)
-        tokens = tokens[: int(np.searchsorted(tokens, min(self.vocabulary.size, scores.size)))]
-        if not tokens.size or guide.is_finished():
-            return None
-        sub = scores[tokens]  # a copy: refused ones go to -inf in it
-        for _ in range(min(_PROBES, tokens.size)):
-            at = int(sub.argmax())  # the first of equal scores: the lower id
-            token = int(tokens[at])
-            if not math.isfinite(sub.item(at)):
-                return None
-            found = self._verdict(guide, token)
-            if found == Verdict.ALLOWED:
-                return token
-            if found != Verdict.REFUSED:
-                return None
-            sub[at] = -np.inf
         return None
 
     def _verdict(self, guide: Any, token: int) -> Verdict:

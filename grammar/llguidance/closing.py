@@ -43,8 +43,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from quantkit.grammar.llguidance.runaway import MAX_PERIOD, REPEAT_BYTES, repeats
 from quantkit.grammar.vocabulary import TokenVocabulary, byte_tokens
 
@@ -107,12 +105,6 @@ class ClosingWalk:
                 reach[data[:2]] = len(data)
         self._reach = reach
         self.token_bytes = vocabulary.token_bytes
-        # The tokens beginning with each byte, ascending (`LlgRow.candidates`).
-        firsts: list[list[int]] = [[] for _ in range(256)]
-        for token, data in sorted(vocabulary.token_bytes.items()):
-            if data:
-                firsts[data[0]].append(token)
-        self.first_byte = [np.asarray(ids, dtype=np.int64) for ids in firsts]
         self._orders: dict[tuple[frozenset[int], frozenset[int]], list[int]] = {}
 
     @classmethod

@@ -427,7 +427,6 @@ class DistinctRow:
         self.lenient = False  # the last `fill` let a repeated key through (see below)
         self.advanced = 0  # tokens advanced by: the state a verdict's runaway rule was read in
         self._curb: tuple[int, np.ndarray | None] = (-1, None)  # `_curbed`'s, for that state
-        self._curb_ids: tuple[np.ndarray | None, np.ndarray] = (None, np.empty(0, np.int64))
         self._memo_at = -1  # `_corner_memo`'s state, and its answers
         self._memo: dict[int, bool] = {}
 
@@ -510,24 +509,6 @@ class DistinctRow:
         ):
             return Verdict.REFUSED
         return Verdict.ALLOWED
-
-    def candidates(self) -> np.ndarray | None:
-        """The row's `LlgRow.candidates`: its own checks only take tokens out."""
-        return self.row.candidates()
-
-    def curb_tokens(self) -> np.ndarray | None:
-        """The tokens the runaway curb keeps at most in this state, ascending (`_curbed`'s
-        line as ids, made once a line: the rules' lines are shared), or None where no curb
-        applies here. Where one applies and a token of these is allowed, no other token is
-        (but an EOS, which the processor adds where the document is complete)."""
-        keep = self._curbed()
-        if keep is None:
-            return None
-        line, ids = self._curb_ids
-        if line is not keep:
-            ids = set_bits(keep.view(np.uint32))
-            self._curb_ids = (keep, ids)
-        return ids
 
     def _curbed(self) -> np.ndarray | None:
         """The tokens `fill`'s runaway curb would keep at most in this state (a mask line: all

@@ -366,13 +366,6 @@ class LlgRow:
             return []
         return list(self._forced_token_list())
 
-    def candidates(self) -> np.ndarray | None:
-        """Where the grammar forces bytes here, the tokens beginning with the first of them
-        (ascending): every token the mask keeps writes the forced bytes or their first ones
-        (`verdict`), so it is one of these; None where no byte is forced."""
-        forced = self._forced_bytes()
-        return self.walk.first_byte[forced[0]] if forced else None
-
     def _forced_token_list(self) -> list[int]:
         """llguidance's forced tokens from here (asked once a state: `_ff_tokens`)."""
         if self._ff_tokens is None:
