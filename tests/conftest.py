@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,6 +27,22 @@ TINY_LLAMA = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ctrl_c_as_from_a_terminal() -> Iterator[None]:
+    """SIGINT handled, not ignored, for the whole session. A shell starts a background job
+    (`cmd &`, as a CI runner may) with SIGINT ignored, and every process a test starts would
+    inherit that: the Ctrl-C cases, which send SIGINT to a `quantkit` process started as from
+    a terminal, would meet the CLI's "started with Ctrl-C ignored" branch instead (exit 0)."""
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def make_hf_model(path: Path, overrides: dict | None = None, seed: int = 0) -> Path:
