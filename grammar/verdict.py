@@ -16,10 +16,18 @@ from __future__ import annotations
 
 from enum import IntEnum
 
-__all__ = ["Verdict"]
+import numpy as np
+
+__all__ = ["Verdict", "keeps"]
 
 
 class Verdict(IntEnum):
     REFUSED = 0
     ALLOWED = 1
     UNKNOWN = 2
+
+
+def keeps(line: np.ndarray, token: int) -> bool:
+    """Whether the bitmask `line` (32-bit words, token t at bit t % 32 of word t // 32) keeps
+    `token`: a verdict read off a mask made already."""
+    return bool((int(line[token >> 5]) >> (token & 31)) & 1)

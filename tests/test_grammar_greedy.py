@@ -269,7 +269,7 @@ def test_allows_on_the_embedded_vocabulary_where_the_mask_writes_forced_bytes_wh
     brace = tok.convert_tokens_to_ids("{")
     assert row.row.matcher.validate_tokens([brace]) == 1  # the matcher takes it ...
     checked, first_bytes = 0, 0
-    by_bytes = {data: token for token, data in vocab.token_bytes.items()}
+    by_bytes = row.row.walk.by_bytes  # the first token writing each byte string
     for token in tok.encode('{"name":"Ada Lovelace","age":36}', add_special_tokens=False):
         line = np.zeros((vocab.size + 31) // 32, dtype=np.int32)
         row.fill(line)

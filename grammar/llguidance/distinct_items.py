@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from quantkit.grammar.verdict import Verdict
+from quantkit.grammar.verdict import Verdict, keeps
 from quantkit.grammar.vocabulary import TokenVocabulary
 
 __all__ = [
@@ -467,7 +467,7 @@ class DistinctRow:
         question otherwise. An `ALLOWED` token sets what `fill` sets (`cleared`,
         `lenient`), as `fill` would."""
         keep = self._curbed()
-        if keep is not None and not (int(keep[token >> 5]) >> (token & 31)) & 1:
+        if keep is not None and not keeps(keep, token):
             return Verdict.REFUSED
         row = self.row
         found = row.verdict(token)  # an allowed token is held by the matcher (`row.tried`)

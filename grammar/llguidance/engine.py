@@ -53,7 +53,7 @@ from quantkit.grammar.llguidance.schema import (
 from quantkit.grammar.llguidance.warm import json_name, property_names, warm_keys
 from quantkit.grammar.narrowing import ordered_objects
 from quantkit.grammar.native_threads import run_with_limit
-from quantkit.grammar.verdict import Verdict
+from quantkit.grammar.verdict import Verdict, keeps
 from quantkit.grammar.vocabulary import TokenVocabulary
 
 __all__ = [
@@ -305,7 +305,7 @@ class LlgRow:
         start = self._start_mask
         if start is not None:  # the start state: its mask is the compile's
             self.untry()
-            if not (int(start[token >> 5]) >> (token & 31)) & 1:
+            if not keeps(start, token):
                 return Verdict.REFUSED
             if self._matcher.try_consume_tokens([token]) != 1:
                 return Verdict.UNKNOWN  # never seen: the mask decides

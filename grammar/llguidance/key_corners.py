@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from quantkit.grammar.llguidance.distinct_items import DistinctItems
+from quantkit.grammar.verdict import keeps
 from quantkit.grammar.vocabulary import byte_tokens
 
 __all__ = ["KeyCorners", "NODES", "TOP"]
@@ -201,7 +202,7 @@ class KeyCorners:
                 return False  # the name leaves every written key's
         for byte in nexts:
             token = self.byte_token.get(byte)
-            if token is None or not (bits[token >> 5] >> (token & 31)) & 1:
+            if token is None or not keeps(bits, token):
                 continue
             copy = matcher.deep_copy()
             if copy.consume_token(token) and not self._dead(copy, name + bytes([byte]), written,
