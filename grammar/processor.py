@@ -25,11 +25,13 @@ skipped where each row can tell, token by token, which token its mask would leav
 (`verdict.Verdict`: llguidance tries the token; no repeated key or item, runaway rule or key
 corner in play). The row is asked about its best tokens in turn until one is allowed (a
 refused one is left out of the mask for certain), or, under budget steering, about the tokens
-along its path. Where the best is allowed the logits go back as they came; else a copy with
-the refused tokens ahead of the pick at -inf. Either way their arg-max is the token the mask
-would have left, so the output is the same. In generated JSON the model's best token is
-usually allowed (18 of 24 steps on the demo schema, and 3 more take a later one), and the mask
-is what a step cost most.
+along its path. Where the best is allowed the logits go back as they came; else, for one row,
+the processor's buffer with the pick alone finite (the refused tokens' scores were read, the
+rest of the row is not copied: a cold 49k-float row copied twice cost ~40 us a refusing step
+in `generate`), for more rows a copy with the refused tokens ahead of each pick at -inf.
+Either way their arg-max is the token the mask would have left, so the output is the same.
+In generated JSON the model's best token is usually allowed (18 of 24 steps on the demo
+schema, and 3 more take a later one), and the mask is what a step cost most.
 
 The time of every call is kept in `mask_times_s` (see `mask_stats`), with the time fast-forward
 spent advancing the rows since the call before (`forced_tokens`): the grammar's whole cost per
@@ -184,6 +186,7 @@ class GrammarLogitsProcessor:
         self._extra = 0  # fast-forwarded columns input_ids gains before the next call
         self.forced_count = 0  # tokens fed without sampling (fast-forward), this generation
         self.unmasked = 0  # greedy steps whose best tokens needed no mask, this generation
+        self.refused = 0  # tokens a greedy step refused ahead of its pick, this generation
         self._done: list[bool] = []
         self._counts: list[int] = []
         self.steered: set[int] = set()
@@ -427,9 +430,10 @@ class GrammarLogitsProcessor:
         best, found without the mask, or None (then the mask decides). Each constrained row
         is asked about its best tokens in turn (`_probe`), or, where budget steering is in
         play, about the tokens along its path (`_along`). Where every row's best token is
-        allowed, `logits` as they came; else a copy with, per row, the tokens refused ahead of
-        the pick at -inf (a steered row: everything but the pick). Not for outlines rows
-        (their budget plans)."""
+        allowed, `logits` as they came; else, for one row, everything but its pick at -inf
+        (`_one_hot`), and for more a copy with, per row, the tokens refused ahead of the pick
+        at -inf (a steered row: everything but the pick). Not for outlines rows (their budget
+        plans)."""
         plans: dict[int, tuple[str, bytes]] = {}
         picked = self._pick(logits, plans)
         # A due walk is made once: where the mask decides, its steering follows these plans.
@@ -454,6 +458,7 @@ class GrammarLogitsProcessor:
 
         refused: dict[int, list[int]] = {}
         only: dict[int, int] = {}
+        value = 0.0  # the one row's pick's score, where it picked past refused tokens
         for row, guide in enumerate(self._guides):
             if guide is None or self._done[row]:
                 continue
@@ -482,35 +487,40 @@ class GrammarLogitsProcessor:
             found = self._probe(guide, lambda r=row: rows()[r], None if kept is None else kept[row])
             if found is None:
                 return None
-            if found:
-                refused[row] = found
-        if not refused and not only:
+            if found[0]:
+                refused[row] = found[0]
+                only[row], value = found[1]
+                self.refused += len(found[0])
+        if not only:
             return logits
-        hot = not refused and len(self._guides) == 1  # one row, steered to one token
+        hot = len(self._guides) == 1  # one row: steered to one token, or past refused ones
         out = self._buffer(logits, whole=not hot)
         if out is None:
             return None  # not CPU float32 logits: the mask decides
         if hot:
             token = only[0]
-            return self._one_hot(out, token, rows()[0].item(token))
+            return self._one_hot(out, token, value if refused else rows()[0].item(token))
         target = self._out_np
         np.copyto(target, rows())
         for row, tokens in refused.items():
             target[row, tokens] = -np.inf
         for row, token in only.items():
-            value = target[row, token]
+            if row in refused:
+                continue
+            score = target[row, token]
             target[row].fill(-np.inf)
-            target[row, token] = value
+            target[row, token] = score
         return out
 
     def _probe(self, guide: Any, scores: Callable[[], np.ndarray], best: int | None
-               ) -> list[int] | None:  # fmt: skip
+               ) -> tuple[list[int], tuple[int, float]] | None:  # fmt: skip
         """The tokens refused ahead of the row's best allowed token (the sampler's arg-max
         order: higher score first, then the lower id), asking about at most `_PROBES`; None
         where one is not told (`Verdict.UNKNOWN`), an EOS or padding comes first, or none of
-        those asked is allowed. scores: the row's logits, asked for only where needed; best:
-        the row's arg-max where the head kept it (`kept_argmax`, its value finite), so the row
-        is not read unless that token is refused."""
+        those asked is allowed; with them the pick and its score (0.0 where none was read:
+        the head's arg-max allowed). scores: the row's logits, asked for only where needed;
+        best: the row's arg-max where the head kept it (`kept_argmax`, its value finite), so
+        the row is not read unless that token is refused."""
         refused: list[int] = []
         work = None
         token = best
@@ -523,8 +533,8 @@ class GrammarLogitsProcessor:
             ):
                 return None  # padding (never allowed), or nothing left with a score
             found = self._verdict(guide, token)
-            if found == Verdict.ALLOWED:
-                return refused
+            if found == Verdict.ALLOWED:  # the pick, and its score where one was read
+                return refused, (token, 0.0 if work is None else work.item(token))
             if found != Verdict.REFUSED:
                 return None
             if not refused:
@@ -578,7 +588,8 @@ class GrammarLogitsProcessor:
         return out
 
     def _one_hot(self, out: torch.Tensor, token: int, value: float) -> torch.Tensor:
-        """`out` (the one-row buffer) as -inf but `value` at `token`: a steered row's pick.
+        """`out` (the one-row buffer) as -inf but `value` at `token`: a steered row's pick,
+        or one picked past refused tokens.
         Where the buffer holds such a row already (`_hot`, the token it keeps) only that token
         and this one are written, not the row's 49k floats twice (a copy of the logits, then
         -inf over it: ~20 us a step inside `generate`, a steered row pays it every step)."""

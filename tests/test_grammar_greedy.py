@@ -49,20 +49,22 @@ def _decode(processor: GrammarLogitsProcessor, vocab: TokenVocabulary, seed: int
             *, steps: int, kinds: dict[str, int] | None = None) -> list[int]:  # fmt: skip
     """Greedy decoding of a random 'model' (new scores each step, from `seed`), biased toward
     structure so documents get somewhere. kinds: counts the unmasked steps by what came
-    back: the logits as they were ("best"), with refused tokens at -inf ("probed"), or one
-    token left along a steering path ("along")."""
+    back: the logits as they were ("best"), the pick alone past refused tokens ("probed"), or
+    one token left along a steering path ("along")."""
     rng = np.random.default_rng(seed)
     favourite = np.asarray([vocab.token_bytes.get(t, b"")[:1] in (b'"', b"a", b"0", b"1")
                             for t in range(vocab.size)])  # fmt: skip
     ids, out = torch.zeros((1, 1), dtype=torch.long), []
     for _ in range(steps):
         scores = torch.from_numpy(rng.normal(size=vocab.size) + 1.5 * favourite).float()
-        before = processor.unmasked
+        before, refused = processor.unmasked, processor.refused
         given = scores[None]
         result = processor(ids, given)
         if kinds is not None and processor.unmasked > before:
             finite = int(torch.isfinite(result).sum())
-            kind = "best" if result is given else "along" if finite == 1 else "probed"
+            kind = "best" if result is given else "probed" if processor.refused > refused else (
+                "along")  # fmt: skip
+            assert kind == "best" or finite == 1, kind  # one row: the pick alone is finite
             kinds[kind] = kinds.get(kind, 0) + 1
         token = int(result.argmax())
         out.append(token)
