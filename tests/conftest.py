@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,6 +86,22 @@ def grammar_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("QUANTKIT_HOME", str(tmp_path / "home"))
     compiler.clear_memory_cache()
     return tmp_path / "home"
+
+
+# $QUANTKIT_HOME as the session found it (`session_home`).
+_SESSION_HOME = os.environ.get("QUANTKIT_HOME")
+
+
+@pytest.fixture
+def session_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    """$QUANTKIT_HOME put back to what the session began with, after any `grammar_home` (a
+    module's `usefixtures` come before a test's own fixtures): for the few end-to-end tests
+    that read the real model from the shared cache, where converting it into a temporary home
+    would take longer than the test."""
+    if _SESSION_HOME is None:
+        monkeypatch.delenv("QUANTKIT_HOME", raising=False)
+    else:
+        monkeypatch.setenv("QUANTKIT_HOME", _SESSION_HOME)
 
 
 @pytest.fixture(scope="session")

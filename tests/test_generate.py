@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,6 @@ from quantkit.runtime.sampling import SamplingParams
 from quantkit.runtime.textstream import IncrementalDetokenizer, StopStringStream
 
 GREEDY = SamplingParams(max_new_tokens=24)
-_REAL_HOME = os.environ.get("QUANTKIT_HOME")
 
 
 @pytest.fixture(autouse=True)
@@ -279,15 +277,11 @@ def test_incremental_detokenizer_handles_split_characters(tiny: LoadedModel) -> 
 
 
 @pytest.mark.slow
-def test_embedded_model_greedy_matches_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_embedded_model_greedy_matches_transformers(session_home: None) -> None:
     """SmolLM2-135M-Instruct, dense fp32, from the shared cache ($QUANTKIT_HOME as the user has
     it: converting the GGUF again into a temporary home would take longer than the test)."""
     import transformers
 
-    if _REAL_HOME is None:
-        monkeypatch.delenv("QUANTKIT_HOME", raising=False)
-    else:
-        monkeypatch.setenv("QUANTKIT_HOME", _REAL_HOME)
     loaded = load_model("smollm2-135m")
     ref = transformers.AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32)
     eos = eos_token_ids(tokenizer=loaded.tokenizer, config=loaded.config, model_dir=loaded.path)

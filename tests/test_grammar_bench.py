@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,6 @@ from quantkit.grammar.constraints import json_schema_grammar
 # A JSONSchemaBench subset in the benchmark's layout: 3 schemas per category, 1 of Github_ultra
 # (see tests/data/jsonschemabench/README.md).
 FIXTURE_DATA = Path(__file__).resolve().parent / "data"
-_REAL_HOME = os.environ.get("QUANTKIT_HOME")
 
 
 @pytest.fixture()
@@ -154,15 +152,11 @@ def test_small_subset_is_sound_on_its_test_instances(bench_dir: Path) -> None:
 
 
 @pytest.mark.slow
-def test_generation_on_the_embedded_model(monkeypatch: pytest.MonkeyPatch, bench_dir: Path) -> None:
+def test_generation_on_the_embedded_model(session_home: None, bench_dir: Path) -> None:
     """Two small schemas, 32 new tokens, the real model from the shared cache (converting it
     again into a temporary home would take longer than the test); no index is cached."""
     from quantkit.evals.grammar.jsonschema import SchemaResult, run_bench
 
-    if _REAL_HOME is None:
-        monkeypatch.delenv("QUANTKIT_HOME", raising=False)
-    else:
-        monkeypatch.setenv("QUANTKIT_HOME", _REAL_HOME)
     names = ["Glaiveai2K", "BFCL"]
     items = [s for s in sample_schemas(bench_dir, per_category=1) if s.category in names]
     report = run_bench(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -15,7 +14,6 @@ from quantkit.errors import EvalError
 from quantkit.evals.grammar.paired import BASE_NAME, base_grammar, main
 
 pytestmark = pytest.mark.usefixtures("grammar_home")
-_REAL_HOME = os.environ.get("QUANTKIT_HOME")
 
 
 def test_a_revisions_grammar_imports_under_its_own_name(tmp_path: Path) -> None:
@@ -44,15 +42,11 @@ def test_an_unknown_revision_is_one_error(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_a_paired_run_against_head_gives_the_same_tokens(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], session_home: None
 ) -> None:
     """HEAD against this checkout on the demo's schema: both sides generate, every generation
     the same tokens (the exit code says so), and each side's steps are timed. The real model
     from the shared cache (converting it into a temporary home would take minutes)."""
-    if _REAL_HOME is None:
-        monkeypatch.delenv("QUANTKIT_HOME", raising=False)
-    else:
-        monkeypatch.setenv("QUANTKIT_HOME", _REAL_HOME)
     schema = Path(__file__).resolve().parents[1] / "examples" / "person.json"
     report = tmp_path / "paired.json"
     code = main(["--base", "HEAD", "--schema", str(schema), "--max-new-tokens", "24",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from collections import defaultdict
@@ -17,10 +18,12 @@ __all__ = [
     "BENCH_ENV",
     "DATA_ENV",
     "BenchSchema",
+    "add_schema_arguments",
     "category_of",
     "classify_error",
     "default_bench_dir",
     "sample_schemas",
+    "schemas_asked",
 ]
 
 BENCH_ENV = "QUANTKIT_JSONSCHEMABENCH"  # JSONSchemaBench's root folder itself
@@ -127,3 +130,32 @@ def classify_error(message: str) -> str:
         if needle in message:
             return kind
     return "other"
+
+
+def add_schema_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a run over schemas on a model: the sample's folder and size, or schema
+    files; the token limit, the model, the JSON report (`schemas_asked` reads the first)."""
+    parser.add_argument("--data", type=Path, default=None, help="JSONSchemaBench root folder")
+    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--schema", action="append", default=None,
+                        help="a JSON schema file instead of the sample (repeatable)")  # fmt: skip
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--model", default=None, help="default: the embedded model as INT4")
+    parser.add_argument("--json", type=Path, default=None)
+
+
+def schemas_asked(args: argparse.Namespace) -> list[tuple[str, Any]]:
+    """(name, schema) of each `--schema` file, else of the sample (`--data`, or the default
+    folder; `--per-category`); EvalError for a file that is not JSON or a missing folder."""
+    if args.schema:
+        found = []
+        for name in args.schema:
+            try:
+                found.append((Path(name).name, json.loads(Path(name).read_text())))
+            except (OSError, json.JSONDecodeError) as e:
+                raise EvalError(f"--schema {name}: expected JSON, got {e}") from e
+        return found
+    folder = args.data or default_bench_dir()
+    if not (folder / "maskbench" / "data").is_dir():
+        raise EvalError(f"expected JSONSchemaBench at {folder}, found nothing")
+    return [(i.name, i.schema) for i in sample_schemas(folder, per_category=args.per_category)]

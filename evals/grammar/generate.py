@@ -13,7 +13,7 @@ from quantkit.grammar.processor import GrammarLogitsProcessor
 from quantkit.grammar.prompting import default_schema_prompt
 from quantkit.runtime.head import head_name
 
-__all__ = ["generate_batch", "load_model", "load_tokenizer"]
+__all__ = ["generate_batch", "load_model", "load_tokenizer", "model_vocabulary"]
 
 
 def generate_batch(
@@ -99,3 +99,15 @@ def load_model(spec: str | None) -> tuple[Any, str]:
     head = head_name(loaded.model)
     threads = torch.get_num_threads()
     return loaded, f"{loaded.path} ({kind}, lm_head {head}, {threads} torch threads)"
+
+
+def model_vocabulary(loaded: Any) -> tuple[set[int], Any]:
+    """A loaded model's EOS ids and its tokenizer's `TokenVocabulary`, as `generate` reads them."""
+    from quantkit.grammar.vocabulary import TokenVocabulary
+    from quantkit.runtime.generate import eos_token_ids
+
+    eos = eos_token_ids(tokenizer=loaded.tokenizer, config=loaded.config, model_dir=loaded.path)
+    vocab = TokenVocabulary.from_tokenizer(
+        loaded.tokenizer, eos_token_ids=eos, vocab_size=loaded.config["vocab_size"]
+    )
+    return eos, vocab

@@ -22,19 +22,17 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
-import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from quantkit.errors import EvalError, QuantkitError
 from quantkit.evals.common import git_commit, print_and_save, run_main
-from quantkit.evals.grammar.data import default_bench_dir, sample_schemas
-from quantkit.evals.grammar.generate import load_model
+from quantkit.evals.grammar.data import add_schema_arguments, schemas_asked
+from quantkit.evals.grammar.generate import load_model, model_vocabulary
 
 __all__ = ["PARTS", "main", "timed_parts"]
 
@@ -154,37 +152,17 @@ def _timer_cost() -> float:
     return max(best, 0.0)
 
 
-def _schemas(args: argparse.Namespace) -> list[tuple[str, Any]]:
-    if args.schema:
-        found = []
-        for name in args.schema:
-            try:
-                found.append((Path(name).name, json.loads(Path(name).read_text())))
-            except (OSError, json.JSONDecodeError) as e:
-                raise EvalError(f"--schema {name}: expected a JSON file, got {e}") from e
-        return found
-    folder = args.data or default_bench_dir()
-    if not (folder / "maskbench" / "data").is_dir():
-        raise EvalError(f"expected JSONSchemaBench at {folder}, found nothing")
-    return [(i.name, i.schema) for i in sample_schemas(folder, per_category=args.per_category)]
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from quantkit.grammar.compiler import compile_grammar
     from quantkit.grammar.constraints import json_schema_grammar
     from quantkit.grammar.processor import GrammarLogitsProcessor
     from quantkit.grammar.prompting import default_schema_prompt
-    from quantkit.grammar.vocabulary import TokenVocabulary
-    from quantkit.runtime.generate import encode_prompt, eos_token_ids, generate
+    from quantkit.runtime.generate import encode_prompt, generate
     from quantkit.runtime.sampling import SamplingParams
 
-    schemas = _schemas(args)
+    schemas = schemas_asked(args)
     loaded, desc = load_model(args.model)
-    eos = eos_token_ids(tokenizer=loaded.tokenizer, config=loaded.config,
-                        model_dir=loaded.path)  # fmt: skip
-    vocab = TokenVocabulary.from_tokenizer(
-        loaded.tokenizer, eos_token_ids=eos, vocab_size=loaded.config["vocab_size"]
-    )
+    eos, vocab = model_vocabulary(loaded)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
     jobs, skipped = [], []
     for name, schema in schemas:
@@ -263,13 +241,7 @@ def table(report: dict[str, Any]) -> str:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m quantkit.evals.grammar.split")
-    parser.add_argument("--data", type=Path, default=None, help="JSONSchemaBench root folder")
-    parser.add_argument("--per-category", type=int, default=2)
-    parser.add_argument("--schema", action="append", default=None,
-                        help="a JSON schema file instead of the sample (repeatable)")  # fmt: skip
-    parser.add_argument("--max-new-tokens", type=int, default=512)
-    parser.add_argument("--model", default=None, help="default: the embedded model as INT4")
-    parser.add_argument("--json", type=Path, default=None)
+    add_schema_arguments(parser)
     return parser
 
 
