@@ -64,7 +64,7 @@ from quantkit.grammar.budget import WINDOW, CompletionPlan
 from quantkit.grammar.compiler import CompiledGrammar
 from quantkit.grammar.verdict import Verdict
 from quantkit.grammar.vocabulary import byte_tokens
-from quantkit.runtime.kept_argmax import kept_argmax
+from quantkit.runtime.kept_argmax import kept_best
 
 __all__ = ["GrammarLogitsProcessor"]
 
@@ -442,9 +442,10 @@ class GrammarLogitsProcessor:
 
     def _pick(self, logits: torch.Tensor, plans: dict[int, tuple[str, bytes]]
               ) -> torch.Tensor | None:  # fmt: skip
-        # The rows' arg-maxes as the head kept them (`kept_argmax`): where a row's is allowed,
-        # the logits are never read here (a numpy view of them cost 9 us cold inside generate).
-        kept = None if self._host is False else kept_argmax(logits)
+        # The rows' best tokens as the head kept them (`kept_best`): where a row's best is
+        # allowed, or a later one of them, the logits are barely read here (a numpy view of
+        # them cost 9 us cold inside generate, a copy of a row ~25 us more).
+        kept = None if self._host is False else kept_best(logits)
         view: list[np.ndarray] = []  # the logits as numpy, made when first needed
 
         def rows() -> np.ndarray:
@@ -512,36 +513,42 @@ class GrammarLogitsProcessor:
             target[row, token] = score
         return out
 
-    def _probe(self, guide: Any, scores: Callable[[], np.ndarray], best: int | None
+    def _probe(self, guide: Any, scores: Callable[[], np.ndarray], best: list[int] | None
                ) -> tuple[list[int], tuple[int, float]] | None:  # fmt: skip
         """The tokens refused ahead of the row's best allowed token (the sampler's arg-max
         order: higher score first, then the lower id), asking about at most `_PROBES`; None
         where one is not told (`Verdict.UNKNOWN`), an EOS or padding comes first, or none of
-        those asked is allowed; with them the pick and its score (0.0 where none was read:
-        the head's arg-max allowed). scores: the row's logits, asked for only where needed;
-        best: the row's arg-max where the head kept it (`kept_argmax`, its value finite), so
-        the row is not read unless that token is refused."""
+        those asked is allowed; with them the pick and its score (0.0 where the head's
+        arg-max is allowed: no score is read). scores: the row's logits, asked for only where
+        needed; best: the row's best tokens as the head kept them (`kept_best`: arg-max order,
+        values finite, -1 after the last), taken in turn before the row is read at all."""
         refused: list[int] = []
-        work = None
-        token = best
-        if token is None:
+        work = None  # the row's scores once read (copied at a refusal: the refused at -inf)
+        copied = False
+        token = best[0] if best is not None else -1
+        if token < 0:
             work = scores()
             token = int(work.argmax())
-        for _ in range(_PROBES):
+        for probe in range(1, _PROBES + 1):
             if token >= self.vocabulary.size or (
                 work is not None and not math.isfinite(work.item(token))
             ):
                 return None  # padding (never allowed), or nothing left with a score
             found = self._verdict(guide, token)
-            if found == Verdict.ALLOWED:  # the pick, and its score where one was read
-                return refused, (token, 0.0 if work is None else work.item(token))
+            if found == Verdict.ALLOWED:  # the pick, and its score
+                value = 0.0 if not refused else (scores() if work is None else work).item(token)
+                return refused, (token, value)
             if found != Verdict.REFUSED:
                 return None
-            if not refused:
-                work = scores().copy()
-            assert work is not None  # copied above at the first refusal
             refused.append(token)
-            work[token] = -np.inf
+            if work is None and best is not None and probe < len(best) and best[probe] >= 0:
+                token = best[probe]  # the head's next best
+                continue
+            if not copied:  # past the kept tokens: read the row (a copy to write in)
+                work, copied = (scores() if work is None else work).copy(), True
+                work[refused] = -np.inf
+            else:
+                work[token] = -np.inf
             token = int(work.argmax())
         return None
 

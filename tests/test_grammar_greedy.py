@@ -14,6 +14,7 @@ from quantkit.grammar.constraints import validate_json
 from quantkit.grammar.processor import GrammarLogitsProcessor
 from quantkit.grammar.verdict import Verdict
 from quantkit.grammar.vocabulary import TokenVocabulary
+from quantkit.runtime.kept_argmax import keep
 from tests.hand_vocab import EOS, fed_row, vocab_of
 from tests.hand_vocab import llguidance as llg
 
@@ -45,12 +46,21 @@ def vocab() -> TokenVocabulary:
     return vocab_of(PIECES)
 
 
+def _kept_order(scores: torch.Tensor, top: int = 8) -> torch.Tensor:
+    """[1, top]: the first `top` tokens in arg-max order (larger first, the lower id among
+    equal scores), as a head kernel keeps them (`kept_argmax.keep`)."""
+    order = np.argsort(-scores.numpy(), kind="stable")[:top]
+    return torch.from_numpy(order.astype(np.int64))[None]
+
+
 def _decode(processor: GrammarLogitsProcessor, vocab: TokenVocabulary, seed: int,
-            *, steps: int, kinds: dict[str, int] | None = None) -> list[int]:  # fmt: skip
+            *, steps: int, kinds: dict[str, int] | None = None,
+            kept: bool = False) -> list[int]:  # fmt: skip
     """Greedy decoding of a random 'model' (new scores each step, from `seed`), biased toward
     structure so documents get somewhere. kinds: counts the unmasked steps by what came
     back: the logits as they were ("best"), the pick alone past refused tokens ("probed"), or
-    one token left along a steering path ("along")."""
+    one token left along a steering path ("along"). kept: each step's best tokens are kept
+    with the logits, as the int8 and int6 heads keep them, so the probe takes them in turn."""
     rng = np.random.default_rng(seed)
     favourite = np.asarray([vocab.token_bytes.get(t, b"")[:1] in (b'"', b"a", b"0", b"1")
                             for t in range(vocab.size)])  # fmt: skip
@@ -59,6 +69,8 @@ def _decode(processor: GrammarLogitsProcessor, vocab: TokenVocabulary, seed: int
         scores = torch.from_numpy(rng.normal(size=vocab.size) + 1.5 * favourite).float()
         before, refused = processor.unmasked, processor.refused
         given = scores[None]
+        if kept:
+            keep(given, _kept_order(scores))
         result = processor(ids, given)
         if kinds is not None and processor.unmasked > before:
             finite = int(torch.isfinite(result).sum())
@@ -78,27 +90,33 @@ def _decode(processor: GrammarLogitsProcessor, vocab: TokenVocabulary, seed: int
 def decoded(vocab) -> list[dict[str, Any]]:
     """Per schema, 12 seeds decoded by a processor that masks every step and by a greedy one
     (budget 60 tokens, so rows are steered near the end): the tokens of each, and how the
-    greedy one's steps went."""
+    greedy one's steps went; and the tokens of a greedy one given the head's kept best tokens
+    (`_decode`'s kept), with how many it refused."""
     found = []
     for schema in SCHEMAS:
         compiled = llg(schema, vocab)
-        runs, unmasked, steps, kinds = [], 0, 0, {}
+        runs, unmasked, steps, kinds, refused = [], 0, 0, {}, 0
         for seed in range(12):
             full = GrammarLogitsProcessor(compiled, max_new_tokens=60)
             lazy = GrammarLogitsProcessor(compiled, max_new_tokens=60, greedy=True)
+            told = GrammarLogitsProcessor(compiled, max_new_tokens=60, greedy=True)
             tokens = _decode(full, vocab, seed, steps=60)
-            runs.append((tokens, _decode(lazy, vocab, seed, steps=60, kinds=kinds)))
+            runs.append((tokens, _decode(lazy, vocab, seed, steps=60, kinds=kinds),
+                         _decode(told, vocab, seed, steps=60, kept=True)))  # fmt: skip
             unmasked += lazy.unmasked
             steps += len(lazy.mask_times_s)
-        found.append({"runs": runs, "unmasked": unmasked, "steps": steps, "kinds": kinds})
+            refused += told.refused
+        found.append({"runs": runs, "unmasked": unmasked, "steps": steps, "kinds": kinds,
+                      "kept_refused": refused})  # fmt: skip
     return found
 
 
 @pytest.mark.parametrize("index", range(len(SCHEMAS)))
 def test_greedy_steps_give_the_tokens_of_masking_every_step(vocab, decoded, index: int) -> None:
     result = decoded[index]
-    for seed, (tokens, greedy) in enumerate(result["runs"]):
+    for seed, (tokens, greedy, told) in enumerate(result["runs"]):
         assert greedy == tokens, seed
+        assert told == tokens, seed  # the head's kept best tokens taken in turn
         if tokens[-1] in EOS:
             text = b"".join(vocab.token_bytes[t] for t in tokens[:-1]).decode()
             assert validate_json(text, SCHEMAS[index]) is None, text
@@ -115,6 +133,28 @@ def test_every_kind_of_unmasked_step_was_taken(decoded) -> None:
             kinds[kind] = kinds.get(kind, 0) + count
     assert kinds.get("best", 0) > 0 and kinds.get("probed", 0) > 0, kinds
     assert kinds.get("along", 0) > 0, kinds
+    # and with the head's best tokens kept, picks past refused ones were taken from them
+    assert sum(result["kept_refused"] for result in decoded) > 0
+
+
+def test_a_refused_best_token_is_followed_by_the_heads_next_one(vocab) -> None:
+    """Where the head kept its best tokens, the probe takes them in turn without reading the
+    row: kept here in an order that is not the scores' (the true second best is `{`, the kept
+    second `{"a":`), the pick is the kept one, and it comes back as the one finite score."""
+    ids = {vocab.token_bytes[t]: t for t in range(1, vocab.size) if vocab.token_bytes.get(t)}
+    a, brace, brace_key = ids[b"a"], ids[b"{"], ids[b'{"a":']
+    scores = torch.full((vocab.size,), -5.0)
+    scores[a], scores[brace], scores[brace_key] = 9.0, 8.0, 1.0
+    processor = GrammarLogitsProcessor(llg({"type": "object"}, vocab), greedy=True)
+    given = scores[None]
+    keep(given, torch.tensor([[a, brace_key, brace, -1, -1, -1, -1, -1]]))
+    out = processor(torch.zeros((1, 1), dtype=torch.long), given)
+    assert processor.refused == 1 and int(out.argmax()) == brace_key
+    assert int(torch.isfinite(out).sum()) == 1 and float(out[0, brace_key]) == 1.0
+    # without kept tokens the row is read: the scores' second best
+    plain = GrammarLogitsProcessor(llg({"type": "object"}, vocab), greedy=True)
+    out = plain(torch.zeros((1, 1), dtype=torch.long), scores[None].clone())
+    assert plain.refused == 1 and int(out.argmax()) == brace
 
 
 def test_verdicts_never_contradict_the_mask(vocab) -> None:

@@ -334,3 +334,10 @@ def test_every_library_builds_and_loads_here() -> None:
     where none is, never because a change stopped them compiling."""
     for name in cpu_abi.LIBRARIES:
         assert cpu_abi.load(name) is not None, name
+
+
+def test_the_kept_best_tokens_count_is_one_number() -> None:
+    """The head GEMVs' `best` rows are QK_TOP long: common.h's define and `cpu_abi.QK_TOP`."""
+    root = importlib.resources.files("quantkit.fused_kernels.cpu").joinpath("csrc")
+    found = re.findall(r"^#define QK_TOP (\d+)$", root.joinpath("common.h").read_text(), re.M)
+    assert found == [str(cpu_abi.QK_TOP)]

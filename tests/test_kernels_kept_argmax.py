@@ -1,7 +1,7 @@
-"""The arg-max the int8 and int6 head GEMVs keep while they store the logits (`best`), and its
-way to the greedy sampler and the grammar processor (`runtime.kept_argmax`): numpy's index
-every time (the first of equal maxima, across lanes, tiles and threads), none for a NaN, and
-none for logits that are not exactly what the head wrote."""
+"""The best tokens the int8 and int6 head GEMVs keep while they store the logits (`best`), and
+their way to the greedy sampler and the grammar processor (`runtime.kept_argmax`): numpy's
+arg-max order every time (larger first, the first of equal values, across lanes, tiles and
+threads), none for a NaN, and none for logits that are not exactly what the head wrote."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from quantkit.fused_kernels.cpu.abi import QK_TOP
 from quantkit.fused_kernels.cpu.bf16_gemv import I8I8Weight, i8i8_gemv, i8i8_gemv_available
 from quantkit.fused_kernels.cpu.i6_gemv import I6Weight, i6_gemv, i6_gemv_available
 from quantkit.models.decoder import build_model
 from quantkit.runtime.head import CastHead, Int6Head, set_head_dtype
-from quantkit.runtime.kept_argmax import keep, kept_argmax
+from quantkit.runtime.kept_argmax import keep, kept_argmax, kept_best
 from quantkit.runtime.sampling import RepetitionPenalty, apply_processors, greedy_tokens
 from tests.family_models import make_family_model
 
@@ -35,14 +36,25 @@ def _gemvs(weight: torch.Tensor):
     i8, i6 = _i8(weight), I6Weight(weight)
 
     def run_i8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        best = torch.full((x.shape[0],), 7, dtype=torch.int64)
+        best = torch.full((x.shape[0], QK_TOP), 7, dtype=torch.int64)
         return i8i8_gemv(x, i8, best=best), best
 
     def run_i6(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        best = torch.full((x.shape[0],), 7, dtype=torch.int64)
+        best = torch.full((x.shape[0], QK_TOP), 7, dtype=torch.int64)
         return i6_gemv(x, i6, best=best), best
 
     return [("int8", run_i8), ("int6", run_i6)]
+
+
+def _numpys_order(y: torch.Tensor) -> list[list[int]]:
+    """Each row's first QK_TOP columns in arg-max order (a stable sort of -y: the first of
+    equal values first), -1 from the first value that is not finite."""
+    out = []
+    for row in y.numpy():
+        cols = np.argsort(-row, kind="stable")[:QK_TOP].tolist()
+        cut = next((i for i, c in enumerate(cols) if not np.isfinite(row[c])), len(cols))
+        out.append(cols[:cut] + [-1] * (QK_TOP - cut))
+    return out
 
 
 @needs_vnni
@@ -57,7 +69,8 @@ def test_the_kept_argmax_is_numpys_on_what_was_stored(rows: int, threads: int) -
     try:
         for name, run in _gemvs(weight):
             y, best = run(x)
-            assert best.tolist() == y.numpy().argmax(-1).tolist(), name
+            assert best[:, 0].tolist() == y.numpy().argmax(-1).tolist(), name
+            assert best.tolist() == _numpys_order(y), name
     finally:
         torch.set_num_threads(saved)
 
@@ -67,7 +80,7 @@ def test_the_kept_argmax_is_numpys_on_what_was_stored(rows: int, threads: int) -
 def test_equal_maxima_give_the_first_column(pair: tuple[int, int]) -> None:
     """Two equal rows of the weight give equal logits: in one tile's lanes (3, 7), in two
     tiles (5, 37), and in the two threads' halves (9, 1000; 0 and the padded last tile's
-    1002); the earlier column wins, as numpy's arg-max says."""
+    1002); the earlier column wins, as numpy's arg-max says, and the later comes next."""
     g = torch.Generator().manual_seed(1)
     weight = torch.randn(1003, 64, generator=g) * 0.1
     x = torch.rand(2, 64, generator=g) + 0.5
@@ -79,7 +92,8 @@ def test_equal_maxima_give_the_first_column(pair: tuple[int, int]) -> None:
         for name, run in _gemvs(weight):
             y, best = run(x)
             assert float(y[0, pair[0]]) == float(y[0, pair[1]]) == float(y[0].max()), name
-            assert best.tolist() == [pair[0], pair[0]], name
+            assert best[:, :2].tolist() == [list(pair), list(pair)], name
+            assert best.tolist() == _numpys_order(y), name
     finally:
         torch.set_num_threads(saved)
 
@@ -92,18 +106,41 @@ def test_a_nan_logit_is_not_kept() -> None:
     scale[17] = float("nan")
     packed = I8I8Weight(torch.round(weight / (weight.abs().amax(-1) / 127)[:, None])
                         .to(torch.int8), scale)  # fmt: skip
-    best = torch.zeros(2, dtype=torch.int64)
+    best = torch.zeros(2, QK_TOP, dtype=torch.int64)
     y = i8i8_gemv(x, packed, best=best)
-    assert bool(y[:, 17].isnan().all()) and best.tolist() == [-1, -1]
-    with pytest.raises(ValueError, match=r"best: expected int64 \[2\]"):
-        i8i8_gemv(x, packed, best=torch.zeros(3, dtype=torch.int64))
+    assert bool(y[:, 17].isnan().all()) and best.tolist() == [[-1] * QK_TOP] * 2
+    with pytest.raises(ValueError, match=rf"best: expected int64 \[2, {QK_TOP}\]"):
+        i8i8_gemv(x, packed, best=torch.zeros(2, dtype=torch.int64))
+
+
+@needs_vnni
+def test_fewer_finite_values_than_kept_end_the_list() -> None:
+    """Rows with 3 finite logits (the other weight rows' scales -inf, their logits positive
+    before) keep those 3 in order, then -1; rows whose largest is +inf keep none."""
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(40, 64, generator=g)
+    x = torch.rand(2, 64, generator=g) + 0.5
+    weight[:] = weight.abs()  # positive logits: a scale of -inf makes a logit -inf
+    scale = weight.abs().amax(-1) / 127
+    codes = torch.round(weight / scale[:, None]).to(torch.int8)
+    scale = torch.full_like(scale, float("-inf"))
+    scale[[30, 4, 11]] = torch.tensor([0.5, 0.25, 0.125])
+    best = torch.zeros(2, QK_TOP, dtype=torch.int64)
+    y = i8i8_gemv(x, I8I8Weight(codes, scale), best=best)
+    assert int(torch.isfinite(y[0]).sum()) == 3
+    assert best.tolist() == _numpys_order(y) and best[0, 3:].tolist() == [-1] * (QK_TOP - 3)
+    scale[7] = float("inf")
+    y = i8i8_gemv(x, I8I8Weight(codes, scale), best=best)
+    assert best.tolist() == [[-1] * QK_TOP] * 2
 
 
 def test_kept_only_for_the_very_logits_the_head_wrote() -> None:
     logits = torch.randn(2, 50)
     true = logits.argmax(-1).tolist()
-    keep(logits, torch.tensor([4, 9]))  # not the true arg-max: shows which one is read
+    kept = torch.tensor([[4, 8, -1], [9, 2, 3]])  # not the true ones: shows which are read
+    keep(logits, kept)
     assert kept_argmax(logits) == [4, 9]
+    assert kept_best(logits) == kept.tolist()
     assert kept_argmax(logits.view(2, 1, 50)[:, -1]) == [4, 9]  # the decode loop's view
     assert greedy_tokens(logits).tolist() == [4, 9]
     assert kept_argmax(logits.clone()) is None  # a copy
@@ -112,8 +149,8 @@ def test_kept_only_for_the_very_logits_the_head_wrote() -> None:
     logits.mul_(1.0)  # written in place since: the version moved
     assert kept_argmax(logits) is None
     assert greedy_tokens(logits).tolist() == true
-    other = keep(torch.randn(2, 50), torch.tensor([3, -1]))  # a row not kept
-    assert kept_argmax(other) is None
+    other = keep(torch.randn(2, 50), torch.tensor([[3, 1], [-1, -1]]))  # a row not kept
+    assert kept_argmax(other) is None and kept_best(other) is None
 
 
 @needs_vnni
@@ -125,6 +162,7 @@ def test_the_heads_keep_their_argmax_and_the_sampler_takes_it() -> None:
         logits = head(x)[:, -1]
         kept = kept_argmax(logits)
         assert kept is not None and kept == logits.numpy().argmax(-1).tolist()
+        assert kept_best(logits) == _numpys_order(logits)
         assert greedy_tokens(logits).tolist() == kept
         assert np.array_equal(greedy_tokens(logits.clone()).numpy(), np.asarray(kept))
 
@@ -140,7 +178,7 @@ def test_a_processor_that_may_write_its_input_drops_the_kept_argmax() -> None:
 
     ids = torch.zeros(1, 2, dtype=torch.int64)
     with torch.inference_mode():
-        logits = keep(torch.randn(1, 20), torch.tensor([3]))
+        logits = keep(torch.randn(1, 20), torch.tensor([[3]]))
         assert kept_argmax(logits) == [3]
         same = apply_processors([RepetitionPenalty(1.0)], ids, logits)  # marked: kept
         assert same is logits and kept_argmax(same) == [3]

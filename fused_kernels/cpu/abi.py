@@ -398,6 +398,10 @@ FUNCTIONS: dict[str, Fn] = {
 # --------------------------------------------------------------------------------------- libraries
 
 
+# The best tokens a head GEMV keeps per row (`best` [M][QK_TOP]; csrc/common.h's QK_TOP).
+QK_TOP = 8
+
+
 class Library(NamedTuple):
     """A library: the csrc file that is its translation unit, and the functions it exports."""
 

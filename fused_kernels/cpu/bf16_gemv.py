@@ -83,8 +83,9 @@ def i8i8_gemv(
 ) -> torch.Tensor:
     """fp32 [M, N] = q(x) [M, K] @ (W8 * scale[:, None]).T: x (fp32 [M, K], contiguous rows,
     M <= `I8I8_MAX_M`) quantized to int8 per `weight.block` elements, multiplied in
-    integers (`qk_i8i8_gemv`). best: int64 [M], set to each row's arg-max of the result as
-    the kernel stored it (the first of equal values; -1 where a row holds a NaN)."""
+    integers (`qk_i8i8_gemv`). best: int64 [M, QK_TOP], set to each row's best columns of the
+    result as the kernel stored it, in arg-max order (larger first, the first of equal values;
+    -1 after the last finite one, and a whole row -1 where it holds a NaN)."""
     if not i8i8_gemv_available():
         raise KernelUnavailableError("int8 x int8 GEMV: expected a CPU with AVX512-VNNI, got none")
     lib = _library()

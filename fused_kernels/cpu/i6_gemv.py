@@ -127,7 +127,7 @@ def i6_gemv(
 ) -> torch.Tensor:
     """fp32 [M, N] = q(x) [M, K] @ (C * s).T: x fp32 [M, K] on the CPU with contiguous rows,
     1 <= M <= `I6_MAX_M`, quantized to int8 per block of 32. Written into `out` (fp32 [M, N],
-    contiguous rows) when given. best: int64 [M], each row's arg-max as stored
+    contiguous rows) when given. best: int64 [M, QK_TOP], each row's best columns as stored
     (`bf16_gemv.i8i8_gemv`'s)."""
     if not i6_gemv_available():
         raise KernelUnavailableError("6-bit head GEMV: expected a CPU with AVX512-VNNI, got none")

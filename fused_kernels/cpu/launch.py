@@ -157,16 +157,17 @@ def _rebuild(
 
 
 def best_pointer(best: torch.Tensor | None, rows: int) -> int | None:
-    """The address of `best` (int64 [rows], contiguous, on the CPU) for a head GEMV's arg-max,
-    or None; ValueError for anything else."""
+    """The address of `best` (int64 [rows, QK_TOP], contiguous, on the CPU) for a head GEMV's
+    best tokens, or None; ValueError for anything else."""
     if best is None:
         return None
+    top = cpu_abi.QK_TOP
     if (
         best.dtype != torch.int64
-        or tuple(best.shape) != (rows,)
+        or tuple(best.shape) != (rows, top)
         or not best.is_contiguous()
         or not best.is_cpu
     ):
-        raise ValueError(f"best: expected int64 [{rows}] on the CPU, got {best.dtype} "
+        raise ValueError(f"best: expected int64 [{rows}, {top}] on the CPU, got {best.dtype} "
                          f"{tuple(best.shape)} on {best.device}")  # fmt: skip
     return best.data_ptr()

@@ -23,6 +23,7 @@ from quantkit.cpu import has_bf16_dot
 from quantkit.errors import GenerationError
 from quantkit.format.dtypes import DTYPES
 from quantkit.format.packing import int8_absmax
+from quantkit.fused_kernels.cpu.abi import QK_TOP
 from quantkit.fused_kernels.cpu.bf16_gemv import (
     I8I8Weight,
     bf16_gemv,
@@ -107,7 +108,7 @@ class CastHead(nn.Module):
             if self._i8i8 is not None:
                 if not self.keeps_argmax:
                     return i8i8_gemv(x2, self._i8i8).view(*x.shape[:-1], -1)
-                best = torch.empty(rows, dtype=torch.int64)
+                best = torch.empty(rows, QK_TOP, dtype=torch.int64)
                 y = keep(i8i8_gemv(x2, self._i8i8, best=best), best)
                 return y.view(*x.shape[:-1], -1)
             if self.scale is not None:
@@ -147,7 +148,7 @@ class Int6Head(nn.Module):
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         out = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
-        best = torch.empty(x2.shape[0], dtype=torch.int64) if self.keeps_argmax else None
+        best = torch.empty(x2.shape[0], QK_TOP, dtype=torch.int64) if self.keeps_argmax else None
         for r in range(0, x2.shape[0], I6_MAX_M):
             i6_gemv(x2[r : r + I6_MAX_M], self.packed, out=out[r : r + I6_MAX_M],
                     best=None if best is None else best[r : r + I6_MAX_M])  # fmt: skip

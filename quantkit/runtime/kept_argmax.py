@@ -1,4 +1,5 @@
-"""Each row's arg-max of a step's logits, kept by the head's C kernel as it stored them.
+"""Each row's arg-max of a step's logits, and its next best tokens, kept by the head's C kernel as
+it stored them.
 
 A greedy step needs one index of the logits row: the arg-max. Read back after the head, the row
 is cold: the head streamed its weights (28 MB for SmolLM2's int8 head) through every cache after
@@ -16,35 +17,46 @@ marked `keeps_logits`; a head under a final soft-cap, which `CausalLM.logits` ap
 place, keeps none). Anything else (a copy, a masked tensor, another head) gets None and the
 caller takes the arg-max itself. The kept index is numpy's: the first of
 equal maxima; a row with a NaN is not kept (numpy's arg-max takes the NaN).
+
+The kernels keep each row's `QK_TOP` (8) best tokens in that order (larger first, the lower
+column among equal values), as far as their values are finite: `kept_best`. A grammar's greedy
+step whose best token is refused asks about the next ones in that order; without them it read
+the cold row twice (a copy, then an arg-max per refusal: ~50-100 us such a step).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["forget", "keep", "kept_argmax"]
+__all__ = ["forget", "keep", "kept_argmax", "kept_best"]
 
-# The last head call's: (logits, their address, shape and strides, each row's arg-max, version),
+# The last head call's: (logits, their address, shape and strides, each row's arg-max, version,
+# each row's best tokens as the kernel wrote them: -1 after the last kept),
 # one slot replaced by every call, its Python values read once here (in the head's step, not
 # in the grammar's). Holding the logits keeps their memory from being reused, so a tensor over
 # the same address, shape and strides is these logits or a view of all of them (inference
 # mode tracks no view bases). The cost: the last call's logits live until the next call, at
 # most 16 rows (the GEMVs' limit: 9.7 MB at a 151936-token vocabulary).
-_kept: tuple[torch.Tensor, int, torch.Size, tuple[int, ...], list[int], int | None] | None = None
+_kept: (
+    tuple[torch.Tensor, int, torch.Size, tuple[int, ...], list[int], int | None, list[list[int]]]
+    | None
+) = None
 
 
 def keep(logits: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
-    """Keep `best` (int64 [M]: each row's arg-max, -1 where not kept) for `logits` [M, V], the
-    tensor the head kernel wrote; `logits` itself."""
+    """Keep `best` (int64 [M, QK_TOP]: each row's best tokens in arg-max order, -1 after the
+    last kept; a row all -1 where not kept) for `logits` [M, V], the tensor the head kernel
+    wrote; `logits` itself."""
     global _kept
     if not torch.compiler.is_compiling():
-        found = best.tolist()
+        rows = best.tolist()
+        found = [row[0] for row in rows]
         if min(found) < 0:
             _kept = None
             return logits
         # Inference tensors keep no version counter: there `forget` is the only guard.
         version = None if logits.is_inference() else logits._version
-        _kept = (logits, logits.data_ptr(), logits.shape, logits.stride(), found, version)
+        _kept = (logits, logits.data_ptr(), logits.shape, logits.stride(), found, version, rows)
     return logits
 
 
@@ -74,3 +86,13 @@ def kept_argmax(logits: torch.Tensor) -> list[int] | None:
     if kept is None or not _same(logits, kept):
         return None
     return kept[4]
+
+
+def kept_best(logits: torch.Tensor) -> list[list[int]] | None:
+    """Each row's best tokens of `logits` as the head kept them, in arg-max order (`QK_TOP` a
+    row, -1 after the last kept; the first is `kept_argmax`'s), or None where `kept_argmax`
+    would give none."""
+    kept = _kept
+    if kept is None or not _same(logits, kept):
+        return None
+    return kept[6]

@@ -247,50 +247,73 @@ static inline __mmask16 tail_mask(int64_t left) {
     return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1u);
 }
 
-/* The arg-max of the logits a head GEMV stores, kept as it stores them (`best`), so that a
+/* The best tokens a head GEMV keeps per row (`cpu_abi.QK_TOP`: tests hold the two equal). */
+#define QK_TOP 8
+
+/* The best tokens of the logits a head GEMV stores, kept as it stores them (`best`), so that a
    greedy step need not read the whole row back from memory afterwards (the weights streamed
-   since have evicted it: ~25 us for 49152 logits on a 2-core Zen 5, against none here). Per
-   thread and row: each lane's largest value so far and its column (strictly greater: the
-   first of equal values), and whether a NaN went by. `best16_row` merges a thread's lanes,
-   `best_merge` the threads: the largest value, the lowest column among equal ones, as
-   numpy's argmax; -1 where a NaN was stored or the largest is infinite (the caller reads
-   the whole row then), so a kept arg-max's value is always finite. */
-typedef struct { __m512 v; __m512i col; __mmask16 nan; } best16;
-typedef struct { float v; int64_t col; int nan; } best1;
+   since have evicted it: ~25 us for 49152 logits on a 2-core Zen 5, against none here). The
+   QK_TOP largest values of a row in numpy's arg-max order (larger first, the lower column
+   among equal values): the arg-max, and the next best a grammar's greedy step asks about
+   where the best is refused. Per thread and row: the QK_TOP best so far, sorted, and whether
+   a NaN went by. A tile's 16 values are compared with the last kept one at once, and only a
+   value above it is inserted (a few dozen a row in all), so a tile costs one compare: the
+   int8 head's call (49152 x 576, 2 threads, alternating in one process with the arg-max-only
+   build: 1 row 298 -> 295 and 317 -> 300 us, 4 rows 352 -> 347 and 341 -> 335 us; per-lane
+   lists of 8, tried first, cost 9% at 4 rows). A thread's columns come in
+   increasing order, so a later equal value goes after the earlier (`>` strictly). `best_merge`
+   merges the threads. A row is -1 throughout where a NaN was stored or its largest value is
+   infinite (the caller reads the whole row then), and -1 from the first value that is not
+   finite, so a kept token's value is always finite. */
+typedef struct { float v[QK_TOP]; int64_t col[QK_TOP]; __mmask16 nan; } best16;
+typedef struct { float v[QK_TOP]; int64_t col[QK_TOP]; int nan; } best1;
 
 static inline void best16_init(best16 *b) {
-    b->v = _mm512_set1_ps(-INFINITY);
-    b->col = _mm512_set1_epi32(-1);
+    for (int k = 0; k < QK_TOP; k++) b->v[k] = -INFINITY, b->col[k] = -1;
     b->nan = 0;
 }
 
 /* Take the 16 values y of columns n0 .. n0 + 15 (the lanes in `valid`). */
 static inline void best16_put(best16 *b, __m512 y, int64_t n0, __mmask16 valid) {
-    const __m512i lanes = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __mmask16 gt = _mm512_mask_cmp_ps_mask(valid, y, b->v, _CMP_GT_OQ);
-    b->v = _mm512_mask_mov_ps(b->v, gt, y);
-    b->col = _mm512_mask_mov_epi32(b->col, gt, _mm512_add_epi32(_mm512_set1_epi32((int)n0), lanes));
     b->nan |= _mm512_mask_cmp_ps_mask(valid, y, y, _CMP_UNORD_Q);
+    __mmask16 in = _mm512_mask_cmp_ps_mask(valid, y, _mm512_set1_ps(b->v[QK_TOP - 1]),
+                                           _CMP_GT_OQ);
+    if (!in) return;
+    float x[16];
+    _mm512_storeu_ps(x, y);
+    for (; in; in &= (__mmask16)(in - 1)) {
+        const int l = __builtin_ctz(in);
+        if (!(x[l] > b->v[QK_TOP - 1])) continue;  /* an earlier lane raised the bar */
+        int at = QK_TOP - 1;
+        for (; at > 0 && x[l] > b->v[at - 1]; at--) {
+            b->v[at] = b->v[at - 1];
+            b->col[at] = b->col[at - 1];
+        }
+        b->v[at] = x[l];
+        b->col[at] = n0 + l;
+    }
 }
 
+/* A thread's row, for `best_merge`. */
 static inline best1 best16_row(const best16 *b) {
     best1 r;
-    r.v = _mm512_reduce_max_ps(b->v);
-    const __mmask16 top = _mm512_cmp_ps_mask(b->v, _mm512_set1_ps(r.v), _CMP_EQ_OQ);
-    r.col = _mm512_mask_reduce_min_epi32(top, b->col);
+    for (int k = 0; k < QK_TOP; k++) r.v[k] = b->v[k], r.col[k] = b->col[k];
     r.nan = b->nan != 0;
     return r;
 }
 
-/* The per-thread rows `best_merge` reads, for a GEMV asked for its arg-max (best not NULL):
-   [threads][M], each "nothing yet" (col -1, as a thread that takes no tile leaves it); *parts
-   NULL where not asked. 0, or 2 out of memory. */
+/* The per-thread rows `best_merge` reads, for a GEMV asked for its best tokens (best not
+   NULL): [threads][M], each "nothing yet" (cols -1, as a thread that takes no tile leaves it);
+   *parts NULL where not asked. 0, or 2 out of memory. */
 static inline int best_parts_alloc(const int64_t *best, int threads, int64_t M, best1 **parts) {
     *parts = NULL;
     if (!best) return 0;
     *parts = (best1 *)malloc(sizeof(best1) * (size_t)(threads * M));
     if (!*parts) return 2;
-    for (int64_t i = 0; i < threads * M; i++) (*parts)[i] = (best1){-INFINITY, -1, 0};
+    for (int64_t i = 0; i < threads * M; i++) {
+        for (int k = 0; k < QK_TOP; k++) (*parts)[i].v[k] = -INFINITY, (*parts)[i].col[k] = -1;
+        (*parts)[i].nan = 0;
+    }
     return 0;
 }
 
@@ -300,23 +323,34 @@ static inline void best_parts_put(best1 *parts, const best16 *seen, int64_t M) {
         parts[omp_get_thread_num() * M + m] = best16_row(&seen[m]);
 }
 
-/* The threads' rows (`parts`, [threads][M], threads that took no tile hold col -1) into
-   best [M]. */
+/* The threads' rows (`parts`, [threads][M], each sorted; threads that took no tile hold cols
+   -1) into best [M][QK_TOP]: merged in arg-max order, -1 from the first value that is not
+   finite, and a whole row -1 where a NaN was stored or its largest value is infinite. */
 static inline void best_merge(const best1 *parts, int threads, int64_t M, int64_t *best) {
     for (int64_t m = 0; m < M; m++) {
-        float v = -INFINITY;
-        int64_t col = -1;
+        int head[64] = {0};  /* threads <= 64: `head_work_alloc` callers' OpenMP teams */
         int nan = 0;
-        for (int t = 0; t < threads; t++) {
-            const best1 *p = parts + t * M + m;
-            nan |= p->nan;
-            if (p->col < 0) continue;
-            if (col < 0 || p->v > v || (p->v == v && p->col < col)) {
-                v = p->v;
-                col = p->col;
+        for (int t = 0; t < threads; t++) nan |= parts[t * M + m].nan;
+        int64_t *row = best + m * QK_TOP;
+        for (int k = 0; k < QK_TOP; k++) {
+            int at = -1;
+            for (int t = 0; t < threads && t < 64; t++) {
+                const best1 *p = parts + t * M + m;
+                if (head[t] >= QK_TOP || p->col[head[t]] < 0) continue;
+                const best1 *q = at < 0 ? NULL : parts + at * M + m;
+                const float x = p->v[head[t]];
+                if (!q || x > q->v[head[at]] ||
+                    (x == q->v[head[at]] && p->col[head[t]] < q->col[head[at]]))
+                    at = t;
             }
+            const float x = at < 0 ? -INFINITY : parts[at * M + m].v[head[at]];
+            row[k] = at < 0 || !isfinite(x) ? -1 : parts[at * M + m].col[head[at]];
+            if (at >= 0) head[at]++;
         }
-        best[m] = nan || isinf(v) ? -1 : col;
+        for (int k = 1; k < QK_TOP; k++)
+            if (row[k - 1] < 0) row[k] = -1;  /* nothing kept after a value not finite */
+        if (nan || row[0] < 0)
+            for (int k = 0; k < QK_TOP; k++) row[k] = -1;
     }
 }
 
@@ -337,7 +371,7 @@ static inline int head_work_alloc(int64_t M, int64_t K, int64_t nb, const int64_
     return 0;
 }
 
-/* The threads' arg-max rows into best (where asked), and the buffers freed. */
+/* The threads' best tokens into best (where asked), and the buffers freed. */
 static inline void head_work_end(head_work *h, int threads, int64_t M, int64_t *best) {
     if (best) best_merge(h->parts, threads, M, best);
     free(h->parts);
@@ -346,7 +380,7 @@ static inline void head_work_end(head_work *h, int threads, int64_t M, int64_t *
 }
 
 /* A row's 16 results of the tile at column n0 into y_row (the lanes short of N), and into the
-   row's arg-max where it is kept (seen not NULL). */
+   row's best tokens where they are kept (seen not NULL). */
 static inline void head_store16(float *y_row, int64_t n0, int64_t N, __m512 v, best16 *seen) {
     const __mmask16 k = tail_mask(N - n0);
     _mm512_mask_storeu_ps(y_row + n0, k, v);

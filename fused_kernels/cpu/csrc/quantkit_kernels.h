@@ -190,9 +190,11 @@ int qk_i8i8_gemv_available(void);
 /* y [M, N] (fp32) = q(x) [M, K] @ (W8 * scale[:, None]).T with x quantized to int8 per block
    of `block` elements (32, 64 or 128, dividing K) and W8 held as wr: uint8 W8 + 128, 16 rows
    interleaved, [ceil(N / 16)][K / 4][16] words (word j of lane l: row 16 t + l's elements
-   4j..4j+3), scale fp32 [ceil(N / 16) * 16]. M <= 16. best: NULL, or [M] set to each row's
-   arg-max as y holds it (the first of equal values; -1 where a row holds a NaN or nothing
-   above -inf), kept as the tiles are stored. */
+   4j..4j+3), scale fp32 [ceil(N / 16) * 16]. M <= 16. best: NULL, or [M][QK_TOP] (QK_TOP = 8,
+   common.h) set to each row's QK_TOP best columns as y holds them, in numpy's arg-max order
+   (larger first, the lower column among equal values), -1 from the first whose value is not
+   finite, and all -1 where a row holds a NaN or its largest value is infinite; kept as the
+   tiles are stored. */
 int qk_i8i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const uint8_t *wr,
                  const float *scale, int64_t N, int64_t block, float *y, int64_t y_stride,
                  int n_threads, int64_t *best);
