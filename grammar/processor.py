@@ -25,10 +25,11 @@ skipped where each row can tell, token by token, which token its mask would leav
 (`verdict.Verdict`: llguidance tries the token; no repeated key or item, runaway rule or key
 corner in play). The row is asked about its best tokens in turn until one is allowed (a
 refused one is left out of the mask for certain), or, under budget steering, about the tokens
-along its path. Where the best is allowed the logits go back as they came; else, for one row,
-the processor's buffer with the pick alone finite (the refused tokens' scores were read, the
-rest of the row is not copied: a cold 49k-float row copied twice cost ~40 us a refusing step
-in `generate`), for more rows a copy with the refused tokens ahead of each pick at -inf.
+along its path (the int8 and int6 heads keep each row's 8 best tokens, `kept_best`, so the
+row is not read for them). Where the best is allowed the logits go back as they came; else,
+for one row, the processor's buffer with the pick alone finite (the row is not copied: a cold
+49k-float row copied twice cost ~40 us a refusing step in `generate`), for more rows a copy
+with the refused tokens ahead of each pick at -inf.
 Either way their arg-max is the token the mask would have left, so the output is the same.
 In generated JSON the model's best token is usually allowed (18 of 24 steps on the demo
 schema, and 3 more take a later one), and the mask is what a step cost most.
