@@ -29,10 +29,10 @@ along its path (the int8 and int6 heads keep each row's 8 best tokens, `kept_bes
 row is not read for them). Where the best is allowed the logits go back as they came; else,
 for one row, the processor's buffer with the pick alone finite (the row is not copied: a cold
 49k-float row copied twice cost ~40 us a refusing step in `generate`), for more rows a copy
-with the refused tokens ahead of each pick at -inf.
-Either way their arg-max is the token the mask would have left, so the output is the same.
-In generated JSON the model's best token is usually allowed (18 of 24 steps on the demo
-schema, and 3 more take a later one), and the mask is what a step cost most.
+with the refused tokens ahead of each pick at -inf. Either way their arg-max is the token the
+mask would have left, so the output is the same. In generated JSON the model's best token is
+usually allowed (18 of 24 steps on the demo schema, and 3 more take a later one), and the mask
+is what a step cost most.
 
 The time of every call is kept in `mask_times_s` (see `mask_stats`), with the time fast-forward
 spent advancing the rows since the call before (`forced_tokens`): the grammar's whole cost per

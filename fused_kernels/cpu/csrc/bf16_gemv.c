@@ -251,7 +251,7 @@ int qk_i8i8_gemv(const float *x, int64_t M, int64_t K, int64_t x_stride, const u
     if (head_work_alloc(M, K, nb, best, n_threads, &h)) return 2;
     #pragma omp parallel num_threads(n_threads)
     {
-        best16 seen[I8I8_MAX_M];  /* the arg-max as stored, when asked (`best16`) */
+        best16 seen[I8I8_MAX_M];  /* the best tokens as stored, when asked (`best16`) */
         for (int64_t m = 0; best && m < M; m++) best16_init(&seen[m]);
         head_rows_i8(x, M, K, x_stride, block, 128.0f, h.xq, h.xt);
         #pragma omp for schedule(static)

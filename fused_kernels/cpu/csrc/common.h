@@ -260,13 +260,12 @@ static inline __mmask16 tail_mask(int64_t left) {
    value above it is inserted (a few dozen a row in all), so a tile costs one compare: the
    int8 head's call (49152 x 576, 2 threads, alternating in one process with the arg-max-only
    build: 1 row 298 -> 295 and 317 -> 300 us, 4 rows 352 -> 347 and 341 -> 335 us; per-lane
-   lists of 8, tried first, cost 9% at 4 rows). A thread's columns come in
-   increasing order, so a later equal value goes after the earlier (`>` strictly). `best_merge`
-   merges the threads. A row is -1 throughout where a NaN was stored or its largest value is
-   infinite (the caller reads the whole row then), and -1 from the first value that is not
-   finite, so a kept token's value is always finite. */
-typedef struct { float v[QK_TOP]; int64_t col[QK_TOP]; __mmask16 nan; } best16;
-typedef struct { float v[QK_TOP]; int64_t col[QK_TOP]; int nan; } best1;
+   lists of 8, tried first, cost 9% at 4 rows). A thread's columns come in increasing order,
+   so a later equal value goes after the earlier (`>` strictly). `best_merge` merges the
+   threads, two lists at a time. A row is -1 throughout where a NaN was stored or its largest
+   value is infinite (the caller reads the whole row then), and -1 from the first value that
+   is not finite, so a kept token's value is always finite. */
+typedef struct { float v[QK_TOP]; int64_t col[QK_TOP]; int nan; } best16;
 
 static inline void best16_init(best16 *b) {
     for (int k = 0; k < QK_TOP; k++) b->v[k] = -INFINITY, b->col[k] = -1;
@@ -275,7 +274,7 @@ static inline void best16_init(best16 *b) {
 
 /* Take the 16 values y of columns n0 .. n0 + 15 (the lanes in `valid`). */
 static inline void best16_put(best16 *b, __m512 y, int64_t n0, __mmask16 valid) {
-    b->nan |= _mm512_mask_cmp_ps_mask(valid, y, y, _CMP_UNORD_Q);
+    b->nan |= _mm512_mask_cmp_ps_mask(valid, y, y, _CMP_UNORD_Q) != 0;
     __mmask16 in = _mm512_mask_cmp_ps_mask(valid, y, _mm512_set1_ps(b->v[QK_TOP - 1]),
                                            _CMP_GT_OQ);
     if (!in) return;
@@ -294,62 +293,49 @@ static inline void best16_put(best16 *b, __m512 y, int64_t n0, __mmask16 valid) 
     }
 }
 
-/* A thread's row, for `best_merge`. */
-static inline best1 best16_row(const best16 *b) {
-    best1 r;
-    for (int k = 0; k < QK_TOP; k++) r.v[k] = b->v[k], r.col[k] = b->col[k];
-    r.nan = b->nan != 0;
-    return r;
-}
-
 /* The per-thread rows `best_merge` reads, for a GEMV asked for its best tokens (best not
    NULL): [threads][M], each "nothing yet" (cols -1, as a thread that takes no tile leaves it);
    *parts NULL where not asked. 0, or 2 out of memory. */
-static inline int best_parts_alloc(const int64_t *best, int threads, int64_t M, best1 **parts) {
+static inline int best_parts_alloc(const int64_t *best, int threads, int64_t M, best16 **parts) {
     *parts = NULL;
     if (!best) return 0;
-    *parts = (best1 *)malloc(sizeof(best1) * (size_t)(threads * M));
+    *parts = (best16 *)malloc(sizeof(best16) * (size_t)(threads * M));
     if (!*parts) return 2;
-    for (int64_t i = 0; i < threads * M; i++) {
-        for (int k = 0; k < QK_TOP; k++) (*parts)[i].v[k] = -INFINITY, (*parts)[i].col[k] = -1;
-        (*parts)[i].nan = 0;
-    }
+    for (int64_t i = 0; i < threads * M; i++) best16_init(&(*parts)[i]);
     return 0;
 }
 
 /* This thread's rows into `parts` (nothing where NULL), once its tiles are stored. */
-static inline void best_parts_put(best1 *parts, const best16 *seen, int64_t M) {
-    for (int64_t m = 0; parts && m < M; m++)
-        parts[omp_get_thread_num() * M + m] = best16_row(&seen[m]);
+static inline void best_parts_put(best16 *parts, const best16 *seen, int64_t M) {
+    for (int64_t m = 0; parts && m < M; m++) parts[omp_get_thread_num() * M + m] = seen[m];
+}
+
+/* a and b (each sorted in arg-max order) merged into a: the first QK_TOP of both. */
+static inline void best16_merge(best16 *a, const best16 *b) {
+    best16 r;
+    int i = 0, j = 0;
+    for (int k = 0; k < QK_TOP; k++) {
+        const int take_b = b->col[j] >= 0 && (a->col[i] < 0 || b->v[j] > a->v[i] ||
+                                              (b->v[j] == a->v[i] && b->col[j] < a->col[i]));
+        r.v[k] = take_b ? b->v[j] : a->v[i];
+        r.col[k] = take_b ? b->col[j++] : a->col[i++];
+    }
+    r.nan = a->nan | b->nan;
+    *a = r;
 }
 
 /* The threads' rows (`parts`, [threads][M], each sorted; threads that took no tile hold cols
    -1) into best [M][QK_TOP]: merged in arg-max order, -1 from the first value that is not
-   finite, and a whole row -1 where a NaN was stored or its largest value is infinite. */
-static inline void best_merge(const best1 *parts, int threads, int64_t M, int64_t *best) {
+   finite, and a whole row -1 where a NaN was stored or its largest value is infinite. Kept
+   values are never -inf or NaN (only a value above the last kept one goes in), so a list is
+   its finite values, then +inf or nothing only where +inf is its first. */
+static inline void best_merge(const best16 *parts, int threads, int64_t M, int64_t *best) {
     for (int64_t m = 0; m < M; m++) {
-        int head[64] = {0};  /* threads <= 64: `head_work_alloc` callers' OpenMP teams */
-        int nan = 0;
-        for (int t = 0; t < threads; t++) nan |= parts[t * M + m].nan;
+        best16 all = parts[m];
+        for (int t = 1; t < threads; t++) best16_merge(&all, parts + t * M + m);
         int64_t *row = best + m * QK_TOP;
-        for (int k = 0; k < QK_TOP; k++) {
-            int at = -1;
-            for (int t = 0; t < threads && t < 64; t++) {
-                const best1 *p = parts + t * M + m;
-                if (head[t] >= QK_TOP || p->col[head[t]] < 0) continue;
-                const best1 *q = at < 0 ? NULL : parts + at * M + m;
-                const float x = p->v[head[t]];
-                if (!q || x > q->v[head[at]] ||
-                    (x == q->v[head[at]] && p->col[head[t]] < q->col[head[at]]))
-                    at = t;
-            }
-            const float x = at < 0 ? -INFINITY : parts[at * M + m].v[head[at]];
-            row[k] = at < 0 || !isfinite(x) ? -1 : parts[at * M + m].col[head[at]];
-            if (at >= 0) head[at]++;
-        }
-        for (int k = 1; k < QK_TOP; k++)
-            if (row[k - 1] < 0) row[k] = -1;  /* nothing kept after a value not finite */
-        if (nan || row[0] < 0)
+        for (int k = 0; k < QK_TOP; k++) row[k] = isfinite(all.v[k]) ? all.col[k] : -1;
+        if (all.nan || row[0] < 0)
             for (int k = 0; k < QK_TOP; k++) row[k] = -1;
     }
 }
@@ -357,7 +343,7 @@ static inline void best_merge(const best1 *parts, int threads, int64_t M, int64_
 /* What a head GEMV (`qk_i8i8_gemv`, `qk_i6i8_gemv`) allocates: the activations' codes and block
    terms (`head_rows_alloc`) and, where its arg-max is asked for (best not NULL), the threads'
    rows (`best_parts_alloc`). 0, or 2 out of memory with nothing left allocated. */
-typedef struct { int8_t *xq; float *xt; best1 *parts; } head_work;
+typedef struct { int8_t *xq; float *xt; best16 *parts; } head_work;
 
 static inline int head_work_alloc(int64_t M, int64_t K, int64_t nb, const int64_t *best,
                                   int threads, head_work *h) {
