@@ -13,7 +13,7 @@ from quantkit.grammar.processor import GrammarLogitsProcessor
 from quantkit.grammar.prompting import default_schema_prompt
 from quantkit.runtime.head import head_name
 
-__all__ = ["generate_batch", "load_model", "load_tokenizer", "model_vocabulary"]
+__all__ = ["generate_batch", "load_model", "load_tokenizer", "model_vocabulary", "schema_jobs"]
 
 
 def generate_batch(
@@ -111,3 +111,31 @@ def model_vocabulary(loaded: Any) -> tuple[set[int], Any]:
         loaded.tokenizer, eos_token_ids=eos, vocab_size=loaded.config["vocab_size"]
     )
     return eos, vocab
+
+
+def schema_jobs(
+    loaded: Any, schemas: list[tuple[str, Any]], vocab: Any
+) -> tuple[list[tuple[CompiledGrammar, list[int]]], list[str]]:
+    """Each schema's compiled grammar (10 s limit, no cache) and its prompt's tokens, as the
+    step benchmarks generate them; and `name (first line of the error)` of each that did not
+    compile. EvalError where none did."""
+    from quantkit.errors import EvalError, QuantkitError
+    from quantkit.grammar.compiler import compile_grammar
+    from quantkit.grammar.constraints import json_schema_grammar
+    from quantkit.runtime.generate import encode_prompt
+
+    jobs, skipped = [], []
+    for name, schema in schemas:
+        try:
+            grammar = json_schema_grammar(schema, label=name)
+            compiled = compile_grammar(grammar, vocab, timeout_s=10, cache=False)
+        except QuantkitError as e:
+            skipped.append(f"{name} ({str(e).splitlines()[0]})")
+            continue
+        prompt = encode_prompt(
+            loaded.tokenizer, default_schema_prompt(schema, max_schema_chars=1500)
+        )
+        jobs.append((compiled, prompt))
+    if not jobs:
+        raise EvalError(f"expected a schema that compiles, got none of {len(schemas)}")
+    return jobs, skipped

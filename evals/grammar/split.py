@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-from quantkit.errors import EvalError, QuantkitError
+from quantkit.errors import EvalError
 from quantkit.evals.common import git_commit, print_and_save, run_main
 from quantkit.evals.grammar.data import add_schema_arguments, schemas_asked
-from quantkit.evals.grammar.generate import load_model, model_vocabulary
+from quantkit.evals.grammar.generate import load_model, model_vocabulary, schema_jobs
 
 __all__ = ["PARTS", "main", "timed_parts"]
 
@@ -153,31 +153,15 @@ def _timer_cost() -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from quantkit.grammar.compiler import compile_grammar
-    from quantkit.grammar.constraints import json_schema_grammar
     from quantkit.grammar.processor import GrammarLogitsProcessor
-    from quantkit.grammar.prompting import default_schema_prompt
-    from quantkit.runtime.generate import encode_prompt, generate
+    from quantkit.runtime.generate import generate
     from quantkit.runtime.sampling import SamplingParams
 
     schemas = schemas_asked(args)
     loaded, desc = load_model(args.model)
     eos, vocab = model_vocabulary(loaded)
     params = SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens)
-    jobs, skipped = [], []
-    for name, schema in schemas:
-        try:
-            grammar = json_schema_grammar(schema, label=name)
-            compiled = compile_grammar(grammar, vocab, timeout_s=10, cache=False)
-        except QuantkitError as e:
-            skipped.append(f"{name} ({str(e).splitlines()[0]})")
-            continue
-        prompt = encode_prompt(
-            loaded.tokenizer, default_schema_prompt(schema, max_schema_chars=1500)
-        )
-        jobs.append((compiled, prompt))
-    if not jobs:
-        raise EvalError(f"expected a schema that compiles, got none of {len(schemas)}")
+    jobs, skipped = schema_jobs(loaded, schemas, vocab)
 
     def steps(clock: _Clock | None = None) -> tuple[float, int]:
         """The processors' time over all generations (their setups left out, the advance
