@@ -173,7 +173,7 @@ class _Ban:
     """Bans a fixed set of tokens and records what it was shown."""
 
     def __init__(self, banned: list[int]) -> None:
-        self.banned = torch.tensor(banned)
+        self.banned = torch.tensor(banned, dtype=torch.long)
         self.seen: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -196,6 +196,21 @@ def test_banning_processor_is_respected(tiny: LoadedModel) -> None:
     for step, ids in enumerate(ban.seen[1:]):
         assert ids.shape == (2, 7 + step + 1)
         assert ids[:, -1].tolist() == [got.tokens[0][step], got.tokens[1][step]]
+
+
+def test_a_finished_row_reads_minus_one_in_the_history(tiny: LoadedModel) -> None:
+    """The processors' history: each step's column holds each row's token, the EOS that
+    ends a row included, and -1 for that row from the next step on; the others go on."""
+    prompts = _prompts([4, 7], seed=7)
+    free = generate(tiny.model, prompts, GREEDY)
+    eos = next(t for t in free.tokens[0][1:] if t not in free.tokens[1])
+    stop = free.tokens[0].index(eos)
+    ban = _Ban([])
+    got = generate(tiny.model, prompts, GREEDY, processors=[ban], eos_ids=[eos])
+    assert got.tokens == [free.tokens[0][:stop], free.tokens[1]]
+    for step, ids in enumerate(ban.seen[1:]):
+        first = free.tokens[0][step] if step <= stop else -1
+        assert ids[:, -1].tolist() == [first, free.tokens[1][step]]
 
 
 def test_context_window_caps_the_tokens(tiny: LoadedModel) -> None:
