@@ -65,7 +65,7 @@ from quantkit.grammar.budget import WINDOW, CompletionPlan
 from quantkit.grammar.compiler import CompiledGrammar
 from quantkit.grammar.verdict import Verdict
 from quantkit.grammar.vocabulary import byte_tokens
-from quantkit.runtime.kept_argmax import kept_best
+from quantkit.runtime.kept_argmax import forget, keep_rows, kept_best
 
 __all__ = ["GrammarLogitsProcessor"]
 
@@ -196,6 +196,7 @@ class GrammarLogitsProcessor:
         self._out: torch.Tensor | None = None  # the masked logits, reused step to step
         self._out_np = np.empty((0, 0), dtype=np.float32)  # its numpy view (`_buffer`)
         self._hot: int | None = None  # the token a one-hot row in it keeps (`_one_hot`)
+        self._kept_hot = False  # `kept_argmax` holds that token as the buffer's arg-max
         self._between_s = 0.0  # time in `forced_tokens` since the last call
         self._walked: dict[int, tuple[str, bytes]] = {}  # steering planned by `_greedy`
         self._host: bool | None = None  # whether the logits read as numpy views (`_greedy`)
@@ -593,6 +594,9 @@ class GrammarLogitsProcessor:
             self._out_np = out.numpy()  # made once: a numpy view cost 9 us cold a step
         if whole or fresh:
             self._hot = None
+        if self._kept_hot:  # the pick `_one_hot` kept for it is about to be written over
+            self._kept_hot = False
+            forget(out)
         return out
 
     def _one_hot(self, out: torch.Tensor, token: int, value: float) -> torch.Tensor:
@@ -608,6 +612,9 @@ class GrammarLogitsProcessor:
             row[self._hot] = -np.inf
         row[token] = value
         self._hot = token
+        if math.isfinite(value):  # the row's arg-max is the pick: the sampler reads no row
+            keep_rows(out, [[token]])
+            self._kept_hot = True  # until the buffer is written again (`_buffer`)
         return out
 
     def _screen(self, out: torch.Tensor, bits: np.ndarray) -> None:

@@ -14,7 +14,7 @@ from quantkit.grammar.constraints import validate_json
 from quantkit.grammar.processor import GrammarLogitsProcessor
 from quantkit.grammar.verdict import Verdict
 from quantkit.grammar.vocabulary import TokenVocabulary
-from quantkit.runtime.kept_argmax import keep
+from quantkit.runtime.kept_argmax import keep, kept_argmax
 from tests.hand_vocab import EOS, fed_row, vocab_of
 from tests.hand_vocab import llguidance as llg
 
@@ -77,6 +77,8 @@ def _decode(processor: GrammarLogitsProcessor, vocab: TokenVocabulary, seed: int
             kind = "best" if result is given else "probed" if processor.refused > refused else (
                 "along")  # fmt: skip
             assert kind == "best" or finite == 1, kind  # one row: the pick alone is finite
+            if kind != "best":  # the pick kept as the row's arg-max: the sampler reads no row
+                assert kept_argmax(result) == [int(result.argmax())]
             kinds[kind] = kinds.get(kind, 0) + 1
         token = int(result.argmax())
         out.append(token)
@@ -334,3 +336,27 @@ def test_allows_on_the_embedded_vocabulary_where_the_mask_writes_forced_bytes_wh
         assert row.advance(token)
     assert checked > 10_000  # the string's states allow most of the vocabulary
     assert first_bytes > 0  # `"` and `":` after `{"name` and `"age`
+
+
+def test_a_kept_one_hot_pick_is_forgotten_before_its_buffer_is_written(vocab) -> None:
+    """A one-hot pick is kept as its buffer's arg-max until the processor writes the buffer
+    again: a head that keeps nothing (a soft-capped one) would leave the slot on the buffer,
+    and a later mask written into it must not read back as the old pick."""
+    for seed in range(40):
+        processor = GrammarLogitsProcessor(llg(SCHEMAS[4], vocab), greedy=True)
+        rng = np.random.default_rng(seed)
+        ids = torch.zeros((1, 1), dtype=torch.long)
+        for _ in range(30):
+            scores = torch.from_numpy(rng.normal(size=vocab.size)).float()[None]
+            refused = processor.refused
+            result = processor(ids, scores)
+            token = int(result.argmax())
+            if result is not scores and processor.refused > refused:
+                assert kept_argmax(result) == [token]
+                assert processor._buffer(scores) is result
+                assert kept_argmax(result) is None
+                return
+            if token in EOS:
+                break
+            ids = torch.cat([ids, torch.tensor([[token]])], 1)
+    raise AssertionError("no seed led to a pick past a refused token")

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["forget", "keep", "kept_argmax", "kept_best"]
+__all__ = ["forget", "keep", "keep_rows", "kept_argmax", "kept_best"]
 
 # The last head call's: (logits, their address, shape and strides, each row's arg-max, version,
 # each row's best tokens as the kernel wrote them: -1 after the last kept),
@@ -47,17 +47,23 @@ def keep(logits: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
     """Keep `best` (int64 [M, QK_TOP]: each row's best tokens in arg-max order, -1 after the
     last kept; a row all -1 where not kept) for `logits` [M, V], the tensor the head kernel
     wrote; `logits` itself."""
-    global _kept
     if not torch.compiler.is_compiling():
-        rows = best.tolist()
-        found = [row[0] for row in rows]
-        if min(found) < 0:
-            _kept = None
-            return logits
-        # Inference tensors keep no version counter: there `forget` is the only guard.
-        version = None if logits.is_inference() else logits._version
-        _kept = (logits, logits.data_ptr(), logits.shape, logits.stride(), found, version, rows)
+        keep_rows(logits, best.tolist())
     return logits
+
+
+def keep_rows(logits: torch.Tensor, rows: list[list[int]]) -> None:
+    """`keep` with each row's best tokens as lists (arg-max order, as long as known, -1 after
+    the last): a grammar's one-hot row keeps its pick so that the sampler need not read the
+    row back (`GrammarLogitsProcessor._one_hot`)."""
+    global _kept
+    found = [row[0] if row else -1 for row in rows]
+    if not found or min(found) < 0:
+        _kept = None
+        return
+    # Inference tensors keep no version counter: there `forget` is the only guard.
+    version = None if logits.is_inference() else logits._version
+    _kept = (logits, logits.data_ptr(), logits.shape, logits.stride(), found, version, rows)
 
 
 def _same(logits: torch.Tensor, kept: tuple) -> bool:  # type: ignore[type-arg]
