@@ -22,6 +22,10 @@ The kernels keep each row's `QK_TOP` (8) best tokens in that order (larger first
 column among equal values), as far as their values are finite: `kept_best`. A grammar's greedy
 step whose best token is refused asks about the next ones in that order; without them it read
 the cold row twice (a copy, then an arg-max per refusal: ~50-100 us such a step).
+
+A grammar's step that returns one finite logit (a pick past refused tokens, a steered token)
+keeps it the same way (`keep_rows`, on its own output buffer): the sampler then takes that
+arg-max without reading the row back. The grammar forgets it before it writes the buffer again.
 """
 
 from __future__ import annotations
