@@ -62,7 +62,7 @@ def recorder(**kwargs: Any) -> Any:
     """A `GrammarLogitsProcessor(**kwargs)` that keeps its calls in `events` (`Call`,
     `Forced`), each read after the call so that its own timing is untouched."""
     from quantkit.grammar.processor import GrammarLogitsProcessor
-    from quantkit.runtime.kept_argmax import kept_best
+    from quantkit.runtime.kept_argmax import held, kept_best
 
     class Recorder(GrammarLogitsProcessor):
         def __init__(self) -> None:
@@ -70,8 +70,9 @@ def recorder(**kwargs: Any) -> Any:
             self.events: list[Call | Forced] = []
 
         def __call__(self, input_ids: Any, logits: Any) -> Any:
+            before = held()  # a one-hot pick keeps its own: read the head's after the call
             out = super().__call__(input_ids, logits)
-            best = kept_best(logits)  # the processor wrote nothing into them
+            best = kept_best(logits, at=before)  # the processor wrote nothing into them
             picks = out.argmax(dim=-1).tolist()
             self.events.append(Call(input_ids.clone(), logits.clone(), best, picks))
             return out

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["forget", "keep", "keep_rows", "kept_argmax", "kept_best"]
+__all__ = ["forget", "held", "keep", "keep_rows", "kept_argmax", "kept_best"]
 
 # The last head call's: (logits, their address, shape and strides, each row's arg-max, version,
 # each row's best tokens as the kernel wrote them: -1 after the last kept),
@@ -98,11 +98,19 @@ def kept_argmax(logits: torch.Tensor) -> list[int] | None:
     return kept[4]
 
 
-def kept_best(logits: torch.Tensor) -> list[list[int]] | None:
+_NOW = object()
+
+
+def held() -> object:
+    """What is kept now, for `kept_best(..., at=...)` after something else may keep."""
+    return _kept
+
+
+def kept_best(logits: torch.Tensor, at: object = _NOW) -> list[list[int]] | None:
     """Each row's best tokens of `logits` as the head kept them, in arg-max order (`QK_TOP` a
     row, -1 after the last kept; the first is `kept_argmax`'s), or None where `kept_argmax`
-    would give none."""
-    kept = _kept
+    would give none. at: what `held` gave earlier, instead of what is kept now."""
+    kept = _kept if at is _NOW else at
     if kept is None or not _same(logits, kept):
         return None
     return kept[6]
