@@ -32,13 +32,13 @@ import torch
 
 from quantkit.errors import GenerationError
 from quantkit.models.decoder import CausalLM
-from quantkit.runtime.kept_argmax import kept_argmax
 from quantkit.runtime.prefix_cache import PrefixCache
 from quantkit.runtime.sampling import (
     LogitsProcessor,
     SamplingParams,
     apply_processors,
     default_processors,
+    greedy_list,
     make_generator,
     sample,
 )
@@ -349,27 +349,24 @@ class _Sampler:
         history = self.history
         if history is not None:
             logits = apply_processors(self.chain, history[:, : self.width], logits)
-        # Greedy over the head's own logits: the arg-max its kernel kept (what `sample` would
-        # return, as a list without a tensor made and read back).
-        kept = kept_argmax(logits) if self.params.greedy else None
-        tokens = list(kept) if kept is not None else sample(
-            logits, self.params, generator=self.generator
-        ).tolist()  # fmt: skip
+        if self.params.greedy:
+            tokens = greedy_list(logits)
+        else:
+            tokens = sample(logits, self.params, generator=self.generator).tolist()
         if history is not None:
-            self._record(tokens)
+            column = [-1 if r.finish_reason is not None else t
+                      for r, t in zip(self.rows, tokens, strict=True)]  # fmt: skip
+            self._write((slice(None), self.width), column)
+            self.width += 1
         return tokens
 
-    def _record(self, tokens: list[int]) -> None:
-        """Each row's token into the history's next column (-1 for a finished row)."""
-        column = [
-            t if r.finish_reason is None else -1 for r, t in zip(self.rows, tokens, strict=True)
-        ]
+    def _write(self, at: tuple[Any, Any], tokens: list[int]) -> None:
+        """`tokens` into the history at `at` (an index of it)."""
         if self._written is not None:
-            self._written[:, self.width] = column
+            self._written[at] = tokens
         else:
             assert self.history is not None
-            self.history[:, self.width] = torch.tensor(column, device=self.device)
-        self.width += 1
+            self.history[at] = torch.tensor(tokens, device=self.device)
 
     def handle(self, tokens: list[int]) -> None:
         """Give each unfinished row its token and stream the event."""
@@ -392,12 +389,7 @@ class _Sampler:
             self.handle([t])
             kept.append(t)
         if kept and self.history is not None:
-            if self._written is not None:
-                self._written[0, self.width : self.width + len(kept)] = kept
-            else:
-                self.history[0, self.width : self.width + len(kept)] = torch.tensor(
-                    kept, device=self.device
-                )
+            self._write((0, slice(self.width, self.width + len(kept))), kept)
             self.width += len(kept)
         return kept
 

@@ -41,7 +41,12 @@ import torch
 from quantkit.errors import GenerationError
 from quantkit.models.decoder import CausalLM
 from quantkit.runtime.head import logits_of_rows
-from quantkit.runtime.sampling import SamplingParams, greedy_tokens, logits_to_probs
+from quantkit.runtime.sampling import (
+    SamplingParams,
+    greedy_list,
+    greedy_tokens,
+    logits_to_probs,
+)
 
 __all__ = [
     "DraftPolicy",
@@ -314,7 +319,7 @@ def accept(
             f"accept: expected logits [{j + 1}, V] for {j} drafts, got {tuple(logits.shape)}"
         )
     if params.greedy:
-        best = greedy_tokens(logits).tolist()
+        best = greedy_list(logits)
         n = 0
         while n < j and drafts[n] == best[n]:
             n += 1
